@@ -23,6 +23,16 @@ def main():
     """Serve large local models on a Mac: size, supervise, chat."""
 
 
+@main.group()
+def bench():
+    """Benchmarks to run on your own Mac (ratios against a baseline in the same run)."""
+
+
+@main.group()
+def dev():
+    """Developer commands: train the demo model, export GGUF twins."""
+
+
 def _register():
     import importlib
     import pkgutil
