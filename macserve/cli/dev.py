@@ -23,3 +23,14 @@ def train_tiny(out, minutes, batch, seq_len, lr, seed):
     s = TrainSettings(minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, seed=seed)
     info = train(out, s, log=lambda m: click.echo(m, err=True))
     click.echo(f"trained {info['steps']} steps in {info['wall_seconds']/60:.1f} min -> {out}")
+
+
+@dev.command("export-gguf")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--type", "dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True)
+def export_gguf_cmd(model_dir, out, dtype):
+    """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
+    from ..gguf_export import export_gguf
+
+    click.echo(export_gguf(model_dir, out, dtype))
