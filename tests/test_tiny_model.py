@@ -1,0 +1,116 @@
+"""The shipped tiny MLA + MTP model: loads in mlx-lm, greedy is deterministic, the MTP layer
+loads by DeepSeek's names, and its GGUF twin runs in a real llama-server."""
+
+import json
+import subprocess
+import time
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from .conftest import TINY_MODEL
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mlx_lm import load
+
+    model, tok = load(str(TINY_MODEL))
+    model.set_dtype(mx.float32)  # MLX's CPU gather_mm (MoE) runs in float32 only
+    return model, tok
+
+
+def _greedy(model, prompt_ids, n):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    out = []
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n, sampler=make_sampler(0.0)):
+        out.append(int(tok))
+    return out
+
+
+def test_config_is_deepseek_v3_with_one_mtp_layer():
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["kv_lora_rank"] >= 128 and 32 <= cfg["qk_rope_head_dim"] <= 64 and cfg["q_lora_rank"]
+    size = sum(p.stat().st_size for p in TINY_MODEL.iterdir())
+    assert size <= 20 * 2**20
+
+
+def test_greedy_generation_is_deterministic(tiny):
+    model, tok = tiny
+    ids = tok.encode("ROMEO.\nBut soft, what light", add_special_tokens=False)
+    assert _greedy(model, ids, 24) == _greedy(model, ids, 24)
+
+
+def test_mtp_weights_load_by_name(tiny):
+    from macserve.engine.mtp_layer import load_mtp_layers
+
+    model, _ = tiny
+    (mtp,) = load_mtp_layers(TINY_MODEL, trunk=model)
+    names = set(json.loads((TINY_MODEL / "model.safetensors.index.json").read_text())["weight_map"])
+    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+              "shared_head.head.weight", "mlp.gate.weight", "self_attn.kv_b_proj.weight"):
+        assert f"model.layers.4.{n}" in names
+    mtp.set_dtype(mx.float32)
+    h = model.model(mx.array([[1, 2, 3]]))
+    logits, _ = mtp(h[:, -1:], mx.array([[4]]))
+    assert logits.shape == (1, 1, model.args.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from macserve.gguf_export import export_gguf
+
+    return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
+
+
+def _serve(binary, gguf, port, *extra):
+    p = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                          "-t", "2", "-np", "1", *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    p.kill()
+    pytest.fail("llama-server did not become healthy:\n" + p.stdout.read()[-2000:])
+
+
+def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
+    from macserve.inspect_model import report
+
+    per = report(str(tiny_gguf))["kv_bytes_per_token"]["llama.cpp/f16"]
+    p = _serve(llama_server, tiny_gguf, 18431, "-c", "1024", "-v")
+    p.terminate()
+    log = p.communicate(timeout=30)[0]
+    line = next(l for l in log.splitlines() if "llama_kv_cache: size =" in l)
+    mib = float(line.split("size =")[1].split("MiB")[0])
+    assert abs(mib * 2**20 - 1024 * per) < 0.01 * 2**20, line
+
+
+def test_llama_server_greedy_matches_mlx(llama_server, tiny_gguf, tiny):
+    model, tok = tiny
+    prompts = ["HORATIO.\nWhat, has this thing appear'd again to-night?\n",
+               "FERDINAND.\nThere be some sports are painful, and their labour\n"]
+    p = _serve(llama_server, tiny_gguf, 18432, "-c", "512")
+    try:
+        for text in prompts:
+            ids = tok.encode(text, add_special_tokens=False)
+            want = _greedy(model, ids, 32)
+            r = httpx.post("http://127.0.0.1:18432/completion", timeout=60, json={
+                "prompt": ids, "n_predict": 32, "temperature": 0, "top_k": 1,
+                "return_tokens": True, "cache_prompt": False})
+            got = r.json()["tokens"]
+            assert got == want, (text, got, want)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
