@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job on the built-in demo model: size its cache, export its GGUF twin, serve it
+# with a real llama-server (MTP drafting on) and ask it one question.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$here/scripts/install.sh"
+cd "$here"
+model=macserve/models/tiny-mla
+macserve inspect "$model"
+out="${TMPDIR:-/tmp}/macserve-demo"; mkdir -p "$out"
+macserve dev export-gguf "$model" "$out/tiny-mla.gguf"
+macserve inspect "$out/tiny-mla.gguf"
+bin="${MACSERVE_LLAMA_SERVER:-$(command -v llama-server)}"
+"$bin" -m "$out/tiny-mla.gguf" --host 127.0.0.1 --port 18480 -c 1024 -np 1 \
+  --spec-type draft-mtp --spec-draft-n-max 1 >"$out/llama-server.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18480/health >/dev/null && break; sleep 0.5; done
+curl -s http://127.0.0.1:18480/v1/chat/completions -H 'Content-Type: application/json' \
+  -d '{"messages":[{"role":"user","content":"What country, friends, is this?"}],"max_tokens":48,"temperature":0}' \
+  | python3 -c 'import json,sys; d=json.load(sys.stdin); print(repr(d["choices"][0]["message"]["content"])); t=d.get("timings",{}); print("MTP draft acceptance:", t.get("draft_n_accepted"), "/", t.get("draft_n"))'
