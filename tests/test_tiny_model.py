@@ -68,9 +68,12 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _serve(binary, gguf, port, *extra):
+    # The log goes to a file: a verbose llama-server blocks on a full pipe nobody reads.
+    log = open(gguf.parent / f"llama-server-{port}.log", "w+")
     p = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                           "-t", "2", "-np", "1", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    p.log_path = log.name
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
@@ -82,7 +85,7 @@ def _serve(binary, gguf, port, *extra):
             break
         time.sleep(0.2)
     p.kill()
-    pytest.fail("llama-server did not become healthy:\n" + p.stdout.read()[-2000:])
+    pytest.fail("llama-server did not become healthy:\n" + open(p.log_path).read()[-2000:])
 
 
 def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
@@ -91,7 +94,8 @@ def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
     per = report(str(tiny_gguf))["kv_bytes_per_token"]["llama.cpp/f16"]
     p = _serve(llama_server, tiny_gguf, 18431, "-c", "1024", "-v")
     p.terminate()
-    log = p.communicate(timeout=30)[0]
+    p.wait(timeout=30)
+    log = open(p.log_path).read()
     line = next(l for l in log.splitlines() if "llama_kv_cache: size =" in l)
     mib = float(line.split("size =")[1].split("MiB")[0])
     assert abs(mib * 2**20 - 1024 * per) < 0.01 * 2**20, line
