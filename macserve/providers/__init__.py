@@ -1,0 +1,228 @@
+"""Providers: how a profile becomes a running model server.
+
+A provider is a module in this package that exposes `PROVIDER`, an object with this interface
+(see `Provider` below; `BaseProvider` supplies the common parts):
+
+    name: str                             the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
+    argv(profile) -> list[str]            the server command line; argv[0] is an absolute path.
+                                          Never a shell string: EXTRA_ARGS is split with shlex.
+    env(profile) -> dict[str, str]        variables to add to the service environment
+    health_url(profile) -> str            the URL a person or monitor can poll
+    ready(profile, timeout) -> bool       readiness probe: True when a request would be served
+                                          now (llama.cpp: /health 200; mlx: a 1-token completion)
+    check_args(profile) -> None           raise MacserveError (one line) if the server would
+                                          refuse the profile (unknown flag, missing model file).
+                                          Called before any restart so a bad edit never becomes
+                                          a crash loop.
+    context_args(n_ctx) -> list[str]|None flags that set the context size, None if the server
+                                          has no such flag (macserve new reports that)
+    draft_args(mtp_layers) -> list[str]   flags enabling MTP drafting, [] when unsupported
+    completion_model(profile) -> str|None the "model" field for a request (None: omit it)
+
+Adding a provider (e.g. macserve's own MLX engine, `macserve serve MODEL`) is one module,
+`macserve/providers/engine.py`, defining a `BaseProvider` subclass and `PROVIDER = ...`; the
+registry below already maps the profile name "macserve" to that module, so nothing else changes.
+`BaseProvider` gives llama.cpp-style `--help` flag checking (`flags_from_help`), an HTTP GET
+health probe and the `--host/--port` convention; override what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from ..errors import MacserveError
+from ..profiles import Profile, macserve_home
+
+# profile PROVIDER value -> module defining PROVIDER. Modules load lazily: the mlx provider must
+# not import mlx just to list profiles, and engine.py may not exist in this build yet.
+REGISTRY = {
+    "llama.cpp": "macserve.providers.llama_cpp",
+    "mlx": "macserve.providers.mlx_lm",
+    "macserve": "macserve.providers.engine",
+}
+
+
+class Provider(Protocol):
+    name: str
+
+    def argv(self, profile: Profile) -> list[str]: ...
+    def env(self, profile: Profile) -> dict[str, str]: ...
+    def health_url(self, profile: Profile) -> str: ...
+    def ready(self, profile: Profile, timeout: float = 2.0) -> bool: ...
+    def check_args(self, profile: Profile) -> None: ...
+    def context_args(self, n_ctx: int) -> list[str] | None: ...
+    def draft_args(self, mtp_layers: int) -> list[str]: ...
+    def completion_model(self, profile: Profile) -> str | None: ...
+
+
+def get(name: str) -> Provider:
+    mod = REGISTRY.get(name)
+    if mod is None:
+        raise MacserveError(f"unknown provider {name!r} (known: {', '.join(REGISTRY)})")
+    try:
+        return importlib.import_module(mod).PROVIDER
+    except ModuleNotFoundError as e:
+        if e.name == mod:
+            raise MacserveError(f"provider {name!r} is not available in this macserve build") from None
+        raise
+
+
+def for_profile(profile: Profile) -> Provider:
+    return get(profile.provider)
+
+
+def url_host(host: str) -> str:
+    """The address a client uses to reach a server bound to `host`."""
+    if host in ("0.0.0.0", "", "*"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def base_url(profile: Profile) -> str:
+    return f"http://{url_host(profile.host)}:{profile.port}"
+
+
+# ---- flag checking against the installed server's --help -------------------------------------
+
+_OPT_LINE = re.compile(r"^( {0,4})(-\S.*)$")
+
+
+def flags_from_help(text: str) -> dict[str, bool]:
+    """{flag: takes_value} from a llama.cpp- or argparse-style help text.
+
+    Option lines start (at most 4 spaces in) with '-': "-c,    --ctx-size N   description" or
+    "  --model MODEL   description". Description continuation lines are indented further, so
+    a '- row: ...' bullet inside a description is not mistaken for a flag.
+    """
+    flags: dict[str, bool] = {}
+    for line in text.splitlines():
+        m = _OPT_LINE.match(line)
+        if not m:
+            continue
+        # llama.cpp pads after "-c," to align columns: squeeze that before cutting at the
+        # two-space gap that separates the option spec from its description.
+        spec = re.sub(r",\s+", ", ", m.group(2).strip())
+        spec = re.split(r"\s{2,}", spec, maxsplit=1)[0]
+        parts = [p.strip() for p in spec.split(", ")]
+        takes = any(" " in p or "=" in p for p in parts)
+        for p in parts:
+            flag = p.split(" ", 1)[0].split("=", 1)[0]
+            if re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*", flag):
+                flags[flag] = takes
+    return flags
+
+
+def help_text(cmd: list[str], key_path: str) -> str:
+    """`cmd --help` output, cached on disk per binary path + mtime + size (help runs are slow:
+    mlx_lm imports mlx). A rebuilt or upgraded binary gets a new key, so the cache never lies."""
+    try:
+        st = os.stat(key_path)
+    except OSError:
+        raise MacserveError(f"{key_path} not found") from None
+    ident = f"{os.path.realpath(key_path)}\0{st.st_mtime_ns}\0{st.st_size}\0{cmd}"
+    cache = macserve_home() / "cache" / f"help-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.txt"
+    try:
+        return cache.read_text()
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MacserveError(f"could not run {shlex.join(cmd)} --help: {e}") from None
+    text = r.stdout + "\n" + r.stderr
+    if r.returncode != 0 or not flags_from_help(text):
+        raise MacserveError(f"{shlex.join(cmd)} --help failed (exit {r.returncode})")
+    from ..profiles import atomic_write
+
+    atomic_write(cache, text)
+    return text
+
+
+def help_flags(cmd: list[str], key_path: str) -> dict[str, bool]:
+    return flags_from_help(help_text(cmd, key_path))
+
+
+def check_flags(args: list[str], flags: dict[str, bool], what: str, reserved: tuple = ()) -> None:
+    """Refuse unknown flags, a value-taking flag at the end, and flags macserve sets itself."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if not a.startswith("-") or re.fullmatch(r"-\d.*", a) or a == "-":
+            continue  # a value, or a negative number
+        flag, eq, _ = a.partition("=")
+        norm = flag.replace("_", "-") if flag.startswith("--") else flag
+        if norm not in flags:
+            raise MacserveError(f"{what} does not accept {flag} (checked against its --help)")
+        if norm in reserved:
+            raise MacserveError(f"{flag} is set by macserve from the profile; use the {reserved[norm]} key")
+        if flags[norm] and not eq:
+            if i >= len(args):
+                raise MacserveError(f"{flag} expects a value")
+            i += 1
+
+
+class BaseProvider:
+    """Shared behaviour: --host/--port, GET health probe, --help flag check."""
+
+    name = "base"
+    health_path = "/health"
+    # flag -> profile key: flags that macserve derives from the profile and EXTRA_ARGS may not repeat
+    reserved: dict[str, str] = {"--host": "HOST", "--port": "PORT"}
+
+    def command(self) -> list[str]:  # the server executable (+ fixed args), for argv and --help
+        raise NotImplementedError
+
+    def binary_path(self) -> str:  # the file whose mtime keys the help cache
+        return self.command()[0]
+
+    def model_args(self, profile: Profile) -> list[str]:
+        raise NotImplementedError
+
+    def argv(self, profile: Profile) -> list[str]:
+        return (self.command() + self.model_args(profile)
+                + ["--host", profile.host, "--port", str(profile.port)] + profile.extra_args)
+
+    def env(self, profile: Profile) -> dict[str, str]:
+        return {}
+
+    def health_url(self, profile: Profile) -> str:
+        return base_url(profile) + self.health_path
+
+    def ready(self, profile: Profile, timeout: float = 2.0) -> bool:
+        try:
+            return httpx.get(self.health_url(profile), timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def check_args(self, profile: Profile) -> None:
+        flags = help_flags(self.command(), self.binary_path())
+        check_flags(profile.extra_args, flags, self.name, self.reserved)
+
+    def context_args(self, n_ctx: int) -> list[str] | None:
+        return None
+
+    def draft_args(self, mtp_layers: int) -> list[str]:
+        return []
+
+    def completion_model(self, profile: Profile) -> str | None:
+        return None
+
+
+def local_model_path(model: str) -> Path | None:
+    """MODEL as a local path if it looks like one (absolute, ~, ./, or an existing file/dir)."""
+    if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
+        return Path(model).expanduser().resolve()
+    return None

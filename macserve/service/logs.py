@@ -1,0 +1,78 @@
+"""Service logs: rotation for launchd (which never truncates), tail, and follow."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import deque
+from pathlib import Path
+
+MAX_BYTES = 10 * 1024 * 1024
+BACKUPS = 3
+
+
+def rotate(path: Path, max_bytes: int = MAX_BYTES, backups: int = BACKUPS) -> bool:
+    """Copy-truncate `path` when it exceeds max_bytes: launchd keeps the file open with O_APPEND,
+    so renaming would leave it writing into the old inode; truncating in place is safe."""
+    path = Path(path)
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    for i in range(backups - 1, 0, -1):
+        src = path.with_name(f"{path.name}.{i}")
+        if src.exists():
+            os.replace(src, path.with_name(f"{path.name}.{i + 1}"))
+    shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    with open(path, "r+b") as f:
+        f.truncate(0)
+    return True
+
+
+def size(path: Path) -> int:
+    try:
+        return Path(path).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def tail(path: Path, n: int = 20, since: int = 0) -> list[str]:
+    """Last n lines of `path`, only from byte offset `since` (if the file was rotated and is now
+    shorter than `since`, from its start)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            f.seek(since if since <= end else 0)
+            # Read at most the last 256 KiB: enough for n lines of any sane server log.
+            start = max(f.tell(), end - 256 * 1024)
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    return list(deque(lines, maxlen=n)) if n > 0 else []
+
+
+def follow(path: Path, n: int, out, poll: float = 0.5, stop=lambda: False) -> None:
+    """`tail -f`: print the last n lines, then new ones as they arrive (copes with truncation)."""
+    for line in tail(path, n):
+        out(line)
+    pos = size(path)
+    buf = b""
+    while not stop():
+        cur = size(path)
+        if cur < pos:  # rotated/truncated
+            pos, buf = 0, b""
+        if cur > pos:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                buf += f.read(cur - pos)
+            pos = cur
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                out(line.decode("utf-8", "replace"))
+        else:
+            time.sleep(poll)
