@@ -227,10 +227,15 @@ class ProfileStore:
         return self.dir / f"{check_name(name)}.env"
 
     @contextlib.contextmanager
-    def lock(self):
-        """Exclusive lock for a read-modify-write; blocks until the other editor is done."""
+    def lock(self, name: str | None = None):
+        """Exclusive lock for a read-modify-write; blocks until the other editor is done.
+
+        Per profile (`set` holds it through restart and rollback, so a second `set` cannot
+        take the half-applied profile as its "previous" one), or store-wide with no name
+        (creating a profile: the existence check and the write are one step)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "a") as f:
+        lockname = f".{check_name(name)}.lock" if name else ".lock"
+        with open(self.dir / lockname, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield

@@ -178,6 +178,7 @@ class BaseProvider:
     """Shared behaviour: --host/--port, GET health probe, --help flag check."""
 
     name = "base"
+    label = "the server"  # for messages: "llama-server does not accept --foo"
     health_path = "/health"
     # flag -> profile key: flags that macserve derives from the profile and EXTRA_ARGS may not repeat
     reserved: dict[str, str] = {"--host": "HOST", "--port": "PORT"}
@@ -209,7 +210,7 @@ class BaseProvider:
 
     def check_args(self, profile: Profile) -> None:
         flags = help_flags(self.command(), self.binary_path())
-        check_flags(profile.extra_args, flags, self.name, self.reserved)
+        check_flags(profile.extra_args, flags, self.label, self.reserved)
 
     def context_args(self, n_ctx: int) -> list[str] | None:
         return None

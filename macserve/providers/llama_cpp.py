@@ -39,6 +39,7 @@ def find_llama_server() -> str:
 
 class LlamaCpp(BaseProvider):
     name = "llama.cpp"
+    label = "llama-server"
     health_path = "/health"  # 503 while loading, 200 when ready: a true readiness probe
     reserved = {
         "--host": "HOST", "--port": "PORT",

@@ -20,6 +20,7 @@ from . import BaseProvider, base_url
 
 class MlxLm(BaseProvider):
     name = "mlx"
+    label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL"}
 
     def command(self) -> list[str]:

@@ -84,8 +84,19 @@ def run_argv(name: str) -> list[str]:
     return [sys.executable, "-m", "macserve", "run", name]
 
 
+def package_root() -> Path | None:
+    """The directory macserve is imported from, when that is a source checkout (editable or
+    PYTHONPATH) rather than site-packages: the service must run the same code as the CLI that
+    installed it, not whatever another checkout's editable install points at."""
+    root = Path(__file__).resolve().parents[2]
+    return None if root.name in ("site-packages", "dist-packages") else root
+
+
 def spec_for(profile: Profile, provider_env: dict[str, str]) -> ServiceSpec:
     env = {"PATH": service_path(), "MACSERVE_HOME": str(macserve_home())}
+    root = package_root()
+    if root is not None:
+        env["PYTHONPATH"] = str(root)
     for k in PASSTHROUGH_ENV:
         if os.environ.get(k):
             env[k] = os.environ[k]
