@@ -208,19 +208,25 @@ def parse_assignments(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _prepare(st: ProfileStore, name: str, changes: dict[str, str]) -> tuple[Profile, Profile]:
+    old = st.load(name)
+    new = old.updated(changes)
+    new.validate()
+    if new.values != old.values:
+        providers.for_profile(new).check_args(new)  # refuse before anything is written or restarted
+    return old, new
+
+
 def set_values(name: str, changes: dict[str, str], restart: bool = True, timeout: float = 300.0,
                tick=None) -> Outcome:
     st = store()
+    _prepare(st, name, changes)  # bad input fails here, before even the lock file is created
     with st.lock(name):
-        old = st.load(name)
-        new = old.updated(changes)
-        new.validate()
+        old, new = _prepare(st, name, changes)  # again under the lock: the file may have moved on
         out = Outcome(name, base_url(new))
         if new.values == old.values:
             out.notes.append("no change")
             return out
-        prov = providers.for_profile(new)
-        prov.check_args(new)  # refuse before anything is written or restarted
         st.save(new)
         backend = get_backend()
         before = backend.status(name)
@@ -300,9 +306,9 @@ def stop(name: str) -> None:
 
 def remove(name: str) -> None:
     st = store()
+    if not st.path(name).exists() and not get_backend().installed(name):
+        raise MacserveError(f"no profile {name!r}")
     with st.lock(name):
-        if not st.path(name).exists() and not get_backend().installed(name):
-            raise MacserveError(f"no profile {name!r}")
         get_backend().uninstall(name)
         st.delete(name)
 

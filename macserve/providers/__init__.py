@@ -154,7 +154,8 @@ def help_flags(cmd: list[str], key_path: str) -> dict[str, bool]:
     return flags_from_help(help_text(cmd, key_path))
 
 
-def check_flags(args: list[str], flags: dict[str, bool], what: str, reserved: tuple = ()) -> None:
+def check_flags(args: list[str], flags: dict[str, bool], what: str,
+                reserved: dict[str, str] | None = None) -> None:
     """Refuse unknown flags, a value-taking flag at the end, and flags macserve sets itself."""
     i = 0
     while i < len(args):
@@ -166,7 +167,7 @@ def check_flags(args: list[str], flags: dict[str, bool], what: str, reserved: tu
         norm = flag.replace("_", "-") if flag.startswith("--") else flag
         if norm not in flags:
             raise MacserveError(f"{what} does not accept {flag} (checked against its --help)")
-        if norm in reserved:
+        if reserved and norm in reserved:
             raise MacserveError(f"{flag} is set by macserve from the profile; use the {reserved[norm]} key")
         if flags[norm] and not eq:
             if i >= len(args):
