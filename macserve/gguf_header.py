@@ -1,7 +1,7 @@
 """Read a GGUF file's metadata (key/value header) from any readable binary stream.
 
 Only the header is read, never tensor data, so the same code serves a local file and an
-HTTP range-request stream (huggingface_hub's file system) at a cost of kilobytes.
+HTTP range-request stream (sources.HttpRangeFile) at a cost of kilobytes.
 Arrays of more than `max_array` items (token lists, merges) are skipped, not kept.
 """
 
@@ -45,6 +45,8 @@ class _Reader:
         if t == _ARRAY:
             (et,) = struct.unpack("<I", self.take(4))
             (n,) = struct.unpack("<Q", self.take(8))
+            if n > 1 << 32:
+                raise MacserveError(f"{self.name}: corrupt GGUF header (array of {n} items)")
             if et not in _SCALARS and et not in (_STRING, _ARRAY):
                 raise MacserveError(f"{self.name}: corrupt GGUF header (array type {et})")
             if et in _SCALARS and n > max_array:

@@ -1,122 +1,423 @@
-"""ModelShape -> bytes per token and per sequence, per engine and cache type; the budget.
+"""ModelShape -> what each engine allocates, per token and per sequence; the machine's budget.
 
-Public API (used by `inspect` and by `new` to size a context):
+Public API (`inspect` and `new` call these; `macserve.inspect_model` wraps them per source):
+
 - `CACHE_KEYS`: the "<engine>/<cache type>" keys.
-- `kv_bytes_per_token(shape, key)` -> int | None (None: that engine cannot cache this model).
-- `state_bytes_per_sequence(shape, key)` -> int: fixed state (recurrent layers, sliding
-  ring buffers, the INT2 cache's bf16 sink/recent windows).
-- `machine_budget(memory_bytes=None)` -> Budget.
-- `max_context(shape, key, budget_bytes, weights_bytes, parallel=1)` -> int.
+- `layout(shape, key, ubatch=512, swa_full=False) -> Layout`: the buffers that engine keeps
+  for this model. `Layout.supported` is False (with `Layout.reason`) when the engine cannot
+  cache the model that way. `Layout.per_token` (bytes per token of context, a Fraction:
+  compressed caches add a row every `ratio` tokens), `Layout.state` (bytes per sequence that
+  do not grow with context: recurrent states, sliding windows, INT2 bf16 windows) and
+  `Layout.bytes_at(ctx)` (exact bytes for one sequence of `ctx` tokens, with the engine's
+  padding: llama.cpp pads contexts to 256 cells, mlx-lm grows its KVCache in steps of 256).
+- `kv_bytes_per_token(shape, key)`, `state_bytes_per_sequence(shape, key)`: the two numbers,
+  None when unsupported.
+- `max_context(shape, key, budget_bytes, weights_bytes=0, parallel=1) -> int | None`: the
+  longest context per sequence such that weights + parallel x bytes_at(ctx) <= budget,
+  capped at the model's own limit (None: unsupported).
+- `machine_budget(memory_bytes=None) -> Budget`, `default_working_set(total)`, `parse_size`.
 
-Rules, from each engine's code:
-- llama.cpp: MLA caches K only (latent + rope, "MQA over the latent"); q8_0 is 34 B per 32
-  values, q4_0 18 B per 32; sliding layers keep window + ubatch (512) cells per sequence;
-  recurrent states are f32; nextn (MTP) layers get no cache in the main context.
-- mlx-lm: bf16; deepseek_v2 expands K (nope + rope) and V per head; the other MLA models
-  cache the latent + rope; DSA models keep an indexer key (bf16) on every layer, shared or
-  not; sliding layers are RotatingKVCache(window); recurrent conv tails in bf16 and states
-  in fp32.
-- macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with bf16 scale + bias,
-  rope key as 8-bit groups of 64, an owned indexer key as 8-bit groups of 64; the first
-  64 and last 256 tokens of a sequence stay bf16 (a fixed cost per sequence).
+Rules, each from the engine's own code (docs/inspect.md gives file and line of reasoning):
+
+- llama.cpp (src/llama-kv-cache*.cpp, llama-model.cpp create_memory): f16 2 B per value,
+  q8_0 34 B and q4_0 18 B per 32 values (quantized rows need widths divisible by 32).
+  Full attention: K and V rows per cell. MLA (`is_mla`): K only, kv_lora_rank + rope wide;
+  DSA: plus an indexer-key row on layers that own an indexer (3 x 128 wide with GLM-5.3's
+  k-pool: key | gate | pooled). Sliding layers: min(ctx, window + ubatch) cells per
+  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32. DeepSeek-V4: a
+  K-only window cache on every layer, compressed K rows every 4 (CSA) or 128 (HCA) tokens
+  plus CSA indexer rows, each padded to 256 cells, and f32 compressor states. nextn (MTP)
+  layers are filtered out of the main context's cache.
+- mlx-lm (mlx_lm/models/*.py make_cache): bf16. KVCache for full attention;
+  RotatingKVCache(window) for sliding layers where the model code uses it; ArraysCache with
+  conv tails in the model dtype and recurrent states in fp32; MLA caches latent + rope
+  (deepseek_v3 family) or expands K and V per head (deepseek_v2, minicpm3, youtu_llm); DSA
+  models keep a bf16 indexer key on every layer, shared or not.
+- macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
+  (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
+  and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); every
+  other cache as in mlx/bf16.
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import lru_cache
+from pathlib import Path
 
-from .arch import MLA, Full, Linear, ModelShape, NoCache, Sliding
+from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
+from .errors import MacserveError
 
 CACHE_KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
 INT2_SINK, INT2_RECENT = 64, 256
-LLAMA_UBATCH = 512
+LLAMA_UBATCH = 512  # llama-server's default -ub
+CELL_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256); mlx-lm: KVCache.step = 256
+DSV4_RATIOS = (4, 128)  # llama.cpp's DSV4_CSA_RATIO / DSV4_HCA_RATIO: the only ones it caches
 
 
-def _llama_bytes(elems: int, t: str) -> int:
+def _pad(n: int, to: int = CELL_PAD) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One cache tensor of one layer: `row` bytes per row, rows depending on `grow`:
+    "token": one row per `every` tokens of context; "window": min(ctx, rows);
+    "fixed": `rows` rows whatever the context."""
+
+    layer: int
+    what: str
+    row: int
+    grow: str
+    every: int = 1
+    rows: int = 0
+
+
+@dataclass
+class Layout:
+    key: str
+    buffers: list = field(default_factory=list)
+    supported: bool = True
+    reason: str = ""
+    pad: int = CELL_PAD
+    pad_compressed: bool = False  # llama.cpp pads every compressed cache to 256 cells too
+    pad_window: bool = False  # llama.cpp pads its SWA cache; mlx-lm's ring is exactly `window`
+
+    @property
+    def per_token(self) -> Fraction:
+        return sum((Fraction(b.row, b.every) for b in self.buffers if b.grow == "token"),
+                   Fraction(0))
+
+    @property
+    def state(self) -> int:
+        return sum(b.row * (_pad(b.rows, self.pad) if b.grow == "window" and self.pad_window
+                            else b.rows)
+                   for b in self.buffers if b.grow != "token")
+
+    def bytes_at(self, ctx: int) -> int:
+        cells = _pad(ctx, self.pad) if ctx > 0 else 0
+        total = 0
+        for b in self.buffers:
+            if b.grow == "token":
+                rows = cells if b.every == 1 else -(-cells // b.every)
+                if b.every > 1 and self.pad_compressed:
+                    rows = _pad(max(1, rows), self.pad)
+            elif b.grow == "window":
+                rows = min(cells, b.rows)
+                if self.pad_window:
+                    rows = _pad(rows, self.pad)
+            else:
+                rows = b.rows
+            total += rows * b.row
+        return total
+
+
+def _unsupported(key: str, reason: str) -> Layout:
+    return Layout(key, supported=False, reason=reason)
+
+
+# ---------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def _ggml_row(values: int, t: str) -> int:
     if t == "f16":
-        return 2 * elems
-    block = {"q8_0": 34, "q4_0": 18}[t]
-    return math.ceil(elems / 32) * block
+        return 2 * values
+    if values % 32:
+        raise _Unsupported(f"llama.cpp {t} needs rows divisible by 32 ({values} is not)")
+    return values // 32 * {"q8_0": 34, "q4_0": 18}[t]
 
 
-def _affine_bytes(elems: int, bits: int) -> int:
-    """mx.quantize layout: packed values + one bf16 scale and bias per group of 64."""
-    return elems * bits // 8 + math.ceil(elems / 64) * 4
+class _Unsupported(Exception):
+    pass
 
 
-def _mla_int2(l: MLA) -> int:
-    idx = 0
-    if l.indexer and not l.indexer_shared:
-        idx = _affine_bytes(l.indexer, 8) // l.indexer_pool
-    return _affine_bytes(l.latent, 2) + (_affine_bytes(l.rope, 8) if l.rope else 0) + idx
-
-
-def _mla_mlx(l: MLA, model_type: str) -> int:
-    if model_type == "deepseek_v2":
-        return l.heads * (l.k_head + l.v_head) * 2
-    return (l.latent + l.rope) * 2 + (l.indexer * 2) // l.indexer_pool
-
-
-def layer_bytes_per_token(l, key: str, model_type: str) -> int | None:
-    engine, t = key.split("/")
-    if isinstance(l, (Sliding, Linear, NoCache)):
-        return 0
-    if isinstance(l, Full):
-        if engine == "macserve":
-            return None
-        if engine == "mlx":
-            return l.kv_heads * (l.k_dim + l.v_dim) * 2
-        return _llama_bytes(l.kv_heads * l.k_dim, t) + _llama_bytes(l.kv_heads * l.v_dim, t)
+def _llama_layer(i: int, l, t: str, ubatch: int, swa_full: bool) -> list[Buffer]:
+    if isinstance(l, NoCache):
+        return []
+    if isinstance(l, (Full, Sliding)):
+        k, v = _ggml_row(l.kv_heads * l.k_dim, t), _ggml_row(l.kv_heads * l.v_dim, t)
+        if isinstance(l, Full) or swa_full:
+            return [Buffer(i, "K", k, "token"), Buffer(i, "V", v, "token")]
+        # llama_kv_cache_iswa: SWA cache of min(n_ctx_seq, n_swa + n_ubatch) cells, padded.
+        w = l.window + ubatch
+        return [Buffer(i, "K (window)", k, "window", rows=w),
+                Buffer(i, "V (window)", v, "window", rows=w)]
+    if isinstance(l, Linear):
+        # llama_memory_recurrent: r and s rows in GGML_TYPE_F32, one per sequence.
+        return [Buffer(i, "conv state (f32)", 4 * l.conv_elems, "fixed", rows=1),
+                Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1)]
     if isinstance(l, MLA):
-        if engine == "mlx":
-            return _mla_mlx(l, model_type)
-        if engine == "macserve":
-            return _mla_int2(l)
+        out = [Buffer(i, "latent + rope K", _ggml_row(l.latent + l.rope, t), "token")]
+        if l.indexer and not l.indexer_shared:
+            # llama_memory_hybrid_idx keeps key | gate | pooled per token for a k-pool indexer.
+            width = l.indexer * (3 if l.indexer_pool > 1 else 1)
+            out.append(Buffer(i, "indexer key", _ggml_row(width, t), "token"))
+        return out
+    if isinstance(l, Compressed):
+        if l.ratio and l.ratio not in DSV4_RATIOS:
+            raise _Unsupported(f"llama.cpp caches compress ratios {DSV4_RATIOS} only, not {l.ratio}")
+        row = _ggml_row(l.head_dim, t)
+        out = [Buffer(i, "K (window)", row, "window", rows=l.window + ubatch)]
+        if l.ratio:
+            out.append(Buffer(i, f"compressed K (1/{l.ratio})", row, "token", every=l.ratio))
+            # llama_dsv4_comp_state: f32 kv and score, state_size x n_embd_state each.
+            if l.ratio == 4:
+                out.append(Buffer(i, "compressor state (f32)", 2 * 4 * 8 * 2 * l.head_dim,
+                                  "fixed", rows=1))
+            else:
+                out.append(Buffer(i, "compressor state (f32)", 2 * 4 * l.ratio * l.head_dim,
+                                  "fixed", rows=1))
         if l.indexer:
-            return None  # llama.cpp's DSA cache layout is not modelled here
-        return _llama_bytes(l.latent + l.rope, t)
+            out.append(Buffer(i, "indexer key (1/4)", _ggml_row(l.indexer, t), "token", every=4))
+            out.append(Buffer(i, "indexer compressor state (f32)", 2 * 4 * 8 * 2 * l.indexer,
+                              "fixed", rows=1))
+        return out
     raise TypeError(l)
 
 
-def layer_state_bytes(l, key: str, model_type: str) -> int | None:
-    engine, t = key.split("/")
-    if isinstance(l, Linear):
-        if engine == "macserve":
-            return None
-        conv = 2 if engine == "mlx" else 4
-        return l.conv_elems * conv + l.state_elems * 4
+def _llama_layout(layers: list, key: str, t: str, ubatch: int, swa_full: bool) -> Layout:
+    try:
+        bufs = [b for i, l in enumerate(layers) for b in _llama_layer(i, l, t, ubatch, swa_full)]
+    except _Unsupported as e:
+        return _unsupported(key, str(e))
+    return Layout(key, bufs, pad_compressed=True, pad_window=True)
+
+
+# ---------------------------------------------------------------------------------------
+# mlx-lm (and the macserve engine built on it)
+
+# Read from mlx_lm/models/*.py: which MLA modules cache the latent (update_and_fetch of
+# kv_latent, k_pe) and which decompress and cache K and V per head.
+MLX_MLA_LATENT = {"deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "kimi_k3",
+                  "kimi_linear", "kimi_vl", "longcat_flash", "mistral4", "bailing_hybrid",
+                  "bailing_moe_v3"}
+MLX_MLA_EXPANDED = {"deepseek_v2", "minicpm3", "youtu_llm"}
+
+
+@dataclass(frozen=True)
+class MlxModule:
+    """Which mlx-lm module would load this model_type (None: mlx-lm has none)."""
+
+    name: str | None
+    version: str | None
+    uses_rotating_cache: bool  # the module's make_cache uses RotatingKVCache
+
+
+@lru_cache(maxsize=None)
+def _mlx_lm_dir() -> Path | None:
+    # find_spec locates the package without importing it (mlx_lm imports mlx: ~1 s).
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if not spec or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@lru_cache(maxsize=None)
+def _mlx_remapping() -> dict:
+    """mlx_lm.utils.MODEL_REMAPPING, read from its source (importing it imports mlx)."""
+    d = _mlx_lm_dir()
+    try:
+        tree = ast.parse((d / "utils.py").read_text())
+    except (OSError, SyntaxError, TypeError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+    return {}
+
+
+@lru_cache(maxsize=None)
+def mlx_module(model_type: str) -> MlxModule:
+    d = _mlx_lm_dir()
+    if d is None:
+        return MlxModule(None, None, False)
+    version = None
+    try:
+        for line in (d / "_version.py").read_text().splitlines():
+            if line.startswith("__version__"):
+                version = line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    name = _mlx_remapping().get(model_type, model_type)
+    path = d / "models" / f"{name}.py"
+    if not path.exists():
+        return MlxModule(None, version, False)
+    src = path.read_text()
+    # A module may inherit its cache from another one (glm_moe_dsa -> deepseek_v32).
+    for base in set(_imports(src)):
+        p = d / "models" / f"{base}.py"
+        if p.exists():
+            src += p.read_text()
+    return MlxModule(name, version, "RotatingKVCache" in src)
+
+
+def _imports(src: str):
+    for line in src.splitlines():
+        line = line.strip()
+        if line.startswith("from .") and " import " in line:
+            yield line[len("from ."):].split(" ", 1)[0]
+
+
+def _int2_latent_row(l: MLA) -> int:
+    """2-bit affine latent + 8-bit rope, groups of 64, bf16 scale and bias per group."""
+    latent = l.latent // 4 + math.ceil(l.latent / 64) * 4
+    rope = l.rope + math.ceil(l.rope / 64) * 4 if l.rope else 0
+    return latent + rope
+
+
+def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
+    bf16 = 2
+    if isinstance(l, NoCache):
+        return []
+    if isinstance(l, Full):
+        return [Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token"),
+                Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token")]
     if isinstance(l, Sliding):
-        if engine == "macserve":
-            return None
-        cells = l.window if engine == "mlx" else l.window + LLAMA_UBATCH
-        per = Full(l.kv_heads, l.k_dim, l.v_dim)
-        return cells * layer_bytes_per_token(per, key, model_type)
-    if isinstance(l, MLA) and engine == "macserve":
-        bf16 = _mla_mlx(MLA(l.latent, l.rope, l.heads, l.k_head, l.v_head,
-                            l.indexer if not l.indexer_shared else 0, False, l.indexer_pool), "")
-        return (INT2_SINK + INT2_RECENT) * (bf16 - _mla_int2(l))
-    return 0
+        k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
+        if mod.name and not mod.uses_rotating_cache:
+            # The model code makes a plain KVCache for every layer: sliding layers grow too.
+            return [Buffer(i, "K (sliding, kept in full)", k, "token"),
+                    Buffer(i, "V (sliding, kept in full)", v, "token")]
+        return [Buffer(i, "K (window)", k, "window", rows=l.window),
+                Buffer(i, "V (window)", v, "window", rows=l.window)]
+    if isinstance(l, Linear):
+        # ArraysCache: conv tail in the activations' dtype, gated-delta/SSM state in fp32.
+        return [Buffer(i, "conv state (bf16)", bf16 * l.conv_elems, "fixed", rows=1),
+                Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1)]
+    if isinstance(l, MLA):
+        if int2:
+            out = [Buffer(i, "latent + rope (int2/int8)", _int2_latent_row(l), "token"),
+                   Buffer(i, "bf16 sink + recent tokens", bf16 * (l.latent + l.rope), "fixed",
+                          rows=INT2_SINK + INT2_RECENT)]
+        elif mod.name in MLX_MLA_EXPANDED:
+            out = [Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token"),
+                   Buffer(i, "V per head", bf16 * l.heads * l.v_head, "token")]
+        elif mod.name is None or mod.name in MLX_MLA_LATENT:
+            out = [Buffer(i, "latent", bf16 * l.latent, "token"),
+                   Buffer(i, "rope key", bf16 * l.rope, "token")]
+        else:
+            raise _Unsupported(f"mlx-lm's {mod.name} MLA cache layout is not verified here")
+        if l.indexer:
+            # deepseek_v32's Indexer caches every token's key on every layer; it ignores
+            # indexer_types and pools nothing.
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+        return out
+    if isinstance(l, Compressed):
+        if int2:
+            raise _Unsupported("the INT2 latent format is defined for MLA layers only")
+        # deepseek_v41.LayerCache: the last `window` rows, closed compressed groups, their
+        # index keys, and the open group's rows in fp32 (kv and gate).
+        out = [Buffer(i, "K=V (window)", bf16 * l.head_dim, "window", rows=l.window)]
+        if l.ratio:
+            out.append(Buffer(i, f"compressed K=V (1/{l.ratio})", bf16 * l.head_dim, "token",
+                              every=l.ratio))
+            if l.ratio > 1:
+                out.append(Buffer(i, "open group (f32 kv + gate)", 2 * 4 * l.head_dim, "fixed",
+                                  rows=l.ratio - 1))
+        if l.indexer:
+            out.append(Buffer(i, f"indexer key (1/{l.ratio})", bf16 * l.indexer, "token",
+                              every=l.ratio))
+        return out
+    raise TypeError(l)
 
 
-def _sum(shape: ModelShape, key: str, fn) -> int | None:
-    total = 0
-    for l in shape.layers:
-        b = fn(l, key, shape.model_type)
-        if b is None:
-            return None
-        total += b
-    return total
+def _mlx_layout(layers: list, key: str, mod: MlxModule, int2: bool) -> Layout:
+    if int2 and not any(isinstance(l, MLA) for l in layers):
+        return _unsupported(key, "no MLA layers: the INT2 latent cache does not apply")
+    try:
+        bufs = [b for i, l in enumerate(layers) for b in _mlx_layer(i, l, mod, int2)]
+    except _Unsupported as e:
+        return _unsupported(key, str(e))
+    return Layout(key, bufs)
 
 
-def kv_bytes_per_token(shape: ModelShape, key: str) -> int | None:
-    return _sum(shape, key, layer_bytes_per_token)
+# ---------------------------------------------------------------------------------------
+
+
+def layout(shape: ModelShape, key: str, ubatch: int = LLAMA_UBATCH, swa_full: bool = False,
+           mtp: bool = False) -> Layout:
+    """The buffers engine `key` keeps for `shape`'s trunk layers (or its MTP layers)."""
+    layers = shape.mtp_layers if mtp else shape.layers
+    engine, _, t = key.partition("/")
+    if engine == "llama.cpp" and t in ("f16", "q8_0", "q4_0"):
+        return _llama_layout(layers, key, t, ubatch, swa_full)
+    if engine in ("mlx", "macserve") and shape.source_format == "gguf":
+        return _unsupported(key, "MLX engines load safetensors, not GGUF")
+    if key == "mlx/bf16":
+        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=False)
+    if key == "macserve/int2":
+        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True)
+    raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
+
+
+def engine_notes(shape: ModelShape) -> list[str]:
+    """What the user should know about how a figure was reached for this model."""
+    notes = list(shape.notes)
+    if shape.source_format == "config":
+        mod = mlx_module(shape.model_type)
+        if mod.name is None and mod.version:
+            notes.append(f"mlx-lm {mod.version} has no module for {shape.model_type!r}: mlx "
+                         "figures assume its usual cache classes (docs/inspect.md)")
+        dsa = [l for l in shape.layers if isinstance(l, MLA) and l.indexer]
+        if dsa and mod.name in ("deepseek_v32", "glm_moe_dsa"):
+            notes.append("mlx-lm's DSA Indexer also stores a zero-filled values array as "
+                         "large as its keys (cache.values = mx.zeros_like(cache.keys)); it is "
+                         f"not counted above: +{2 * dsa[0].indexer * len(dsa):,} B/token")
+    return notes
+
+
+def as_number(x: Fraction):
+    return int(x) if x.denominator == 1 else round(float(x), 3)
+
+
+def kv_bytes_per_token(shape: ModelShape, key: str):
+    lay = layout(shape, key)
+    return as_number(lay.per_token) if lay.supported else None
 
 
 def state_bytes_per_sequence(shape: ModelShape, key: str) -> int | None:
-    return _sum(shape, key, layer_state_bytes)
+    lay = layout(shape, key)
+    return lay.state if lay.supported else None
+
+
+def max_context(shape: ModelShape, key: str, budget_bytes: int, weights_bytes: int = 0,
+                parallel: int = 1, lay: Layout | None = None) -> int | None:
+    """Longest context per sequence with weights + parallel x bytes_at(ctx) <= budget."""
+    lay = lay or layout(shape, key)
+    if not lay.supported:
+        return None
+    limit = shape.max_position_embeddings or 2**31
+    free = budget_bytes - (weights_bytes or 0)
+
+    def fits(n):
+        return parallel * lay.bytes_at(n) <= free
+
+    if not fits(0):
+        return 0
+    if fits(limit):
+        return limit
+    lo, hi = 0, limit  # bytes_at is monotone: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# ---------------------------------------------------------------------------------------
+# Budget
 
 
 @dataclass
@@ -137,57 +438,52 @@ def _wired_limit_mb() -> int | None:
 
 
 def default_working_set(total: int) -> int:
-    """Metal's default GPU working set with iogpu.wired_limit_mb=0: about 2/3 of RAM up to
-    36 GB, 3/4 above (Apple's recommendedMaxWorkingSetSize on current Macs)."""
+    """The GPU working set macOS allows with iogpu.wired_limit_mb = 0 (the default).
+
+    Assumed: about 2/3 of RAM up to 36 GB and 3/4 above, the split Metal's
+    recommendedMaxWorkingSetSize shows on current Macs (a 192 GB Mac reports ~144 GB). An
+    assumption, not a measurement here: on a real Mac set iogpu.wired_limit_mb or pass
+    --memory to plan for another machine.
+    """
     return int(total * (0.75 if total > 36 * 2**30 else 2 / 3))
 
 
 def machine_budget(memory_bytes: int | None = None) -> Budget:
+    """The bytes weights + caches may use: the GPU wired limit, from --memory or this Mac."""
     if memory_bytes is not None:
-        return Budget(memory_bytes, default_working_set(memory_bytes), None, "--memory (default working set)")
+        ws = default_working_set(memory_bytes)
+        return Budget(memory_bytes, ws, ws, "--memory, default GPU working set")
     import psutil
 
     total = psutil.virtual_memory().total
-    if platform.system() == "Darwin":
+    if platform.system() == "Darwin" and not os.environ.get("MACSERVE_IGNORE_WIRED_LIMIT"):
         mb = _wired_limit_mb()
         if mb:
-            return Budget(total, mb * 2**20, mb * 2**20, "iogpu.wired_limit_mb")
+            return Budget(total, mb * 2**20, mb * 2**20, "sysctl iogpu.wired_limit_mb")
         ws = default_working_set(total)
         return Budget(total, ws, ws, "default GPU working set (iogpu.wired_limit_mb=0)")
-    return Budget(total, default_working_set(total), None, "total memory (psutil), Mac rule")
+    # Not a Mac: plan as if this much RAM were a Mac's, so figures compare across machines.
+    ws = default_working_set(total)
+    return Budget(total, ws, None, "this machine's RAM under the Mac working-set rule")
 
 
-def max_context(shape: ModelShape, key: str, budget_bytes: int, weights_bytes: int,
-                parallel: int = 1) -> int | None:
-    """Tokens per sequence that fit beside the weights for `parallel` sequences (None: the
-    engine cannot run this model; unbounded when nothing grows: the model's own limit)."""
-    per = kv_bytes_per_token(shape, key)
-    state = state_bytes_per_sequence(shape, key)
-    if per is None or state is None:
-        return None
-    free = budget_bytes - weights_bytes - parallel * state
-    if free <= 0:
-        return 0
-    limit = shape.max_position_embeddings or 2**31
-    if per == 0:
-        return limit
-    return min(limit, free // (per * parallel))
+_UNITS = {"TB": 2**40, "GB": 2**30, "MB": 2**20, "KB": 2**10, "T": 2**40, "G": 2**30,
+          "M": 2**20, "K": 2**10, "B": 1}
 
 
 def parse_size(text: str) -> int:
-    s = text.strip().upper().replace("IB", "B")
-    units = {"TB": 2**40, "GB": 2**30, "MB": 2**20, "KB": 2**10, "T": 2**40, "G": 2**30,
-             "M": 2**20, "K": 2**10, "B": 1}
-    for u, m in units.items():
-        if s.endswith(u):
-            num = s[: -len(u)]
+    """'256GB' -> bytes. Mac memory is sold in binary units: 1 GB here is 2**30 bytes."""
+    s = text.strip().upper().replace("IB", "B").replace(" ", "")
+    for unit, mult in _UNITS.items():
+        if s.endswith(unit):
+            num = s[: -len(unit)]
             break
     else:
-        num, m = s, 1
+        num, mult = s, 1
     try:
         v = float(num)
     except ValueError:
-        from .errors import MacserveError
-
         raise MacserveError(f"not a size: {text!r} (try 256GB)") from None
-    return int(v * m)
+    if v <= 0 or not math.isfinite(v):
+        raise MacserveError(f"not a size: {text!r} (try 256GB)")
+    return int(v * mult)

@@ -1,34 +1,88 @@
-import json
+"""`macserve inspect` as a user meets it: JSON, budget options, one-line errors, cold start."""
 
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
 
-from .conftest import SHARED_CONFIGS
+from .conftest import REPO, SHARED_CONFIGS
 
 V3 = str(SHARED_CONFIGS / "deepseek-ai__DeepSeek-V3.json")
+LLAMA = str(SHARED_CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json")
 
 
 def run(*args):
     return CliRunner().invoke(main, ["inspect", *args])
 
 
-def test_json_keys_and_budget_arithmetic():
-    r = run(V3, "--memory", "256GB", "--parallel", "2", "--json")
+def as_json(*args):
+    r = run(*args, "--json")
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    return json.loads(r.stdout)
+
+
+def test_json_keys_keyed_by_engine_and_cache_type():
+    d = as_json(V3, "--memory", "256GB")
     for k in ("model_type", "layers", "kv_bytes_per_token", "state_bytes_per_sequence",
               "max_context", "weights_bytes", "budget_bytes"):
         assert k in d
-    assert d["budget_bytes"] == int(256 * 2**30 * 0.75)
-    per = d["kv_bytes_per_token"]["llama.cpp/f16"]
-    assert d["max_context"]["llama.cpp/f16"] == min(163840, d["budget_bytes"] // (per * 2))
+    assert d["model_type"] == "deepseek_v3"
+    assert d["layers"] == {"mla": 61, "mtp": 1}
+    keys = {"mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2"}
+    for k in ("kv_bytes_per_token", "state_bytes_per_sequence", "max_context"):
+        assert set(d[k]) == keys
+    assert d["weights_bytes"] is None  # a bare config has no weight files
+    assert d["budget_bytes"] == 192 * 2**30  # 3/4 of 256 GB, the default working set
 
 
-def test_ctx_over_budget_warns_loudly():
-    r = run(V3, "--memory", "8GB", "--ctx", "150000")
+def test_memory_parallel_and_ctx_change_the_plan():
+    one = as_json(LLAMA, "--memory", "16GB")
+    two = as_json(LLAMA, "--memory", "16GB", "--parallel", "2")
+    budget = int(16 * 2**30 * 2 / 3)  # the default working set: 2/3 of RAM up to 36 GB
+    assert one["budget_bytes"] == two["budget_bytes"] == budget
+    # llama.cpp f16: 131,072 B per token, whole 256-token cells.
+    assert one["max_context"]["llama.cpp/f16"] == budget // 131072 // 256 * 256
+    assert two["max_context"]["llama.cpp/f16"] == budget // 2 // 131072 // 256 * 256
+    d = as_json(LLAMA, "--memory", "16GB", "--ctx", "20000")
+    assert d["memory_at_context"]["llama.cpp/f16"]["20000"] == 20224 * 131072
+    assert d["over_budget"] == []
+
+
+def test_ctx_over_the_wired_limit_warns_loudly():
+    r = CliRunner().invoke(main, ["inspect", V3, "--memory", "8GB", "--ctx", "150000"])
     assert r.exit_code == 0
-    assert "WARNING" in r.output
+    assert "WARNING: mlx/bf16 at --ctx 150,000" in r.stderr and "wired limit" in r.stderr
+    assert "macserve/int2" not in r.stderr  # 13,908 B/token x 150K fits in 6 GB
+    d = as_json(V3, "--memory", "8GB", "--ctx", "150000")
+    assert set(d["over_budget"]) == {"mlx/bf16", "llama.cpp/f16"}  # 70,272 B x 150,272 cells
+
+
+def test_human_output_has_the_table():
+    r = run(V3, "--memory", "256GB")
+    assert r.exit_code == 0, r.output
+    assert "61 mla, 1 mtp" in r.output
+    assert "@8K" in r.output and "@128K" in r.output and "@max" in r.output
+    assert "macserve/int2         13,908" in r.output
+
+
+def test_local_folder_counts_safetensors_as_weights(tmp_path):
+    (tmp_path / "config.json").write_text((SHARED_CONFIGS / "Qwen__Qwen3-30B-A3B.json").read_text())
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 24)
+    d = as_json(str(tmp_path))
+    assert d["weights_bytes"] == 1024 and d["kv_bytes_per_token"]["mlx/bf16"] == 98304
+
+
+def _one_line_error(r):
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error:") and r.output.count("\n") == 1, r.output
+    assert "Traceback" not in r.output
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path):
@@ -36,14 +90,70 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     bad.write_text("{not json")
     unknown = tmp_path / "u.json"
     unknown.write_text(json.dumps({"model_type": "frob", "num_hidden_layers": 2}))
-    for args in ([str(bad)], [str(unknown)], [str(tmp_path / "missing.json")],
-                 [str(tmp_path)], [V3, "--memory", "lots"]):
+    listy = tmp_path / "l.json"
+    listy.write_text("[1, 2]")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    cases = [
+        ([str(bad)], "malformed JSON"),
+        ([str(unknown)], "unknown model_type 'frob'"),
+        ([str(listy)], "not a JSON object"),
+        ([str(tmp_path / "missing.json")], "no such file"),
+        ([str(empty_dir)], "no config.json or .gguf"),
+        (["not a repo"], "not a Hugging Face repo id"),
+        ([V3, "--memory", "lots"], "not a size"),
+        ([V3, "--memory", "-5GB"], "not a size"),
+    ]
+    for args, msg in cases:
         r = run(*args)
-        assert r.exit_code == 2, (args, r.output)
-        assert r.output.startswith("error:") and r.output.count("\n") == 1, r.output
+        _one_line_error(r)
+        assert msg in r.output, (args, r.output)
 
 
-def test_unreachable_repo_is_an_error_not_a_hang(monkeypatch):
+def test_offline_hub_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     r = run("some-org/some-model")
-    assert r.exit_code == 2 and "error:" in r.output
+    _one_line_error(r)
+    assert "HF_HUB_OFFLINE" in r.output
+
+
+def test_unreachable_hub_is_a_one_line_error_not_a_hang(monkeypatch):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: connection refused at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    t = time.monotonic()
+    r = run("some-org/some-model:Q4_K_M")
+    _one_line_error(r)
+    assert "cannot reach" in r.output
+    assert time.monotonic() - t < 30  # a generous bound: a hang would be minutes
+
+
+def _cold(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    code = ("import sys, time; t = time.perf_counter(); from macserve.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('IMPORTED', sorted(m for m in ('mlx', 'mlx_lm', 'huggingface_hub', 'httpx')"
+            " if m in sys.modules), file=sys.stderr)")
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=120)
+    return p, time.perf_counter() - t
+
+
+def test_cold_local_inspect_imports_neither_mlx_nor_the_hub(record_property):
+    p, seconds = _cold("inspect", V3)
+    assert p.returncode == 0, p.stderr
+    assert "IMPORTED []" in p.stderr, p.stderr
+    record_property("cold_inspect_seconds", round(seconds, 3))  # measured, not asserted
+    print(f"cold `macserve inspect` of a local config: {seconds:.2f} s")
+
+
+@pytest.mark.parametrize("args", [["inspect", "--help"]])
+def test_help(args):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0 and "REPO" in r.output.upper()

@@ -1,4 +1,4 @@
-"""`macserve inspect`: how much context fits, per engine and cache type."""
+"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only."""
 
 import json
 
@@ -7,49 +7,88 @@ import click
 from . import main
 
 
-def _gb(b):
-    return "—" if b is None else f"{b / 2**30:,.1f} GB"
+def _gib(b):
+    if b is None:
+        return "n/a"
+    if b < 2**30:
+        return f"{b / 2**20:,.1f} MB"
+    return f"{b / 2**30:,.1f} GB"
+
+
+def _k(n):
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def _num(x):
+    return f"{x:,}" if isinstance(x, int) else f"{x:,.2f}"
 
 
 @main.command()
 @click.argument("source")
-@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
-@click.option("--memory", help="Plan for another Mac, e.g. 256GB.")
-@click.option("--parallel", type=click.IntRange(1, 1024), default=1, show_default=True)
-@click.option("--ctx", type=click.IntRange(1), help="Check this context length.")
+@click.option("--quant", help="GGUF quant to pick from a repo or folder (or write REPO:QUANT).")
+@click.option("--memory", help="Plan for a Mac with this much RAM, e.g. 256GB.")
+@click.option("--parallel", type=click.IntRange(1, 4096), default=1, show_default=True,
+              help="Sequences served at once (llama-server -np).")
+@click.option("--ctx", type=click.IntRange(1), help="Check this context length per sequence.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(source, quant, memory, parallel, ctx, as_json):
-    """Size a model's KV cache and the context that fits (reads configs and headers only)."""
+    """Size a model's KV cache and the context that fits. Reads config.json, the file
+    listing and GGUF headers only, never weights.
+
+    SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
+    config.json, or a .gguf file.
+    """
     from ..inspect_model import report
     from ..memory import parse_size
 
     r = report(source, quant, parse_size(memory) if memory else None, parallel, ctx)
     if as_json:
         click.echo(json.dumps(r, indent=2))
-        return
+    else:
+        _print(r)
+    for k in r["over_budget"]:
+        total = r["memory_at_context"][k][str(ctx)]
+        click.secho(f"WARNING: {k} at --ctx {ctx:,} x {parallel} needs {_gib(total)}, over the "
+                    f"{_gib(r['budget_bytes'])} GPU wired limit: expect swapping or a kernel "
+                    "panic; lower --ctx or --parallel, or raise iogpu.wired_limit_mb",
+                    fg="red", bold=True, err=True)
+
+
+def _print(r):
     layers = ", ".join(f"{v} {k}" for k, v in r["layers"].items())
-    click.echo(f"{r['source']}  ({r['model_type']}): {layers}")
-    click.echo(f"weights {_gb(r['weights_bytes'])}; budget {_gb(r['budget_bytes'])} "
-               f"({r['budget_source']}); {r['parallel']} sequence(s)")
+    idx = r["indexers"]
+    if idx:
+        layers += f" (DSA indexers: {idx['owned']} owned, {idx['shared']} shared)"
+    click.echo(f"{r['source']}  ({r['model_type']}, {r['format']}): {layers}")
+    w = "unknown" if r["weights_bytes"] is None else _gib(r["weights_bytes"])
+    seqs = f"{r['parallel']} sequence" + ("s" if r["parallel"] > 1 else "")
+    click.echo(f"weights {w}; budget {_gib(r['budget_bytes'])} ({r['budget_source']}); {seqs}")
+    cols = ["8192", "32768", "131072"] + ([str(r["ctx"])] if r["ctx"] else [])
     head = f"{'cache':16} {'KV B/token':>11} {'state/seq':>10} {'max ctx':>10}"
-    cols = list(next(iter(r["memory_at_context"].values())).keys())
-    click.echo(head + "".join(f" {'@' + str(int(c)//1024) + 'K':>9}" for c in cols))
+    head += "".join(f" {'@' + _k(int(c)):>9}" for c in cols) + f" {'@max':>9}"
+    click.echo(head)
     for k, per in r["kv_bytes_per_token"].items():
         if per is None:
-            click.echo(f"{k:16} {'n/a':>11}  (this engine cannot cache this model)")
+            click.echo(f"{k:16} {'n/a':>11}  ({r['unsupported'][k]})")
             continue
-        st = r["state_bytes_per_sequence"][k]
         mc = r["max_context"][k]
-        row = f"{k:16} {per:>11,} {_gb(st):>10} {mc:>10,}"
-        row += "".join(f" {_gb(r['memory_at_context'][k][c]):>9}" for c in cols)
+        at = r["memory_at_context"][k]
+        row = f"{k:16} {_num(per):>11} {_gib(r['state_bytes_per_sequence'][k]):>10} {mc:>10,}"
+        limit = r["model_max_context"] or float("inf")
+        row += "".join(f" {_gib(at[c]) if int(c) <= limit or c == str(r['ctx']) else '>limit':>9}"
+                       for c in cols)
+        row += f" {_gib(at[str(mc)]):>9}"
         click.echo(row)
-    if r["model_max_context"]:
-        click.echo(f"(max ctx is capped at the model's own limit, {r['model_max_context']:,})")
-    if r["ctx"]:
-        lim = r["budget_bytes"]
-        for k, row in r["memory_at_context"].items():
-            t = row[str(r["ctx"])]
-            if t is not None and t > lim:
-                click.secho(f"WARNING: {k} at --ctx {r['ctx']:,} needs {_gb(t)}, over the "
-                            f"{_gb(lim)} {r['budget_source']} — it will swap or panic the kernel",
-                            fg="red", err=True)
+    click.echo(f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
+               f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else '?'})")
+    mtp = r["mtp"]
+    if mtp["layers"]:
+        extra = ", ".join(f"{k} +{_num(v)}" for k, v in mtp["kv_bytes_per_token"].items()
+                          if v is not None)
+        click.echo(f"MTP: {mtp['layers']} layer(s), not counted above; drafting with them adds "
+                   f"B/token: {extra or 'n/a'}")
+    for n in r["notes"]:
+        click.echo(f"note: {n}")
+    if r["ctx"] and r["model_max_context"] and r["ctx"] > r["model_max_context"]:
+        click.echo(f"note: --ctx {r['ctx']:,} is beyond the model's trained limit "
+                   f"({r['model_max_context']:,})")
