@@ -10,6 +10,8 @@ from . import main
 def _gib(b):
     if b is None:
         return "n/a"
+    if b == 0:
+        return "0"
     if b < 2**30:
         return f"{b / 2**20:,.1f} MB"
     return f"{b / 2**30:,.1f} GB"
@@ -63,7 +65,9 @@ def _print(r):
     w = "unknown" if r["weights_bytes"] is None else _gib(r["weights_bytes"])
     seqs = f"{r['parallel']} sequence" + ("s" if r["parallel"] > 1 else "")
     click.echo(f"weights {w}; budget {_gib(r['budget_bytes'])} ({r['budget_source']}); {seqs}")
-    cols = ["8192", "32768", "131072"] + ([str(r["ctx"])] if r["ctx"] else [])
+    cols = ["8192", "32768", "131072"]
+    if r["ctx"] and str(r["ctx"]) not in cols:
+        cols.append(str(r["ctx"]))
     head = f"{'cache':16} {'KV B/token':>11} {'state/seq':>10} {'max ctx':>10}"
     head += "".join(f" {'@' + _k(int(c)):>9}" for c in cols) + f" {'@max':>9}"
     click.echo(head)
