@@ -421,11 +421,9 @@ def shape_from_gguf(meta: dict) -> ModelShape:
                                 f"{blocks} blocks")
         return [int(x) for x in vals[:blocks]]
 
-    heads = per_layer("attention.head_count", None) if g("attention.head_count") is not None \
-        else None
-    if heads is None:
-        raise MacserveError(f"GGUF ({arch}) has no `{arch}.attention.head_count`")
-    kv_heads = per_layer("attention.head_count_kv", heads[0]) \
+    need("attention.head_count")
+    heads = per_layer("attention.head_count", None)
+    kv_heads = per_layer("attention.head_count_kv", None) \
         if g("attention.head_count_kv") is not None else heads
     n_embd = int(need("embedding_length"))
     k_len = int(g("attention.key_length") or n_embd // max(heads[0], 1))
@@ -442,10 +440,8 @@ def shape_from_gguf(meta: dict) -> ModelShape:
     is_mla = bool(g("attention.key_length_mla")) and bool(g("attention.value_length_mla"))
 
     if arch == "deepseek4":
-        ratios = per_layer("attention.compress_ratios", None) \
-            if g("attention.compress_ratios") is not None else None
-        if ratios is None:
-            raise MacserveError(f"GGUF ({arch}) has no `{arch}.attention.compress_ratios`")
+        need("attention.compress_ratios")
+        ratios = per_layer("attention.compress_ratios", None)
         window = int(need("attention.sliding_window"))
         idx = int(need("attention.indexer.key_length"))
         return done([Compressed(r, k_len, window, idx if r == 4 else 0) for r in ratios])

@@ -261,14 +261,17 @@ def mlx_module(model_type: str) -> MlxModule:
         p = d / "models" / f"{base}.py"
         if p.exists():
             src += p.read_text()
-    return MlxModule(name, version, "RotatingKVCache" in src)
+    return MlxModule(name, version, "RotatingKVCache(" in src)
 
 
 def _imports(src: str):
+    """Sibling model modules this one takes its Model from (`from .deepseek_v32 import Model`)."""
     for line in src.splitlines():
         line = line.strip()
-        if line.startswith("from .") and " import " in line:
-            yield line[len("from ."):].split(" ", 1)[0]
+        if line.startswith("from .") and " import " in line and "Model" in line:
+            mod = line[len("from ."):].split(" ", 1)[0]
+            if mod not in ("cache", "base"):
+                yield mod
 
 
 def _int2_latent_row(l: MLA) -> int:

@@ -221,3 +221,13 @@ def test_llama_cpp_refuses_compress_ratios_it_does_not_cache():
     cfg["compress_ratios"] = [0, 0] + [8] * 42
     lay = layout(shape_from_config(cfg), "llama.cpp/f16")
     assert not lay.supported and "8" in lay.reason
+
+
+def test_mlx_sliding_layers_grow_when_the_module_has_no_ring_buffer():
+    # mlx-lm's qwen3 module makes a plain KVCache for every layer: a sliding layer there
+    # grows with the context, so it counts per token (gpt_oss uses RotatingKVCache).
+    cfg = _cfg("openai__gpt-oss-120b")
+    assert kv_bytes_per_token(shape_from_config(cfg), "mlx/bf16") == 18 * 2048
+    cfg["model_type"] = "qwen3"
+    assert kv_bytes_per_token(shape_from_config(cfg), "mlx/bf16") == 36 * 2048
+    assert kv_bytes_per_token(shape_from_config(cfg), "llama.cpp/f16") == 18 * 2048

@@ -333,3 +333,20 @@ def test_llama_server_allocates_what_inspect_says(llama_server, tmp_path):
     assert "512 cells" in line and "4 layers" in line and "2/2 seqs" in line, line
     assert "layer   4: filtered" in text
     assert abs(mib * 2**20 - 2 * lay.bytes_at(500)) < 0.01 * 2**20, line
+
+
+def test_glm5_next_gguf_kda_and_kpool_indexer():
+    m = _meta("glm5-next", block_count=5, nextn_predict_layers=1, embedding_length=6144, **{
+        "attention.head_count": 64, "attention.head_count_kv": [0, 0, 0, 1, 1],
+        "attention.kv_lora_rank": 512, "attention.key_length": 512,
+        "attention.value_length": 512, "attention.key_length_mla": 192,
+        "attention.value_length_mla": 256, "rope.dimension_count": 0, "kda.head_dim": 128,
+        "ssm.conv_kernel": 4, "attention.indexer.key_length": 128, "attention.indexer.kpool": 4})
+    s = shape_from_gguf(m)
+    assert s.counts() == {"linear": 3, "mla": 1, "mtp": 1}
+    from macserve.memory import state_bytes_per_sequence
+
+    # llama.cpp: latent row 512 + indexer key|gate|pooled 3 x 128, f16.
+    assert kv_bytes_per_token(s, "llama.cpp/f16") == 1024 + 768
+    # n_embd_r = 3 x (4 - 1) x 64 x 128, n_embd_s = 128 x 128 x 64, both f32.
+    assert state_bytes_per_sequence(s, "llama.cpp/f16") == 3 * 4 * (3 * 3 * 8192 + 128 * 128 * 64)
