@@ -17,7 +17,7 @@ Public API (`inspect` and `new` call these; `macserve.inspect_model` wraps them 
   capped at the model's own limit (None: unsupported).
 - `machine_budget(memory_bytes=None) -> Budget`, `default_working_set(total)`, `parse_size`.
 
-Rules, each from the engine's own code (docs/inspect.md gives file and line of reasoning):
+Rules, each from the engine's own code (docs/inspect.md shows the reasoning and arithmetic):
 
 - llama.cpp (src/llama-kv-cache*.cpp, llama-model.cpp create_memory): f16 2 B per value,
   q8_0 34 B and q4_0 18 B per 32 values (quantized rows need widths divisible by 32).

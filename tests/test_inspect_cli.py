@@ -117,8 +117,12 @@ def test_offline_hub_is_a_one_line_error(monkeypatch):
     assert "HF_HUB_OFFLINE" in r.output
 
 
-def test_unreachable_hub_is_a_one_line_error_not_a_hang(monkeypatch):
+def test_unreachable_hub_is_a_one_line_error_not_a_hang(monkeypatch, tmp_path):
     import socket
+
+    from .test_inspect_gguf import isolate_hf_home
+
+    isolate_hf_home(tmp_path, monkeypatch)
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -98,6 +98,19 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         self._send(code, chunk, headers)
 
 
+def isolate_hf_home(tmp_path, monkeypatch):
+    """huggingface_hub fixes its token paths at import: point them at tmp_path, so no test
+    reads (or refreshes) a token in the real home."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf-home"
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     root = tmp_path / "hub"
@@ -119,7 +132,7 @@ def hub(tmp_path, monkeypatch):
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # never the real cache
+    isolate_hf_home(tmp_path, monkeypatch)
     yield root, handler
     srv.shutdown()
 
