@@ -22,7 +22,10 @@ from .profiles import KEYS, Profile, ProfileStore, check_name
 from .service import Status, get_backend, log_path, logs, spec_for
 
 DEFAULT_PORT = 8080
-POLL = 0.25  # seconds between health polls (the wait is bounded by a deadline, not a sleep)
+# Seconds between health polls, growing to POLL_MAX: quick for small models, and a model that
+# loads for minutes does not get its log filled with probe requests. The wait is bounded by a
+# deadline, never by a fixed sleep.
+POLL, POLL_MAX = 0.25, 2.0
 CRASH_RUNS = 2  # launchd: this many failed respawns after a restart = the settings do not start
 
 
@@ -68,6 +71,7 @@ def wait_ready(profile: Profile, timeout: float, old_pid: int | None = None,
     provider = providers.for_profile(profile)
     start = time.monotonic()
     runs0 = None
+    interval = POLL
     while True:
         st = backend.status(profile.name)
         if runs0 is None:
@@ -81,12 +85,16 @@ def wait_ready(profile: Profile, timeout: float, old_pid: int | None = None,
             return False, f"it keeps exiting (last exit code {st.exit_code})"
         if st.state == "not installed":
             return False, "the service is not installed"
-        if (st.state == "running" and st.pid and st.pid != old_pid
-                and provider.ready(profile, timeout=min(5.0, max(1.0, timeout - elapsed)))):
-            return True, ""
+        if st.state == "running" and st.pid and st.pid != old_pid:
+            if provider.ready(profile, timeout=min(5.0, max(1.0, timeout - elapsed))):
+                return True, ""
+            why = provider.failed(profile)
+            if why:
+                return False, why
         if elapsed > timeout:
             return False, f"not healthy within {timeout:.0f}s (state: {st.state})"
-        time.sleep(POLL)
+        time.sleep(interval)
+        interval = min(POLL_MAX, interval * 1.5)
 
 
 # ---- new ------------------------------------------------------------------------------------------

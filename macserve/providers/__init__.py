@@ -10,6 +10,8 @@ A provider is a module in this package that exposes `PROVIDER`, an object with t
     health_url(profile) -> str            the URL a person or monitor can poll
     ready(profile, timeout) -> bool       readiness probe: True when a request would be served
                                           now (llama.cpp: /health 200; mlx: a 1-token completion)
+    failed(profile) -> str | None         a reason when the server is up but can never become
+                                          ready (mlx: generation thread died); None otherwise
     check_args(profile) -> None           raise MacserveError (one line) if the server would
                                           refuse the profile (unknown flag, missing model file).
                                           Called before any restart so a bad edit never becomes
@@ -58,6 +60,7 @@ class Provider(Protocol):
     def env(self, profile: Profile) -> dict[str, str]: ...
     def health_url(self, profile: Profile) -> str: ...
     def ready(self, profile: Profile, timeout: float = 2.0) -> bool: ...
+    def failed(self, profile: Profile) -> str | None: ...
     def check_args(self, profile: Profile) -> None: ...
     def context_args(self, n_ctx: int) -> list[str] | None: ...
     def draft_args(self, mtp_layers: int) -> list[str]: ...
@@ -208,6 +211,9 @@ class BaseProvider:
             return httpx.get(self.health_url(profile), timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def failed(self, profile: Profile) -> str | None:
+        return None
 
     def check_args(self, profile: Profile) -> None:
         flags = help_flags(self.command(), self.binary_path())

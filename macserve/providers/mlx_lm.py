@@ -48,6 +48,17 @@ class MlxLm(BaseProvider):
         except httpx.HTTPError:
             return False
 
+    def failed(self, profile: Profile) -> str | None:
+        # mlx-lm >= 0.30: /health is 200 while the generation thread lives (also while it is
+        # still loading the model) and 503 once it has died; the HTTP server keeps running.
+        try:
+            r = httpx.get(self.health_url(profile), timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 503:
+            return "mlx_lm.server is up but its generation thread died (see the log)"
+        return None
+
     def context_args(self, n_ctx: int) -> None:
         return None  # mlx_lm.server has no context flag
 
