@@ -166,6 +166,8 @@ def new(source: str, quant=None, name=None, provider=None, ctx="auto", port=None
             port = pick_port(host, used)
         elif port in used:
             raise MacserveError(f"port {port} is already used by another profile")
+        elif start and not port_free(host, port):
+            raise MacserveError(f"port {port} on {host} is in use by another program")
         profile = Profile(name, {"PROVIDER": plan.provider, "MODEL": plan.model, "HOST": host,
                                  "PORT": str(port), "EXTRA_ARGS": shlex.join(args)})
         profile.lines = [f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")]

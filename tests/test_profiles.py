@@ -204,3 +204,13 @@ def test_cli_set_no_restart_writes(macserve_home, llama_server, tmp_path):
         code, out, err = _cli("set", "a", "--no-restart", "--", bad)
         assert code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
     assert snapshot(macserve_home / "profiles") == before
+
+
+def test_example_profiles_in_the_repo_parse():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.env"))
+    assert {f.stem for f in files} >= {"tiny-mla", "glm-5.3-flash"}
+    for f in files:
+        p = parse(f.read_text(), f.stem)
+        assert p.provider in profiles.PROVIDER_NAMES and p.extra_args is not None

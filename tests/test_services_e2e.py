@@ -164,6 +164,12 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     s = status("tiny")
     assert s["healthy"]
     services.append(s["pid"])
+    r = cli("restart", "tiny")
+    assert r.returncode == 0, r.stderr
+    s2 = status("tiny")
+    assert s2["healthy"] and s2["pid"] != s["pid"]
+    s = s2
+    services.append(s["pid"])
 
     # rm: stops and uninstalls first, then the profile goes
     last = s["pid"]
