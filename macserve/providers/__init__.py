@@ -19,7 +19,6 @@ A provider is a module in this package that exposes `PROVIDER`, an object with t
     context_args(n_ctx) -> list[str]|None flags that set the context size, None if the server
                                           has no such flag (macserve new reports that)
     draft_args(mtp_layers) -> list[str]   flags enabling MTP drafting, [] when unsupported
-    completion_model(profile) -> str|None the "model" field for a request (None: omit it)
 
 Adding a provider (e.g. macserve's own MLX engine, `macserve serve MODEL`) is one module,
 `macserve/providers/engine.py`, defining a `BaseProvider` subclass and `PROVIDER = ...`; the
@@ -64,7 +63,6 @@ class Provider(Protocol):
     def check_args(self, profile: Profile) -> None: ...
     def context_args(self, n_ctx: int) -> list[str] | None: ...
     def draft_args(self, mtp_layers: int) -> list[str]: ...
-    def completion_model(self, profile: Profile) -> str | None: ...
 
 
 def get(name: str) -> Provider:
@@ -157,9 +155,33 @@ def help_flags(cmd: list[str], key_path: str) -> dict[str, bool]:
     return flags_from_help(help_text(cmd, key_path))
 
 
+def removed_flags(text: str) -> dict[str, str]:
+    """Flags llama.cpp still lists but rejects at start ("the argument has been removed. use
+    --spec-draft-n-max ..."): {flag: that message}. Listing them is how it points to the new name."""
+    out: dict[str, str] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = _OPT_LINE.match(line)
+        if not m:
+            continue
+        parts = re.split(r"\s{2,}", re.sub(r",\s+", ", ", m.group(2).strip()), maxsplit=1)
+        desc = parts[1] if len(parts) > 1 else ""
+        if "has been removed" not in desc:
+            continue
+        for cont in lines[i + 1:]:
+            c = cont.strip()
+            if not cont.startswith(" " * 8) or not c or c.startswith("(env:"):
+                break
+            desc += " " + c
+        for p in parts[0].split(", "):
+            out[p.split(" ", 1)[0]] = " ".join(desc.split())
+    return out
+
+
 def check_flags(args: list[str], flags: dict[str, bool], what: str,
-                reserved: dict[str, str] | None = None) -> None:
-    """Refuse unknown flags, a value-taking flag at the end, and flags macserve sets itself."""
+                reserved: dict[str, str] | None = None, removed: dict[str, str] | None = None) -> None:
+    """Refuse unknown or removed flags, a value-taking flag at the end, and flags macserve sets
+    itself."""
     i = 0
     while i < len(args):
         a = args[i]
@@ -170,6 +192,8 @@ def check_flags(args: list[str], flags: dict[str, bool], what: str,
         norm = flag.replace("_", "-") if flag.startswith("--") else flag
         if norm not in flags:
             raise MacserveError(f"{what} does not accept {flag} (checked against its --help)")
+        if removed and norm in removed:
+            raise MacserveError(f"{what}: {flag}: {removed[norm]}")
         if reserved and norm in reserved:
             raise MacserveError(f"{flag} is set by macserve from the profile; use the {reserved[norm]} key")
         if flags[norm] and not eq:
@@ -216,17 +240,15 @@ class BaseProvider:
         return None
 
     def check_args(self, profile: Profile) -> None:
-        flags = help_flags(self.command(), self.binary_path())
-        check_flags(profile.extra_args, flags, self.label, self.reserved)
+        text = help_text(self.command(), self.binary_path())
+        check_flags(profile.extra_args, flags_from_help(text), self.label, self.reserved,
+                    removed_flags(text))
 
     def context_args(self, n_ctx: int) -> list[str] | None:
         return None
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return []
-
-    def completion_model(self, profile: Profile) -> str | None:
-        return None
 
 
 def local_model_path(model: str) -> Path | None:

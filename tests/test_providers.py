@@ -1,0 +1,141 @@
+"""Providers: argv, help parsing, flag checks (against the real llama-server's --help), registry,
+and the log rotation `macserve run` does for launchd."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from macserve import providers
+from macserve.errors import MacserveError
+from macserve.profiles import Profile
+from macserve.providers import check_flags, flags_from_help
+from macserve.service import logs
+
+ARGPARSE_HELP = """usage: server.py [-h] [--model MODEL] [--port PORT] [--trust-remote-code]
+
+options:
+  -h, --help            show this help message and exit
+  --model MODEL         The path to the MLX model weights, tokenizer, and config
+  --port PORT           Port for the HTTP server (default: 8080)
+  --trust-remote-code   Enable trusting remote code for tokenizer
+  --log-level {DEBUG,INFO,WARNING,ERROR,CRITICAL}
+                        Set the logging level (default: INFO)
+"""
+
+LLAMA_HELP = """-c,    --ctx-size N                     size of the prompt context (default: 0)
+-hf,   -hfr, --hf-repo <user>/<model>[:quant]
+                                        Hugging Face model repository
+--jinja, --no-jinja                     whether to use jinja template engine for chat
+-sm,   --split-mode {none,layer,row}    how to split the model across multiple GPUs, one of:
+                                        - none: use one GPU only
+"""
+
+
+def test_flags_from_help_argparse_and_llama_styles():
+    a = flags_from_help(ARGPARSE_HELP)
+    assert a == {"-h": False, "--help": False, "--model": True, "--port": True,
+                 "--trust-remote-code": False, "--log-level": True}
+    b = flags_from_help(LLAMA_HELP)
+    assert b == {"-c": True, "--ctx-size": True, "-hf": True, "-hfr": True, "--hf-repo": True,
+                 "--jinja": False, "--no-jinja": False, "-sm": True, "--split-mode": True}
+    assert "-" not in b and "- none:" not in b  # description bullets are not flags
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--nope"], "x does not accept --nope"),
+    (["-c"], "-c expects a value"),
+    (["--port", "1"], "--port is set by macserve from the profile; use the PORT key"),
+])
+def test_check_flags_refuses(args, msg):
+    flags = flags_from_help(LLAMA_HELP + ARGPARSE_HELP)
+    with pytest.raises(MacserveError, match=msg):
+        check_flags(args, flags, "x", {"--port": "PORT"})
+
+
+def test_check_flags_accepts_values_negatives_and_equals():
+    flags = flags_from_help(LLAMA_HELP)
+    check_flags(["-c", "-1", "--ctx_size=4096", "--jinja", "-sm", "row"], flags, "x")
+
+
+def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
+    m = tmp_path / "m.gguf"
+    m.write_bytes(b"GGUF")
+    p = Profile("a", {"PROVIDER": "llama.cpp", "MODEL": str(m), "PORT": "9000",
+                      "EXTRA_ARGS": "-c 4096 --alias 'my model'"})
+    prov = providers.for_profile(p)
+    assert prov.argv(p) == [llama_server, "-m", str(m), "--host", "127.0.0.1", "--port", "9000",
+                            "-c", "4096", "--alias", "my model"]
+    assert prov.health_url(p) == "http://127.0.0.1:9000/health"
+    prov.check_args(p)
+    hf = p.updated({"MODEL": "unsloth/Some-Model-GGUF:Q4_K_M"})
+    assert prov.argv(hf)[1:3] == ["--hf-repo", "unsloth/Some-Model-GGUF:Q4_K_M"]
+    assert prov.draft_args(1) == ["--spec-type", "draft-mtp"]  # this build lists draft-mtp
+    assert prov.draft_args(0) == []
+    # llama.cpp lists renamed flags in --help and exits 1 on them: refused, with its hint
+    with pytest.raises(MacserveError, match="llama-server: --draft-max: the argument has been "
+                                            "removed. use --spec-draft-n-max or --spec-ngram-mod-n-max$"):
+        prov.check_args(p.updated({"EXTRA_ARGS": "--draft-max 4"}))
+    with pytest.raises(MacserveError, match="-m is set by macserve from the profile; use the MODEL key"):
+        prov.check_args(p.updated({"EXTRA_ARGS": "-m /other.gguf"}))
+
+
+def test_llama_server_not_found(monkeypatch):
+    from macserve.providers import llama_cpp
+
+    monkeypatch.setenv("MACSERVE_LLAMA_SERVER", "/nonexistent/llama-server")
+    with pytest.raises(MacserveError, match="is not an executable file"):
+        llama_cpp.find_llama_server()
+    monkeypatch.delenv("MACSERVE_LLAMA_SERVER")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(llama_cpp, "HOMEBREW_DIRS", ())
+    with pytest.raises(MacserveError, match="llama-server not found"):
+        llama_cpp.find_llama_server()
+
+
+def test_mlx_argv_and_env():
+    p = Profile("a", {"PROVIDER": "mlx", "MODEL": "mlx-community/X-4bit", "PORT": "9001",
+                      "HOST": "0.0.0.0", "EXTRA_ARGS": "--max-tokens 64"})
+    prov = providers.for_profile(p)
+    assert prov.argv(p) == [sys.executable, "-m", "mlx_lm", "server", "--model", "mlx-community/X-4bit",
+                            "--host", "0.0.0.0", "--port", "9001", "--max-tokens", "64"]
+    assert prov.env(p) == {"PYTHONUNBUFFERED": "1"}
+    assert prov.context_args(4096) is None
+    assert prov.health_url(p) == "http://127.0.0.1:9001/health"  # 0.0.0.0 is reached via loopback
+
+
+def test_registry():
+    with pytest.raises(MacserveError, match="unknown provider 'vllm'"):
+        providers.get("vllm")
+    if importlib.util.find_spec("macserve.providers.engine") is None:
+        with pytest.raises(MacserveError, match="provider 'macserve' is not available"):
+            providers.get("macserve")
+
+
+def test_rotate_copy_truncates(tmp_path):
+    log = tmp_path / "a.log"
+    log.write_bytes(b"x" * 100)
+    assert not logs.rotate(log, max_bytes=100)
+    with open(log, "ab") as f:  # a writer holding the file open, like launchd
+        f.write(b"y")
+        f.flush()
+        assert logs.rotate(log, max_bytes=100, backups=2)
+        assert log.stat().st_size == 0 and (tmp_path / "a.log.1").stat().st_size == 101
+        f.write(b"z")
+        f.flush()
+    assert log.read_bytes() == b"z"  # O_APPEND writer continues at the new end
+    log.write_bytes(b"w" * 200)
+    logs.rotate(log, max_bytes=100, backups=2)
+    assert (tmp_path / "a.log.2").stat().st_size == 101 and (tmp_path / "a.log.1").stat().st_size == 200
+
+
+def test_tail_since_offset(tmp_path):
+    log = tmp_path / "a.log"
+    log.write_text("old 1\nold 2\n")
+    off = logs.size(log)
+    with open(log, "a") as f:
+        f.write("new 1\nnew 2\nnew 3\n")
+    assert logs.tail(log, 2, since=off) == ["new 2", "new 3"]
+    assert logs.tail(log, 10, since=off) == ["new 1", "new 2", "new 3"]
+    assert logs.tail(log, 10, since=10**9) == ["old 1", "old 2", "new 1", "new 2", "new 3"]
