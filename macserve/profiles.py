@@ -14,8 +14,9 @@ Keys:
   HOSTS, BACKEND, PARALLEL   reserved for serving across several Macs; validated, not used yet.
 
 Writes are atomic (temp file in the same directory, fsync, os.replace, fsync of the directory),
-and every read-modify-write holds an exclusive flock on `profiles/.lock`, so two `macserve set`
-runs cannot interleave and a crash mid-write leaves the old file intact.
+and every read-modify-write holds an exclusive flock (`profiles/.NAME.lock` per profile,
+`profiles/.lock` to create one), so two `macserve set` runs cannot interleave, and a crash
+mid-write leaves the old file intact.
 """
 
 from __future__ import annotations
