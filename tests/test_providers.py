@@ -139,3 +139,31 @@ def test_tail_since_offset(tmp_path):
     assert logs.tail(log, 2, since=off) == ["new 2", "new 3"]
     assert logs.tail(log, 10, since=off) == ["new 1", "new 2", "new 3"]
     assert logs.tail(log, 10, since=10**9) == ["old 1", "old 2", "new 1", "new 2", "new 3"]
+
+
+def test_follow_prints_new_lines_and_survives_truncation(tmp_path):
+    import threading
+    import time
+
+    log = tmp_path / "a.log"
+    log.write_text("one\ntwo\n")
+    got, done = [], threading.Event()
+
+    def out(line):
+        got.append(line)
+        if line == "four":
+            done.set()
+
+    t = threading.Thread(target=logs.follow, args=(log, 1, out),
+                         kwargs={"poll": 0.05, "stop": done.is_set}, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while "two" not in got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(log, "a") as f:
+        f.write("three\n")
+    while "three" not in got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log.write_text("four\n")  # truncated and rewritten, as rotation does
+    t.join(timeout=10)
+    assert got == ["two", "three", "four"]

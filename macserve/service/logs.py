@@ -38,18 +38,18 @@ def size(path: Path) -> int:
         return 0
 
 
-def tail(path: Path, n: int = 20, since: int = 0) -> list[str]:
-    """Last n lines of `path`, only from byte offset `since` (if the file was rotated and is now
-    shorter than `since`, from its start)."""
+def tail(path: Path, n: int = 20, since: int = 0, until: int | None = None) -> list[str]:
+    """Last n lines of `path` between byte offsets `since` and `until` (if the file was rotated
+    and is now shorter than `since`, from its start)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            end = f.tell()
+            end = f.tell() if until is None else min(until, f.tell())
             f.seek(since if since <= end else 0)
             # Read at most the last 256 KiB: enough for n lines of any sane server log.
             start = max(f.tell(), end - 256 * 1024)
             f.seek(start)
-            data = f.read()
+            data = f.read(end - start)
     except FileNotFoundError:
         return []
     lines = data.decode("utf-8", "replace").splitlines()
@@ -58,9 +58,9 @@ def tail(path: Path, n: int = 20, since: int = 0) -> list[str]:
 
 def follow(path: Path, n: int, out, poll: float = 0.5, stop=lambda: False) -> None:
     """`tail -f`: print the last n lines, then new ones as they arrive (copes with truncation)."""
-    for line in tail(path, n):
+    pos = size(path)  # first, so a line written while the tail prints is not lost
+    for line in tail(path, n, until=pos):
         out(line)
-    pos = size(path)
     buf = b""
     while not stop():
         cur = size(path)
