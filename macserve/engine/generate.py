@@ -1,0 +1,166 @@
+"""The decode loop: load a model once, then stream tokens for one prompt at a time.
+
+Sampling, the KV cache and prefill chunking are mlx-lm's (`generate_step`, `make_sampler`);
+this module adds what a server needs around them: a stop callback checked before every token
+(and between prefill chunks), EOS handling, streaming detokenization and per-request stats.
+
+Not thread-safe: one generation at a time per Bundle, from one thread (the server's worker).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..errors import MacserveError
+
+
+@dataclass
+class Bundle:
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def max_context(self) -> int | None:
+        return self.config.get("max_position_embeddings")
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+
+@dataclass
+class Step:
+    """One streamed token. The last Step of a finished generation has finish_reason "stop"
+    (the model emitted EOS: `token` is that EOS id, not counted in stats, `text` only the
+    detokenizer's flush) or "length" (max_tokens reached: `token` is the last real token).
+    A generation cancelled by `stop` simply ends without a finishing Step."""
+
+    token: int
+    text: str
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Counters:
+    """Speculative-decoding counts a token source updates as it goes (plain decoding: 0)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def read_config(model_dir: str | Path) -> dict:
+    p = Path(model_dir).expanduser()
+    cfg = p / "config.json"
+    if not p.is_dir():
+        raise MacserveError(f"{model_dir}: not a model folder")
+    try:
+        return json.loads(cfg.read_text())
+    except FileNotFoundError:
+        raise MacserveError(f"{model_dir}: no config.json") from None
+    except (OSError, ValueError) as e:
+        raise MacserveError(f"{cfg}: {e}") from None
+
+
+def load(model_dir: str | Path) -> Bundle:
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+
+    path = Path(model_dir).expanduser().resolve()
+    config = read_config(path)
+    model, tokenizer = mlx_load(str(path))
+    if mx.default_device().type == mx.DeviceType.cpu:
+        # MLX's CPU gather_mm (the MoE experts) only runs in float32.
+        model.set_dtype(mx.float32)
+    return Bundle(model, tokenizer, config, path)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _plain_tokens(bundle: Bundle, prompt, max_tokens: int, sampler, counters: Counters,
+                  progress) -> Iterator[int]:
+    """The token source: mlx-lm's own loop. An MTP source yields tokens the same way and
+    bumps `counters` for each drafted / accepted token."""
+    from mlx_lm.generate import generate_step
+
+    for token, _ in generate_step(prompt, bundle.model, max_tokens=max_tokens, sampler=sampler,
+                                  prompt_progress_callback=progress):
+        yield int(token)
+
+
+def stream(bundle: Bundle, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+           top_p: float = 1.0, stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream, wired_limit
+    from mlx_lm.sample_utils import make_sampler
+
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    # make_sampler applies top-p only for 0 < top_p < 1, so 1.0 means "off", as in OpenAI's API.
+    sampler = make_sampler(temp=temperature, top_p=top_p)
+    detok = bundle.tokenizer.detokenizer
+    eos = bundle.eos_ids
+    counters = Counters()
+    stop = stop or (lambda: False)
+
+    def progress(done, total):
+        # Raising is the only way out of mlx-lm's prefill; it lets a long prompt be cancelled.
+        if stop():
+            raise _Cancelled
+
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+
+    def stats() -> dict:
+        now = time.perf_counter()
+        prompt_s = (t_first or now) - t0
+        gen_s = now - t_first if t_first else 0.0
+        return {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n,
+            "prompt_tps": len(prompt_ids) / prompt_s if prompt_s > 0 else 0.0,
+            "generation_tps": n / gen_s if gen_s > 0 else 0.0,
+            "prompt_seconds": prompt_s,
+            "generation_seconds": gen_s,
+            "draft_tokens": counters.draft_tokens,
+            "accepted_tokens": counters.accepted_tokens,
+        }
+
+    tokens = _plain_tokens(bundle, mx.array(prompt_ids), max_tokens, sampler, counters, progress)
+    with wired_limit(bundle.model, [generation_stream]):
+        try:
+            for token in tokens:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if stop():
+                    return
+                if token in eos:
+                    detok.finalize()
+                    yield Step(token, detok.last_segment, "stop", stats())
+                    return
+                n += 1
+                detok.add_token(token)
+                if n >= max_tokens:
+                    detok.finalize()
+                    yield Step(token, detok.last_segment, "length", stats())
+                    return
+                yield Step(token, detok.last_segment, None, stats())
+        except _Cancelled:
+            return
+        finally:
+            tokens.close()
