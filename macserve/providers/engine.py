@@ -1,0 +1,49 @@
+"""macserve's own MLX engine: `python -m macserve serve MODEL --host H --port P ...`.
+
+Run with the same interpreter as macserve, so a service uses this very install. Its /health
+is 503 while the model loads and 200 once a request would be served, and the server exits
+(non-zero) when the model cannot load, so the generic GET probe and the supervisor's crash
+detection are all readiness needs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import MacserveError
+from ..profiles import Profile
+from . import BaseProvider, local_model_path
+
+
+class Engine(BaseProvider):
+    name = "macserve"
+    label = "macserve serve"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "macserve", "serve"]
+
+    def binary_path(self) -> str:
+        # The flags live in cli/serve.py: editing it re-probes --help, nothing else needs to.
+        return str(Path(__file__).resolve().parent.parent / "cli" / "serve.py")
+
+    def model_args(self, profile: Profile) -> list[str]:
+        return [profile.model]
+
+    def env(self, profile: Profile) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
+
+    def check_args(self, profile: Profile) -> None:
+        path = local_model_path(profile.model)
+        if path is not None and not (path / "config.json").is_file():
+            raise MacserveError(f"{profile.model}: not a model folder (no config.json)")
+        super().check_args(profile)
+
+    def context_args(self, n_ctx: int) -> list[str]:
+        return ["--ctx", str(n_ctx)]
+
+    def draft_args(self, mtp_layers: int) -> list[str]:
+        return ["--mtp-k", "1"] if mtp_layers > 0 else []
+
+
+PROVIDER = Engine()
