@@ -36,7 +36,7 @@ class TrainSettings:
     minutes: float = 40.0
     max_steps: int = 100000
     lr: float = 2e-3
-    warmup: int = 60
+    warmup: int = 40
     mtp_weight: float = 0.3
     distill_weight: float = 1.0
     chat_fraction: float = 0.1
@@ -168,7 +168,7 @@ def train(out: Path, s: TrainSettings, log=print) -> dict:
     args = ModelArgs.from_dict(TINY_CONFIG)
     net = TinyWithMTP(args)
     opt = optim.AdamW(learning_rate=s.lr, weight_decay=0.01)
-    state = [net.state, opt.state, mx.random.state]
+    state = [net.state, opt.state]
 
     grad_fn = nn.value_and_grad(net, lambda w: net.losses(w, s))
 
@@ -178,7 +178,8 @@ def train(out: Path, s: TrainSettings, log=print) -> dict:
         opt.update(net, grads)
         return loss, parts
 
-    step = mx.compile(step, inputs=state, outputs=state)
+    # Not mx.compile'd: on MLX's CPU backend the compiled step measured 16 s against 11 s.
+    # Nor data parallel under mlx.launch: two ranks on two cores measured 32 s per step each.
     it = batches(train_ids, s, rng)
     deadline = t_start + s.minutes * 60
     # Estimate the step budget from the first steps so the cosine schedule ends on time.

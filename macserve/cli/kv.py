@@ -1,0 +1,128 @@
+"""`macserve calibrate`, `macserve bench kv`, `macserve generate`: the rotated latent cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import MacserveError
+from . import bench, main
+
+METHOD = click.Choice(["plain", "hadamard", "eigen", "eigen-interleave", "upproj"])
+
+
+def _progress(label):
+    bar = {}
+
+    def update(done, total):
+        if "bar" not in bar:
+            bar["bar"] = click.progressbar(length=total, label=label, file=click.get_text_stream("stderr"))
+            bar["bar"].__enter__()
+        bar["bar"].update(done - bar.get("done", 0))
+        bar["done"] = done
+        if done == total:
+            bar["bar"].__exit__(None, None, None)
+
+    return update
+
+
+def _load(model_dir):
+    from ..engine.kv import load_model
+
+    try:
+        return load_model(model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        raise MacserveError(str(e)) from None
+
+
+def _windows(tok, data, n, seq_len, held_out):
+    from ..engine.calibrate import calibration_windows
+
+    text = None
+    if data is not None:
+        text = Path(data).read_text(encoding="utf-8", errors="replace")
+    elif held_out:
+        from ..tiny import data as tiny_data
+
+        _, held = tiny_data.split(tiny_data.load_plays())
+        text = "".join(f"{tiny_data.BOS}{p.text}{tiny_data.EOS}" for p in held)
+    try:
+        return calibration_windows(tok, text, n, seq_len)
+    except ValueError as e:
+        raise MacserveError(str(e)) from None
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="safetensors file to write")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False),
+              help="calibration text (default: the demo model's training plays)")
+@click.option("--windows", type=int, default=8, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+def calibrate(model, out, data, windows, seq_len):
+    """Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache."""
+    from ..engine.calibrate import collect, fit
+    from ..engine.latent_cache import LatentQuant
+
+    m, tok = _load(model)
+    ws = _windows(tok, data, windows, seq_len, held_out=False)
+    stats = collect(m, ws, progress=_progress("calibrating"))
+    cal = fit(stats, LatentQuant(bits=2), meta={"model": str(model), "data": data or "tiny training plays"})
+    cal.save(out)
+    for i, st in enumerate(stats):
+        import numpy as np
+
+        ev = np.linalg.eigvalsh(st.sigma_c)
+        click.echo(f"layer {i}: latent eigenvalues {ev[-1]:.3g} .. {max(ev[0], 0):.3g}")
+    click.echo(f"wrote {out} ({stats[0].tokens:,} tokens, methods {', '.join(cal.rotations)})")
+
+
+@bench.command("kv")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False),
+              help="calibration file (default: calibrate now on the training plays)")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False),
+              help="held-out text (default: the demo model's held-out plays)")
+@click.option("--windows", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True)
+@click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
+    from ..engine import kv_bench
+    from ..engine.calibrate import Calibration, collect, fit
+    from ..engine.latent_cache import LatentQuant
+
+    m, tok = _load(model)
+    if rotation:
+        try:
+            cal = Calibration.load(rotation)
+        except ValueError as e:
+            raise MacserveError(str(e)) from None
+    else:
+        cal = fit(collect(m, _windows(tok, None, 8, seq_len, held_out=False),
+                          progress=_progress("calibrating")), LatentQuant(bits=2))
+    ws = _windows(tok, data, windows, seq_len + 1, held_out=data is None)
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
+    table = kv_bench.rows(m, cal, ws, contexts=ctxs, gen_tokens=gen_tokens,
+                          progress=_progress("evaluating"))
+    if as_json:
+        click.echo(json.dumps(table, indent=1))
+        return
+    longest = max(ctxs)
+    click.echo(f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
+               f"{'greedy':>6} {'speed@' + str(longest // 1024) + 'K':>9}")
+    for r in table:
+        mark = " *" if r["default"] else ""
+        click.echo(f"{r['variant'] + mark:<36} {r['bytes_per_token_per_layer']:>11.1f} "
+                   f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
+                   f"{r['greedy_agreement']:>6.3f} {r['decode_speed_ratio']:>8.2f}x")
+    bf = table[0]["decode_tokens_per_s"]
+    click.echo("bf16 latent decode tok/s: " + ", ".join(f"{c}: {bf[c]:.1f}" for c in ctxs)
+               + "; * = default")

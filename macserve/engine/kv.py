@@ -1,0 +1,39 @@
+"""Loading a model for the engine and building its latent caches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import mla_attention
+from .calibrate import Calibration
+from .latent_cache import LatentQuant, RotatedLatentCache
+
+
+def load_model(model_dir: str | Path):
+    """mlx-lm's model and tokenizer, MLA layers able to read the quantized cache."""
+    from mlx_lm import load
+
+    model, tok = load(str(model_dir))
+    if sys.platform != "darwin":
+        # MLX's CPU backend runs the MoE experts' gather_mm only in float32.
+        model.set_dtype(mx.float32)
+    if mla_attention.install(model) == 0:
+        raise ValueError(f"{model_dir}: no MLA attention layers; the latent cache needs an MLA model")
+    return model, tok
+
+
+def make_caches(model, quant: LatentQuant, calibration: Calibration | None = None,
+                method: str | None = None) -> list[RotatedLatentCache]:
+    """One cache per trunk layer. Quantized caches other than `plain` need a calibration."""
+    n = len(mla_attention.mla_attentions(model))
+    if quant.bits is None or method in (None, "plain"):
+        return [RotatedLatentCache(quant) for _ in range(n)]
+    if calibration is None:
+        raise ValueError(f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)")
+    rots, clips = calibration.for_method(method)
+    if len(rots) != n:
+        raise ValueError(f"calibration has {len(rots)} layers, the model {n}")
+    return [RotatedLatentCache(quant, r, c) for r, c in zip(rots, clips)]

@@ -1,0 +1,119 @@
+"""Absorbed MLA attention that reads a `RotatedLatentCache` without dequantizing it.
+
+mlx-lm's DeepSeek-V3-family attention (deepseek_v3, kimi_k2, glm4_moe_lite, ...) projects
+q_nope into latent space (`embed_q`), scores it against the cached latent and maps the
+attended latent back (`unembed_out`). With a rotated cache u = c R the same holds in rotated
+coordinates: q~ . c = (q~ R) . u, and sum_t p_t c_t = (sum_t p_t u_t) R^T. So the query is
+rotated once, `mx.quantized_matmul` scores and attends the packed codes, and the output is
+rotated back once per step.
+
+`install(model)` swaps each MLA attention module's class for a subclass whose `__call__`
+takes this path when its cache is a RotatedLatentCache and defers to mlx-lm otherwise, so
+mlx-lm's model code, weights and `generate` are used unchanged.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .latent_cache import RotatedLatentCache
+
+
+def _project(attn, x):
+    B, L, _ = x.shape
+    if getattr(attn, "q_lora_rank", None) is None:
+        q = attn.q_proj(x)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.reshape(B, L, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
+    ckv = attn.kv_a_proj_with_mqa(x)
+    ckv, k_pe = mx.split(ckv, [attn.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = mx.expand_dims(attn.kv_a_layernorm(ckv), axis=1)
+    return q_nope, q_pe, latent, k_pe
+
+
+def _scores(x, kind, parts, store, dims):
+    """x (B, 1, H*L, D) against one segment's keys -> (B, 1, H*L, T)."""
+    if kind != "int" or store.bits is None:
+        return x @ parts[0].astype(x.dtype).swapaxes(-1, -2)
+    return mx.quantized_matmul(x, *parts, transpose=True, group_size=store.group(dims),
+                               bits=store.bits)
+
+
+def _attend(p, kind, parts, store, dims):
+    """Attention weights p (B, 1, H*L, T) times one segment's latents -> (B, 1, H*L, r)."""
+    if kind != "int" or store.bits is None:
+        return p @ parts[0].astype(p.dtype)
+    return mx.quantized_matmul(p, *parts, transpose=False, group_size=store.group(dims),
+                               bits=store.bits)
+
+
+def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None):
+    B, L, _ = x.shape
+    H = attn.num_heads
+    q_nope, q_pe, latent, k_pe = _project(attn, x)
+    q_pe = attn.rope(q_pe, cache.offset)
+    k_pe = attn.rope(k_pe, cache.offset)
+    q_lat = attn.embed_q(q_nope)  # (B, H, L, r): the absorbed query
+    if observer is not None:
+        observer(q_lat, latent)
+    cache.append(latent, k_pe)
+    q_rot = cache.rotate(q_lat) * attn.scale
+    q_rot = q_rot.reshape(B, 1, H * L, -1)
+    q_pe = (q_pe * attn.scale).reshape(B, 1, H * L, -1)
+    lat_store, pe_store = cache.stores()
+    segs = cache.segments(L)
+    scores = []
+    for kind, _, lat, pe in segs:
+        s = _scores(q_rot, kind, lat, lat_store, cache.latent_dims)
+        s = s + _scores(q_pe, kind, pe, pe_store, cache.rope_dims)
+        scores.append(s)
+    s = mx.concatenate(scores, axis=-1).reshape(B, H, L, -1)
+    # Our own mask, not mlx-lm's: a token may appear twice (int and bf16) near the window edge.
+    visible = cache.mask(segs, L)
+    s = mx.where(visible, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
+    p = mx.softmax(s.astype(mx.float32), axis=-1).astype(q_rot.dtype).reshape(B, 1, H * L, -1)
+    out, start = None, 0
+    for kind, _, lat, _ in segs:
+        n = lat[0].shape[2]
+        o = _attend(p[..., start : start + n], kind, lat, lat_store, cache.latent_dims)
+        out = o if out is None else out + o
+        start += n
+    out = out.reshape(B, H, L, -1)
+    if cache.rotation is not None:
+        out = out @ cache.rotation.T
+    out = attn.unembed_out(out)
+    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return attn.o_proj(out)
+
+
+_patched: dict[type, type] = {}
+
+
+def _patched_class(base: type) -> type:
+    if base not in _patched:
+
+        def __call__(self, x, mask=None, cache=None):
+            if isinstance(cache, RotatedLatentCache):
+                return quantized_attention(self, x, mask, cache, getattr(self, "_observer", None))
+            return base.__call__(self, x, mask=mask, cache=cache)
+
+        _patched[base] = type(base.__name__ + "Quantized", (base,), {"__call__": __call__})
+    return _patched[base]
+
+
+def mla_attentions(model) -> list:
+    """The MLA attention modules of the trunk, in layer order."""
+    layers = getattr(model, "layers", None) or model.model.layers
+    return [l.self_attn for l in layers if hasattr(l.self_attn, "embed_q")]
+
+
+def install(model) -> int:
+    """Let every MLA layer read RotatedLatentCache; returns how many layers were patched."""
+    attns = mla_attentions(model)
+    for a in attns:
+        if type(a) not in _patched.values():
+            a.__class__ = _patched_class(type(a))
+    return len(attns)

@@ -1,0 +1,173 @@
+"""MTP speculative decoding: the model's own next-n layer drafts, one trunk forward verifies.
+
+Alignment (DeepSeek-V3): the MTP layer at position i reads the trunk's post-norm hidden h_i
+and the embedding of token i+1, and predicts token i+2. Its cache is indexed like the trunk's.
+
+One round, with t the last emitted token (at position n) and the MTP cache filled to n-1:
+  1. MTP over the pending rows (h_j, token j+1) up to (h_{n-1}, t) -> draft d1; for k > 1 the
+     MTP output hidden is fed back with d1 -> d2, ... (chained, DeepSeek's inference use).
+  2. The trunk reads [t, d1..dk] in one forward: logits for positions n..n+k.
+  3. Accept by the exact rule: greedy, the longest prefix equal to the trunk's argmax; sampled,
+     lossless rejection sampling (accept d with min(1, p/q), else resample from (p-q)+).
+  4. Emit the accepted drafts and one token from the trunk; trim the trunk cache of the
+     rejected positions and the MTP cache of the chained rows (they used MTP hiddens, not
+     trunk ones); the trunk hiddens of the accepted positions become the next pending rows.
+
+Drafting switches itself off for the rest of a generation when, after `probe_rounds`, the
+accepted drafts per round fall below `min_accept_per_round` (break-even; see docs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+
+@dataclass
+class DraftStats:
+    k: int
+    proposed: list[int] = field(default_factory=list)  # per draft position: times it was checked
+    accepted: list[int] = field(default_factory=list)  # per draft position: times it was accepted
+    rounds: int = 0
+    disabled_after: int | None = None
+
+    def __post_init__(self):
+        self.proposed = [0] * self.k
+        self.accepted = [0] * self.k
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.proposed)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted)
+
+    def per_position(self) -> list[float | None]:
+        return [a / p if p else None for a, p in zip(self.accepted, self.proposed)]
+
+
+def _probs(logits: mx.array, temperature: float) -> np.ndarray:
+    x = np.array(logits.astype(mx.float32), dtype=np.float64) / temperature
+    x = np.exp(x - x.max(axis=-1, keepdims=True))
+    return x / x.sum(axis=-1, keepdims=True)
+
+
+class MTPDecoder:
+    """Generates with trunk `model` (mlx-lm) and `mtp` (an MTPLayer) sharing one tokenizer."""
+
+    def __init__(self, model, mtp, k: int = 1, min_accept_per_round: float = 0.25,
+                 probe_rounds: int = 16):
+        if not 1 <= k <= 3:
+            raise ValueError(f"draft length k must be 1..3, not {k}")
+        self.model, self.mtp, self.k = model, mtp, k
+        self.min_accept, self.probe_rounds = min_accept_per_round, probe_rounds
+
+    def _trunk(self, tokens: list[int], cache):
+        h = self.model.model(mx.array([tokens]), cache)
+        return h, self.model.lm_head(h)
+
+    def _mtp(self, h: mx.array, tokens: list[int], cache):
+        from mlx_lm.models.base import create_attention_mask
+
+        mask = create_attention_mask(h, cache, return_array=True)
+        return self.mtp(h, mx.array([tokens]), mask, cache)
+
+    def generate(self, prompt: list[int], max_tokens: int, caches=None, temperature: float = 0.0,
+                 eos: set[int] | frozenset = frozenset(), seed: int = 0, draft: bool = True):
+        """Yield tokens; `self.stats` holds the draft statistics of the current generation."""
+        rng = np.random.default_rng(seed)
+        greedy = temperature <= 0
+        caches = caches if caches is not None else make_prompt_cache(self.model)
+        mtp_cache = KVCache()
+        self.stats = stats = DraftStats(self.k)
+        self.timings = {"prompt_s": 0.0, "decode_s": 0.0}
+
+        def pick(logits_row):
+            if greedy:
+                return int(mx.argmax(logits_row).item())
+            p = _probs(logits_row, temperature)
+            return int(rng.choice(len(p), p=p))
+
+        t0 = time.perf_counter()
+        h, logits = self._trunk(prompt, caches)
+        t = pick(logits[0, -1])
+        mx.eval(h)
+        self.timings["prompt_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pend_h, pend_tok = h[:, -1:], [t]
+        if len(prompt) > 1:
+            # The MTP rows for the prompt: (h_i, token i+1) for i < n-1.
+            mx.eval(self._mtp(h[:, :-1], prompt[1:], mtp_cache)[0])
+        produced = 0
+        while True:
+            yield t
+            produced += 1
+            if produced >= max_tokens or t in eos:
+                break
+            if not draft or stats.disabled_after is not None:
+                # Drafting does not resume within a generation, so the MTP cache is left behind.
+                _, logits = self._trunk([t], caches)
+                t = pick(logits[0, -1])
+                continue
+            drafts, q_rows = [], []
+            m_logits, z = self._mtp(pend_h, pend_tok, mtp_cache)
+            m_logits, z = m_logits[:, -1:], z[:, -1:]
+            for j in range(self.k):
+                if greedy:
+                    d = int(mx.argmax(m_logits[0, -1]).item())
+                else:
+                    q = _probs(m_logits[0, -1], temperature)
+                    d = int(rng.choice(len(q), p=q))
+                    q_rows.append(q)
+                drafts.append(d)
+                if j + 1 < self.k:
+                    m_logits, z = self._mtp(z, [d], mtp_cache)
+            h, logits = self._trunk([t] + drafts, caches)
+            a = 0
+            if greedy:
+                target = [int(x) for x in np.array(mx.argmax(logits[0], axis=-1))]
+                while a < self.k and drafts[a] == target[a]:
+                    a += 1
+                bonus = target[a]
+            else:
+                bonus = None
+                for j in range(self.k):
+                    p = _probs(logits[0, j], temperature)
+                    q = q_rows[j]
+                    d = drafts[j]
+                    if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
+                        a += 1
+                        continue
+                    resid = np.maximum(p - q, 0.0)
+                    resid = resid / resid.sum() if resid.sum() > 0 else p
+                    bonus = int(rng.choice(len(resid), p=resid))
+                    break
+                if bonus is None:
+                    bonus = pick(logits[0, self.k])
+            stats.rounds += 1
+            for j in range(min(a + 1, self.k)):
+                stats.proposed[j] += 1
+            for j in range(a):
+                stats.accepted[j] += 1
+            for c in caches:
+                c.trim(self.k - a)
+            if self.k > 1:
+                mtp_cache.trim(self.k - 1)
+            emitted = drafts[:a] + [bonus]
+            pend_h, pend_tok = h[:, : a + 1], emitted
+            for d in emitted[:-1]:
+                yield d
+                produced += 1
+                if produced >= max_tokens or d in eos:
+                    self.timings["decode_s"] = time.perf_counter() - t0
+                    return
+            t = bonus
+            if (stats.rounds >= self.probe_rounds and stats.disabled_after is None
+                    and stats.accepted_tokens / stats.rounds < self.min_accept):
+                stats.disabled_after = stats.rounds
+        self.timings["decode_s"] = time.perf_counter() - t0
