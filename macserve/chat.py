@@ -1,0 +1,317 @@
+"""Terminal chat against any OpenAI-compatible server (macserve serve, llama-server, mlx_lm).
+
+Talks plain HTTP + SSE with httpx, so it needs nothing from the server beyond
+/v1/chat/completions. Speed figures come from the server's llama-server-style `timings` when
+it sends them (those count tokens exactly and include MTP draft counts); otherwise from the
+client's own clock and the streamed chunk count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+
+from .errors import MacserveError
+
+HELP = """commands:
+  /clear         forget the conversation (the system prompt stays)
+  /system TEXT   set the system prompt; /system alone clears it
+  /stats         speed of the last answer and of the session
+  /save FILE     write the conversation as JSON
+  /exit          leave (also /quit, Ctrl-D)"""
+
+
+# ---- where to talk to --------------------------------------------------------------------------
+
+def resolve(target: str | None) -> tuple[str, str | None]:
+    """(base URL without /v1, API key from the profile if it sets one)."""
+    from . import providers
+    from .profiles import ProfileStore
+
+    if target and re.match(r"^https?://", target):
+        return re.sub(r"/+(v1/*)?$", "", target), None
+    if target and re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", target):
+        return f"http://{target}", None  # profile names cannot contain ':'
+    store = ProfileStore()
+    if target is None:
+        names = store.names()
+        if len(names) != 1:
+            raise MacserveError("no profiles yet: give a URL, e.g. http://127.0.0.1:8080" if not names
+                                else f"several profiles ({', '.join(names)}): name one, or give a URL")
+        target = names[0]
+    profile = store.load(target)
+    return providers.base_url(profile), _api_key(profile.extra_args)
+
+
+def _api_key(args: list[str]) -> str | None:
+    for i, a in enumerate(args):
+        if a == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--api-key="):
+            return a.split("=", 1)[1]
+    return None
+
+
+# ---- one streamed answer -----------------------------------------------------------------------
+
+@dataclass
+class TurnStats:
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    seconds: float = 0.0  # request sent -> last byte
+    ttft: float | None = None  # request sent -> first text
+    tokens_per_s: float | None = None
+    tps_source: str = "client"  # "server" when taken from timings.predicted_per_second
+    draft_n: int | None = None
+    draft_accepted: int | None = None
+    finish_reason: str | None = None
+
+    def line(self) -> str:
+        parts = [f"{self.completion_tokens} tokens"]
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s" + (" (server)" if self.tps_source == "server" else ""))
+        if self.ttft is not None:
+            parts.append(f"first token {self.ttft:.2f} s")
+        if self.draft_n:
+            parts.append(f"draft acceptance {self.draft_accepted / self.draft_n:.0%} "
+                         f"({self.draft_accepted}/{self.draft_n})")
+        if self.finish_reason == "length":
+            parts.append("cut at max_tokens")
+        return ", ".join(parts)
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        err = body.get("error", body)
+        msg = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = r.text[:200]
+    return f"server answered {r.status_code}: {' '.join(str(msg).split())}"
+
+
+class Client:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        self.base_url = base_url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=5.0))
+        self.timeout = timeout
+
+    def _fail(self, e: httpx.HTTPError) -> MacserveError:
+        if isinstance(e, httpx.ConnectError):
+            return MacserveError(f"cannot reach {self.base_url}: {' '.join(str(e).split()) or 'connection failed'}")
+        if isinstance(e, httpx.TimeoutException):
+            return MacserveError(f"no answer from {self.base_url} within {self.timeout:.0f} s")
+        return MacserveError(f"{self.base_url}: {type(e).__name__}: {' '.join(str(e).split())}")
+
+    def model_id(self) -> str | None:
+        """The served model's id, or None for a server without /v1/models (the field is
+        optional to llama-server and ours)."""
+        try:
+            r = self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise self._fail(e) from None
+        if r.status_code in (401, 403):
+            raise MacserveError(_error_text(r))
+        try:
+            return r.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+
+    def stream_chat(self, body: dict) -> Iterator[str | TurnStats]:
+        """Yields text pieces as they arrive, then one TurnStats."""
+        st = TurnStats()
+        chunks = 0
+        t0 = time.perf_counter()
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise MacserveError(_error_text(r))
+                for data in _sse_data(r.iter_lines()):
+                    if data == "[DONE]":
+                        break
+                    try:
+                        ev = json.loads(data)
+                    except ValueError:
+                        raise MacserveError(f"server sent a line that is not JSON: {data[:80]!r}") from None
+                    if "error" in ev:
+                        err = ev["error"]
+                        raise MacserveError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
+                    _take_stats(st, ev)
+                    for ch in ev.get("choices") or []:
+                        st.finish_reason = ch.get("finish_reason") or st.finish_reason
+                        text = (ch.get("delta") or {}).get("content")
+                        if text:
+                            if st.ttft is None:
+                                st.ttft = time.perf_counter() - t0
+                            chunks += 1
+                            yield text
+        except httpx.HTTPError as e:
+            raise self._fail(e) from None
+        st.seconds = time.perf_counter() - t0
+        if not st.completion_tokens:
+            st.completion_tokens = chunks  # servers without usage: one chunk is about one token
+        if st.tokens_per_s is None and st.ttft is not None and st.seconds > st.ttft:
+            st.tokens_per_s = max(st.completion_tokens - 1, 0) / (st.seconds - st.ttft) or None
+        yield st
+
+
+def _sse_data(lines) -> Iterator[str]:
+    # One JSON object per `data:` line is what OpenAI, llama-server and we send; multi-line
+    # data fields (legal SSE, unused by them) are joined per event for completeness.
+    buf: list[str] = []
+    for line in lines:
+        if line.startswith("data:"):
+            buf.append(line[5:].lstrip(" "))
+        elif not line.strip() and buf:
+            yield "\n".join(buf)
+            buf = []
+    if buf:
+        yield "\n".join(buf)
+
+
+def _take_stats(st: TurnStats, ev: dict) -> None:
+    u = ev.get("usage")
+    if isinstance(u, dict):
+        st.completion_tokens = u.get("completion_tokens") or st.completion_tokens
+        st.prompt_tokens = u.get("prompt_tokens", st.prompt_tokens)
+    t = ev.get("timings")
+    if isinstance(t, dict):
+        if t.get("predicted_n"):
+            st.completion_tokens = t["predicted_n"]
+        if t.get("predicted_per_second"):
+            st.tokens_per_s, st.tps_source = float(t["predicted_per_second"]), "server"
+        if "draft_n" in t:
+            st.draft_n, st.draft_accepted = t.get("draft_n") or 0, t.get("draft_n_accepted") or 0
+
+
+# ---- the session --------------------------------------------------------------------------------
+
+class Session:
+    def __init__(self, client: Client, model: str | None = None, system: str | None = None,
+                 max_tokens: int | None = None, temperature: float | None = None):
+        self.client = client
+        self.model = model
+        self.system = system
+        self.params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature))
+                       if v is not None}
+        self.messages: list[dict] = []
+        self.turns: list[TurnStats] = []
+
+    def request(self) -> dict:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        body = {"messages": msgs, "stream_options": {"include_usage": True}, **self.params}
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    def ask(self, text: str, on_text: Callable[[str], None]) -> TurnStats:
+        """One turn; the history only keeps it once the whole answer has arrived."""
+        self.messages.append({"role": "user", "content": text})
+        parts: list[str] = []
+        try:
+            for item in self.client.stream_chat(self.request()):
+                if isinstance(item, TurnStats):
+                    stats = item
+                else:
+                    parts.append(item)
+                    on_text(item)
+        except BaseException:
+            self.messages.pop()
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(parts)})
+        self.turns.append(stats)
+        return stats
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+    def stats_text(self) -> str:
+        if not self.turns:
+            return "no answers yet"
+        last = self.turns[-1]
+        toks = sum(t.completion_tokens for t in self.turns)
+        gen = sum(t.seconds - (t.ttft or 0) for t in self.turns)
+        lines = [f"last: {last.line()}, {last.seconds:.2f} s total",
+                 f"session: {len(self.turns)} answer{'' if len(self.turns) == 1 else 's'}, {toks} tokens"
+                 + (f", {toks / gen:.1f} tok/s overall (client clock)" if gen > 0 else "")]
+        dn = sum(t.draft_n or 0 for t in self.turns)
+        if dn:
+            da = sum(t.draft_accepted or 0 for t in self.turns)
+            lines.append(f"draft acceptance: {da / dn:.0%} ({da}/{dn})")
+        return "\n".join(lines)
+
+    def save(self, path: str) -> Path:
+        from .profiles import atomic_write
+
+        p = Path(path).expanduser()
+        doc = {"url": self.client.base_url, "model": self.model, "system": self.system,
+               "messages": self.messages, "turns": [asdict(t) for t in self.turns]}
+        try:
+            atomic_write(p, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise MacserveError(f"cannot write {p}: {e.strerror or e}") from None
+        return p
+
+
+def command(session: Session, line: str, echo: Callable[[str], None]) -> bool:
+    """Run one /command; False means leave."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/clear":
+        session.clear()
+        echo("(conversation cleared)")
+    elif name == "/system":
+        session.system = arg or None
+        echo(f"(system prompt set: {arg})" if arg else "(system prompt cleared)")
+    elif name == "/stats":
+        echo(session.stats_text())
+    elif name == "/save":
+        if not arg:
+            echo("usage: /save FILE")
+        else:
+            try:
+                echo(f"(saved to {session.save(shlex.split(arg)[0])})")
+            except (MacserveError, ValueError) as e:
+                echo(f"error: {e}")
+    elif name == "/help":
+        echo(HELP)
+    else:
+        echo(f"unknown command {name} (/help lists them)")
+    return True
+
+
+def repl(session: Session, read: Callable[[], str], write: Callable[[str], None],
+         echo: Callable[[str], None]) -> None:
+    """read() returns the next line (raises EOFError at the end); write() streams answer
+    text; echo() prints a whole line. Errors end the turn, never the session."""
+    while True:
+        try:
+            line = read()
+        except (EOFError, KeyboardInterrupt):
+            echo("")
+            return
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if not command(session, line, echo):
+                return
+            continue
+        try:
+            session.ask(line, write)
+            write("\n")
+        except KeyboardInterrupt:
+            echo("\n(stopped; that turn is not kept)")
+        except MacserveError as e:
+            echo(f"\nerror: {e}")
