@@ -4,6 +4,7 @@ and a client that walks away mid-stream while the server keeps serving."""
 
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -12,7 +13,10 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from macserve import providers
 from macserve.cli import main
+from macserve.errors import MacserveError
+from macserve.profiles import Profile
 
 from .conftest import TINY_MODEL
 from .serverproc import free_port, serve
@@ -196,3 +200,39 @@ def test_serve_refuses_a_missing_model_and_a_busy_port(tmp_path):
     assert r.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in r.output
     r = CliRunner().invoke(main, ["serve", str(TINY_MODEL), "--ctx", "99999"])
     assert r.exit_code == 2 and "more than the model's limit 1024" in r.output
+
+
+def test_non_streaming_and_queued_requests_are_cancelled_when_their_client_leaves(server, client):
+    before = server.health()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"messages": HELLO, "max_tokens": CTX - 20, "temperature": 0}
+    with httpx.Client(timeout=30, headers=auth) as a, httpx.Client(timeout=30, headers=auth) as b:
+        with a.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}) as r:
+            next(r.iter_lines())  # A holds the worker
+            # B waits behind A; it hangs up (a read timeout closes the connection) while queued.
+            with pytest.raises(httpx.ReadTimeout):
+                b.post(server.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.monotonic() + 20
+    while server.health()["disconnected"] < before["disconnected"] + 2:
+        assert time.monotonic() < deadline, server.health()
+        time.sleep(0.05)
+    r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=2, temperature=0)
+    assert r.choices[0].message.content is not None
+    assert server.health()["queued"] == 0
+
+
+def test_engine_provider_argv_flags_and_checks():
+    p = Profile("t", {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": "9002",
+                      "EXTRA_ARGS": "--ctx 256 --mtp-k 1"})
+    prov = providers.for_profile(p)
+    assert prov.argv(p) == [sys.executable, "-m", "macserve", "serve", str(TINY_MODEL),
+                            "--host", "127.0.0.1", "--port", "9002", "--ctx", "256", "--mtp-k", "1"]
+    assert prov.context_args(512) == ["--ctx", "512"]
+    assert prov.draft_args(1) == ["--mtp-k", "1"] and prov.draft_args(0) == []
+    prov.check_args(p)  # against the real `macserve serve --help`
+    for extra, why in (("--bogus 1", "does not accept --bogus"), ("--port 1", "set by macserve"),
+                       ("--ctx", "expects a value")):
+        with pytest.raises(MacserveError, match=why):
+            prov.check_args(p.updated({"EXTRA_ARGS": extra}))
+    with pytest.raises(MacserveError, match="local model folder"):
+        prov.check_args(p.updated({"MODEL": "org/not-here"}))

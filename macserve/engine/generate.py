@@ -63,7 +63,8 @@ def read_config(model_dir: str | Path) -> dict:
     p = Path(model_dir).expanduser()
     cfg = p / "config.json"
     if not p.is_dir():
-        raise MacserveError(f"{model_dir}: not a model folder")
+        raise MacserveError(f"{model_dir}: not a model folder (download it first, e.g. "
+                            "huggingface-cli download ORG/NAME --local-dir DIR)")
     try:
         return json.loads(cfg.read_text())
     except FileNotFoundError:

@@ -34,9 +34,10 @@ class Engine(BaseProvider):
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
 
     def check_args(self, profile: Profile) -> None:
+        # The engine serves local folders only; refusing here beats a crash loop.
         path = local_model_path(profile.model)
-        if path is not None and not (path / "config.json").is_file():
-            raise MacserveError(f"{profile.model}: not a model folder (no config.json)")
+        if path is None or not (path / "config.json").is_file():
+            raise MacserveError(f"{profile.model}: macserve serve needs a local model folder with a config.json")
         super().check_args(profile)
 
     def context_args(self, n_ctx: int) -> list[str]:

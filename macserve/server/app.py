@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -48,8 +49,7 @@ class Settings:
 
     @property
     def model_id(self) -> str:
-        p = Path(self.model).expanduser()
-        return p.resolve().name if p.exists() else self.model
+        return Path(self.model).expanduser().resolve().name
 
 
 class ApiKeyGate:
@@ -125,6 +125,8 @@ def _n(k: int) -> str:
 
 
 def _budget(req: P.GenRequest, n_prompt: int, ctx: int) -> int:
+    if n_prompt == 0:
+        raise P.ApiError(400, "the prompt is empty after tokenization", "prompt")
     if n_prompt >= ctx:
         raise P.ApiError(400, f"the prompt is {_n(n_prompt)}; the context is {ctx}",
                          "messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
@@ -166,7 +168,7 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 async def _collect(request: Request, job: Job, req: P.GenRequest, rid: str, model: str) -> dict:
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     matcher = P.StopMatcher(req.stop)
-    parts, finish, stats = [], None, {}
+    parts, finish, stats, hit = [], None, {}, False
     try:
         while finish is None:
             item = await job.out.get()
@@ -178,7 +180,8 @@ async def _collect(request: Request, job: Job, req: P.GenRequest, rid: str, mode
             parts.append(text)
             stats = item.stats
             finish = "stop" if hit else item.finish_reason
-        parts.append(matcher.flush() if finish != "stop" or not req.stop else "")
+        if not hit:
+            parts.append(matcher.flush())  # held-back text that never became a stop string
     finally:
         watcher.cancel()
         job.cancel()  # done already, or a stop string matched: either way the worker may stop
@@ -225,7 +228,7 @@ async def _generate(request: Request, kind: str) -> Response:
         bundle = eng.bundle()
         body = P.parse_json(await _read_body(request))
         req = P.parse_chat(body) if kind == "chat" else P.parse_completion(body)
-        ids = _prompt_ids(bundle, req)
+        ids = await run_in_threadpool(_prompt_ids, bundle, req)  # a long prompt must not stall other streams
         max_tokens = _budget(req, len(ids), eng.ctx)
         if eng.worker.queued() >= MAX_QUEUE:
             raise P.ApiError(503, f"{MAX_QUEUE} requests are already waiting; retry later",
@@ -324,14 +327,11 @@ def check_settings(settings: Settings) -> list[str]:
     from ..engine import generate
 
     notes = []
-    p = Path(settings.model).expanduser()
-    if p.exists() or settings.model.startswith(("/", ".", "~")):
-        cfg = generate.read_config(p)
-        limit = cfg.get("max_position_embeddings")
-        if settings.ctx and limit and settings.ctx > limit:
-            raise MacserveError(f"--ctx {settings.ctx} is more than the model's limit {limit}")
-        if not settings.ctx and not limit:
-            raise MacserveError(f"{settings.model}: config.json has no max_position_embeddings; pass --ctx")
+    limit = generate.read_config(settings.model).get("max_position_embeddings")
+    if settings.ctx and limit and settings.ctx > limit:
+        raise MacserveError(f"--ctx {settings.ctx} is more than the model's limit {limit}")
+    if not settings.ctx and not limit:
+        raise MacserveError(f"{settings.model}: config.json has no max_position_embeddings; pass --ctx")
     if settings.rotation and settings.kv != "int2":
         raise MacserveError("--rotation applies to the int2 cache; add --kv int2")
     if settings.mtp_k < 0 or settings.mtp_k > 3:
