@@ -2,15 +2,19 @@
 scripted session (/system, /clear, /stats, /save), profile and URL targets, clear errors."""
 
 import json
+import re
 
 import httpx
 import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
+from macserve.gguf_export import export_gguf
 from macserve.profiles import Profile, ProfileStore
 
+from .conftest import TINY_MODEL
 from .serverproc import free_port, serve
+from .test_tiny_model import _serve
 
 CTX = 256
 
@@ -90,3 +94,26 @@ def test_errors_inside_a_session_do_not_end_it(server):
     r = chat(server.url, "--max-tokens", str(CTX), input="hi\n/stats\n")
     assert r.exit_code == 0
     assert "error: server answered 400" in r.stdout and "no answers yet" in r.stdout
+
+
+def test_one_shot_against_llama_server_with_mtp(llama_server, tmp_path):
+    gguf = export_gguf(TINY_MODEL, tmp_path / "tiny-mla-f32.gguf")
+    port = free_port()
+    p = _serve(llama_server, gguf, port, "-c", "512", "--spec-type", "draft-mtp")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        r = chat(url, "Good morrow.", "--max-tokens", "16", "--temperature", "0")
+        assert r.exit_code == 0, r.output
+        assert re.match(r"^\d+ tokens, [\d.]+ tok/s", r.stderr), r.stderr
+        # Whatever llama-server reports about drafting, the stats line must show the same.
+        body = {"messages": [{"role": "user", "content": "Good morrow."}], "max_tokens": 16,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as s:
+            events = [json.loads(l[5:]) for l in s.iter_lines() if l.startswith("data:") and "[DONE]" not in l]
+        draft = [e["timings"] for e in events if (e.get("timings") or {}).get("draft_n")]
+        if draft:
+            t = draft[-1]
+            assert f"draft acceptance {t['draft_n_accepted'] / t['draft_n']:.0%}" in r.stderr, r.stderr
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
