@@ -126,3 +126,88 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_j
     bf = table[0]["decode_tokens_per_s"]
     click.echo("bf16 latent decode tok/s: " + ", ".join(f"{c}: {bf[c]:.1f}" for c in ctxs)
                + "; * = default")
+
+
+def _held_out_prompts(tok, n, prompt_tokens):
+    """Prompts cut from the demo model's held-out plays (never trained on)."""
+    from ..tiny import data as tiny_data
+
+    _, held = tiny_data.split(tiny_data.load_plays())
+    text = "".join(p.text for p in held)
+    ids = tok.encode(text, add_special_tokens=False)
+    stride = max(prompt_tokens, (len(ids) - prompt_tokens) // max(1, n))
+    return [ids[s : s + prompt_tokens] for s in range(0, stride * n, stride)][:n]
+
+
+@bench.command("mtp")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("-k", "ks", type=int, multiple=True, default=[1, 2, 3], show_default=True,
+              help="draft lengths to measure")
+@click.option("--prompts", type=int, default=8, show_default=True)
+@click.option("--prompt-tokens", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option("--llama-server", "llama_url", help="URL of a llama-server running the GGUF twin "
+              "with --spec-type draft-mtp: its acceptance on the same prompts is reported")
+@click.option("--json", "as_json", is_flag=True)
+def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
+    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
+    from ..engine import mtp_bench
+    from ..engine.generate import load
+
+    bundle = load(model)
+    if kv == "int2" and rotation is None:
+        raise MacserveError("--kv int2 needs --rotation FILE (macserve calibrate)")
+    mtp = bundle.mtp()
+    ps = _held_out_prompts(bundle.tokenizer, prompts, prompt_tokens)
+    rows = []
+    for k in ks:
+        if not 1 <= k <= 3:
+            raise MacserveError(f"-k must be 1..3, not {k}")
+        rows.append(mtp_bench.run(bundle.model, mtp, ps, k, tokens,
+                                  lambda: bundle.caches(kv, rotation)))
+    if llama_url:
+        texts = [bundle.tokenizer.decode(p) for p in ps]
+        ref = mtp_bench.llama_server_acceptance(llama_url, texts, tokens)
+        for r in rows:
+            r["llama_server"] = ref
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        acc = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
+        click.echo(f"k={r['k']}: acceptance per position [{acc}], plain {r['tokens_per_s_plain']:.1f} "
+                   f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
+                   f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}")
+    if llama_url:
+        ref = rows[0]["llama_server"]
+        click.echo(f"llama-server draft-mtp on the same prompts: {ref['draft_n_accepted']}/"
+                   f"{ref['draft_n']} accepted")
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.argument("prompt")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True)
+def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
+    """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""
+    from ..engine import generate as gen
+
+    bundle = gen.load(model)
+    ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)
+    last = None
+    for step in gen.stream(bundle, ids, max_tokens, temperature=temperature, kv=kv,
+                           rotation=rotation, mtp_k=mtp_k):
+        click.echo(step.text, nl=False)
+        last = step
+    click.echo()
+    if last is not None:
+        s = last.stats
+        extra = (f", drafts accepted {s['accepted_tokens']}/{s['draft_tokens']}"
+                 if s["draft_tokens"] else "")
+        click.echo(f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}", err=True)

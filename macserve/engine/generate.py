@@ -18,12 +18,64 @@ from typing import Any, Callable, Iterator
 from ..errors import MacserveError
 
 
+# A model folder may ship its calibration under this name; --kv int2 then needs no --rotation.
+SHIPPED_ROTATION = "latent-rotation.safetensors"
+
+
 @dataclass
 class Bundle:
     model: Any
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict
     path: Path
+    _mtp: Any = None
+    _calibrations: dict = field(default_factory=dict)
+
+    def mtp(self):
+        """The MTP layer, loaded on first use (mlx-lm's loader drops it)."""
+        if self._mtp is None:
+            import mlx.core as mx
+
+            from .mtp_layer import load_mtp_layers
+
+            layers = load_mtp_layers(self.path, trunk=self.model)
+            if not layers:
+                raise MacserveError(f"{self.path}: the model has no MTP layer (--mtp-k needs one)")
+            self._mtp = layers[0]
+            self._mtp.set_dtype(self.model.model.embed_tokens.weight.dtype)
+            from . import mla_attention
+
+            mla_attention.install(self.model, extra=[self._mtp.self_attn])
+            mx.eval(self._mtp.parameters())
+        return self._mtp
+
+    def caches(self, kv: str, rotation: str | Path | None):
+        """A fresh prompt cache: mlx-lm's own for kv=bf16, the rotated latent cache for int2."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if kv == "bf16":
+            return make_prompt_cache(self.model)
+        from .calibrate import Calibration
+        from .kv import make_caches
+        from .latent_cache import LatentQuant
+
+        if kv != "int2":
+            raise ValueError(f"kv must be bf16 or int2, not {kv!r}")
+        if rotation is None and (self.path / SHIPPED_ROTATION).exists():
+            rotation = self.path / SHIPPED_ROTATION
+        if rotation is None:
+            raise MacserveError("--kv int2 needs --rotation FILE (macserve calibrate)")
+        key = str(rotation)
+        if key not in self._calibrations:
+            try:
+                self._calibrations[key] = Calibration.load(rotation)
+            except ValueError as e:
+                raise MacserveError(str(e)) from None
+        cal = self._calibrations[key]
+        try:
+            return make_caches(self.model, LatentQuant(bits=2), cal, cal.meta.get("default", "eigen"))
+        except ValueError as e:
+            raise MacserveError(str(e)) from None
 
     @property
     def name(self) -> str:
@@ -83,6 +135,9 @@ def load(model_dir: str | Path) -> Bundle:
     if mx.default_device().type == mx.DeviceType.cpu:
         # MLX's CPU gather_mm (the MoE experts) only runs in float32.
         model.set_dtype(mx.float32)
+    from . import mla_attention
+
+    mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
     return Bundle(model, tokenizer, config, path)
 
 
@@ -91,18 +146,34 @@ class _Cancelled(Exception):
 
 
 def _plain_tokens(bundle: Bundle, prompt, max_tokens: int, sampler, counters: Counters,
-                  progress) -> Iterator[int]:
+                  progress, cache=None) -> Iterator[int]:
     """The token source: mlx-lm's own loop. An MTP source yields tokens the same way and
     bumps `counters` for each drafted / accepted token."""
     from mlx_lm.generate import generate_step
 
     for token, _ in generate_step(prompt, bundle.model, max_tokens=max_tokens, sampler=sampler,
-                                  prompt_progress_callback=progress):
+                                  prompt_progress_callback=progress, prompt_cache=cache):
         yield int(token)
 
 
+def _mtp_tokens(bundle: Bundle, prompt_ids, max_tokens, temperature, counters, k, cache,
+                seed) -> Iterator[int]:
+    from .mtp_decode import MTPDecoder
+
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=k)
+    for token in dec.generate(list(prompt_ids), max_tokens, caches=cache, temperature=temperature,
+                              eos=bundle.eos_ids, seed=seed):
+        counters.draft_tokens = dec.stats.draft_tokens
+        counters.accepted_tokens = dec.stats.accepted_tokens
+        yield token
+
+
 def stream(bundle: Bundle, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-           top_p: float = 1.0, stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+           top_p: float = 1.0, stop: Callable[[], bool] | None = None, kv: str = "bf16",
+           rotation: str | Path | None = None, mtp_k: int = 0, seed: int = 0) -> Iterator[Step]:
+    """Stream one generation. kv="int2" reads the rotated INT2 latent cache (needs `rotation`,
+    a `macserve calibrate` file); mtp_k > 0 drafts with the model's MTP layer (top_p < 1 is
+    not supported with drafting, so it decodes plainly then)."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream, wired_limit
     from mlx_lm.sample_utils import make_sampler
@@ -142,7 +213,13 @@ def stream(bundle: Bundle, prompt_ids: list[int], max_tokens: int, temperature: 
             "accepted_tokens": counters.accepted_tokens,
         }
 
-    tokens = _plain_tokens(bundle, mx.array(prompt_ids), max_tokens, sampler, counters, progress)
+    cache = bundle.caches(kv, rotation)
+    if mtp_k > 0 and (top_p >= 1.0 or top_p <= 0):
+        tokens = _mtp_tokens(bundle, prompt_ids, max_tokens, temperature, counters, mtp_k, cache,
+                             seed)
+    else:
+        tokens = _plain_tokens(bundle, mx.array(prompt_ids), max_tokens, sampler, counters,
+                               progress, cache)
     with wired_limit(bundle.model, [generation_stream]):
         try:
             for token in tokens:

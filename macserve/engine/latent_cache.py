@@ -71,7 +71,10 @@ class _Store:
     def decode(self, parts: tuple[mx.array, ...], dims: int) -> mx.array:
         if self.bits is None:
             return parts[0]
-        return mx.dequantize(*parts, group_size=self.group(dims), bits=self.bits)
+        # In float32: a bf16 result would round the levels themselves.
+        w, scales, biases = parts
+        return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                             group_size=self.group(dims), bits=self.bits)
 
     def append(self, x: mx.array) -> None:
         new = self._encode(x)

@@ -89,6 +89,30 @@ def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None)
     return attn.o_proj(out)
 
 
+# Up to this many queries, attention over an ordinary cache stays in latent space as well.
+# mlx-lm expands the whole cached latent into per-head keys and values for any L > 1, which
+# made a 2-token speculative verification cost 5.6x a 1-token step (measured on the tiny model).
+ABSORBED_MAX_QUERIES = 16
+
+
+def absorbed_attention(attn, x, mask, cache):
+    """mlx-lm's own L == 1 path (absorbed MLA), for a few queries at once."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    B, L, _ = x.shape
+    q_nope, q_pe, latent, k_pe = _project(attn, x)
+    q_pe = attn.rope(q_pe, cache.offset)
+    k_pe = attn.rope(k_pe, cache.offset)
+    latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    pe_scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
+    if mask is not None:
+        pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
+    out = scaled_dot_product_attention(attn.embed_q(q_nope), latent, latent, cache=cache,
+                                       scale=attn.scale, mask=pe_scores)
+    out = attn.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return attn.o_proj(out)
+
+
 _patched: dict[type, type] = {}
 
 
@@ -98,6 +122,10 @@ def _patched_class(base: type) -> type:
         def __call__(self, x, mask=None, cache=None):
             if isinstance(cache, RotatedLatentCache):
                 return quantized_attention(self, x, mask, cache, getattr(self, "_observer", None))
+            if (cache is not None and 1 < x.shape[1] <= ABSORBED_MAX_QUERIES
+                    and hasattr(cache, "update_and_fetch") and mask is not None
+                    and not isinstance(mask, str)):
+                return absorbed_attention(self, x, mask, cache)
             return base.__call__(self, x, mask=mask, cache=cache)
 
         _patched[base] = type(base.__name__ + "Quantized", (base,), {"__call__": __call__})
@@ -110,10 +138,19 @@ def mla_attentions(model) -> list:
     return [l.self_attn for l in layers if hasattr(l.self_attn, "embed_q")]
 
 
-def install(model) -> int:
-    """Let every MLA layer read RotatedLatentCache; returns how many layers were patched."""
-    attns = mla_attentions(model)
+def install(model, extra=()) -> int:
+    """Let every MLA layer read RotatedLatentCache; returns how many layers were patched.
+    `extra`: more attention modules (an MTP layer's)."""
+    attns = mla_attentions(model) + list(extra)
     for a in attns:
         if type(a) not in _patched.values():
             a.__class__ = _patched_class(type(a))
     return len(attns)
+
+
+def uninstall(model) -> None:
+    """Back to mlx-lm's own classes (tests compare the two paths)."""
+    for a in mla_attentions(model):
+        for base, patched in _patched.items():
+            if type(a) is patched:
+                a.__class__ = base

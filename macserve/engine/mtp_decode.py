@@ -57,6 +57,25 @@ def _probs(logits: mx.array, temperature: float) -> np.ndarray:
     return x / x.sum(axis=-1, keepdims=True)
 
 
+def verify_sampled(p_rows: list[np.ndarray], q_rows: list[np.ndarray], drafts: list[int],
+                   p_next: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+    """Lossless speculative sampling (Leviathan et al., Chen et al.): returns (accepted, token).
+
+    Draft j, drawn from q_j, is kept with probability min(1, p_j/q_j); the first refusal is
+    replaced by a draw from (p_j - q_j)+ renormalized; if all are kept, the extra token comes
+    from p_next. The emitted tokens are then distributed exactly as sampling from p.
+    """
+    for j, d in enumerate(drafts):
+        p, q = p_rows[j], q_rows[j]
+        if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
+            continue
+        resid = np.maximum(p - q, 0.0)
+        total = resid.sum()
+        resid = resid / total if total > 0 else p
+        return j, int(rng.choice(len(resid), p=resid))
+    return len(drafts), int(rng.choice(len(p_next), p=p_next))
+
+
 class MTPDecoder:
     """Generates with trunk `model` (mlx-lm) and `mtp` (an MTPLayer) sharing one tokenizer."""
 
@@ -71,11 +90,12 @@ class MTPDecoder:
         h = self.model.model(mx.array([tokens]), cache)
         return h, self.model.lm_head(h)
 
-    def _mtp(self, h: mx.array, tokens: list[int], cache):
+    def _mtp(self, h: mx.array, tokens, cache):
         from mlx_lm.models.base import create_attention_mask
 
         mask = create_attention_mask(h, cache, return_array=True)
-        return self.mtp(h, mx.array([tokens]), mask, cache)
+        tokens = tokens if isinstance(tokens, mx.array) else mx.array([tokens])
+        return self.mtp(h, tokens, mask, cache)
 
     def generate(self, prompt: list[int], max_tokens: int, caches=None, temperature: float = 0.0,
                  eos: set[int] | frozenset = frozenset(), seed: int = 0, draft: bool = True):
@@ -117,38 +137,35 @@ class MTPDecoder:
             drafts, q_rows = [], []
             m_logits, z = self._mtp(pend_h, pend_tok, mtp_cache)
             m_logits, z = m_logits[:, -1:], z[:, -1:]
-            for j in range(self.k):
-                if greedy:
-                    d = int(mx.argmax(m_logits[0, -1]).item())
-                else:
-                    q = _probs(m_logits[0, -1], temperature)
-                    d = int(rng.choice(len(q), p=q))
-                    q_rows.append(q)
-                drafts.append(d)
-                if j + 1 < self.k:
-                    m_logits, z = self._mtp(z, [d], mtp_cache)
-            h, logits = self._trunk([t] + drafts, caches)
-            a = 0
             if greedy:
-                target = [int(x) for x in np.array(mx.argmax(logits[0], axis=-1))]
+                # Drafts stay lazy arrays: drafting and verification evaluate together, one
+                # synchronization per round instead of one per draft plus one to verify.
+                d_arr = []
+                for j in range(self.k):
+                    d_arr.append(mx.argmax(m_logits[0, -1:], axis=-1))
+                    if j + 1 < self.k:
+                        m_logits, z = self._mtp(z, d_arr[-1][None], mtp_cache)
+                seq = mx.concatenate([mx.array([t])] + d_arr)[None]
+                h = self.model.model(seq, caches)
+                logits = self.model.lm_head(h)
+                both = np.array(mx.concatenate([seq[0, 1:], mx.argmax(logits[0], axis=-1)]))
+                drafts = [int(x) for x in both[: self.k]]
+                target = [int(x) for x in both[self.k :]]
+                a = 0
                 while a < self.k and drafts[a] == target[a]:
                     a += 1
                 bonus = target[a]
             else:
-                bonus = None
                 for j in range(self.k):
-                    p = _probs(logits[0, j], temperature)
-                    q = q_rows[j]
-                    d = drafts[j]
-                    if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
-                        a += 1
-                        continue
-                    resid = np.maximum(p - q, 0.0)
-                    resid = resid / resid.sum() if resid.sum() > 0 else p
-                    bonus = int(rng.choice(len(resid), p=resid))
-                    break
-                if bonus is None:
-                    bonus = pick(logits[0, self.k])
+                    q = _probs(m_logits[0, -1], temperature)
+                    d = int(rng.choice(len(q), p=q))
+                    q_rows.append(q)
+                    drafts.append(d)
+                    if j + 1 < self.k:
+                        m_logits, z = self._mtp(z, [d], mtp_cache)
+                h, logits = self._trunk([t] + drafts, caches)
+                p_all = _probs(logits[0], temperature)
+                a, bonus = verify_sampled(list(p_all[: self.k]), q_rows, drafts, p_all[self.k], rng)
             stats.rounds += 1
             for j in range(min(a + 1, self.k)):
                 stats.proposed[j] += 1

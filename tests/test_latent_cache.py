@@ -1,0 +1,196 @@
+"""The rotated latent cache on the project's own MLA model: calibration, layout, exactness."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from macserve.engine import mla_attention
+from macserve.engine.calibrate import METHODS, Calibration, calibration_windows, collect, fit
+from macserve.engine.kv import load_model, make_caches
+from macserve.engine.latent_cache import LatentQuant, RotatedLatentCache
+
+from .conftest import TINY_MODEL
+
+INT2 = LatentQuant(bits=2)
+# Small windows so a few hundred tokens exercise sink, int and recent segments at once.
+SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def calibration(model):
+    m, tok = model
+    ws = calibration_windows(tok, None, 1, 256)
+    return fit(collect(m, ws), INT2)
+
+
+def prompt(tok, n):
+    text = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind " * 20
+    ids = tok.encode(text, add_special_tokens=False)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def run(model, caches, ids, chunk):
+    outs = [model(mx.array([ids[s : s + chunk]]), cache=caches) for s in range(0, len(ids), chunk)]
+    return mx.concatenate(outs, axis=1)[0]
+
+
+def test_calibration_is_deterministic_and_round_trips(model, calibration, tmp_path):
+    m, tok = model
+    again = fit(collect(m, calibration_windows(tok, None, 1, 256)), INT2)
+    for meth in METHODS:
+        for a, b in zip(calibration.rotations[meth], again.rotations[meth]):
+            np.testing.assert_array_equal(a, b)
+    f = tmp_path / "cal.safetensors"
+    calibration.save(f)
+    back = Calibration.load(f)
+    assert back.meta["layers"] == 4 and back.meta["calibration_tokens"] == 256
+    np.testing.assert_allclose(back.rotations["eigen"][2], calibration.rotations["eigen"][2], atol=1e-6)
+
+
+def test_bad_calibration_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "junk.safetensors"
+    f.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a macserve calibration file"):
+        Calibration.load(f)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rotations_are_orthogonal(calibration, method):
+    for r in calibration.rotations[method]:
+        np.testing.assert_allclose(r.T @ r, np.eye(r.shape[0]), atol=1e-5)
+
+
+def test_eigen_rotation_orders_variance_ascending(calibration, model):
+    m, tok = model
+    st = collect(m, calibration_windows(tok, None, 1, 256))[1]
+    r = calibration.rotations["eigen"][1]
+    var = np.einsum("rd,rs,sd->d", r, st.sigma_c, r)
+    assert np.all(np.diff(var) >= -1e-6 * var.max())
+
+
+def test_quantize_error_is_bounded_by_the_level_step():
+    u = mx.random.normal((1, 1, 200, 128), key=mx.random.key(3)) * mx.linspace(0.01, 4, 128)
+    c = RotatedLatentCache(replace(INT2, sink=0, recent=0))
+    c.append(u, mx.zeros((1, 1, 200, 32)))
+    deq, _ = c.dequantized()
+    x = np.array(u.astype(mx.bfloat16).astype(mx.float32)).reshape(200, 2, 64)
+    step = (x.max(-1) - x.min(-1)) / 3  # 2 bits: 4 levels over the group's range
+    diff = np.abs(np.array(deq).reshape(200, 2, 64) - x)
+    err = diff.max(-1)
+    # MLX's affine quantizer keeps one edge of the group exact, so the worst case is 3/4 of a
+    # level step rather than 1/2 (measured 0.747); plus bf16 rounding of scale and bias.
+    assert np.all(err <= step * 0.75 * 1.02 + 1e-2)
+    assert diff.mean() < 0.35 * step.mean()  # rounding to the nearest level: about step/4
+
+
+def test_bytes_per_token_formula():
+    # DeepSeek-V3: 512 latent dims at 2 bits + 64 rotary dims at 8 bits, bf16 scale and bias.
+    assert INT2.bytes_per_token(512, 64) == 228
+    assert LatentQuant(bits=None).bytes_per_token(512, 64) == 1152
+
+
+def test_nbytes_equals_the_layout(model, calibration):
+    m, tok = model
+    caches = make_caches(m, SMALL, calibration, "eigen")
+    run(m, caches, prompt(tok, 300), 50)
+    c = caches[0]
+    row = 2 * (128 + 32)
+    rec = c._rec_lat.length
+    assert c.quant.recent + c.quant.slack <= rec <= 300
+    assert c.nbytes == 8 * row + (300 - 8) * SMALL.bytes_per_token(128, 32) + rec * row
+    bf = make_caches(m, LatentQuant(bits=None))
+    run(m, bf, prompt(tok, 300), 50)
+    assert bf[0].nbytes == 300 * row
+
+
+def test_absorbed_attention_on_codes_equals_attention_on_dequantized(model, calibration):
+    m, tok = model
+    ids = prompt(tok, 200)
+    q = replace(INT2, sink=0, recent=0)
+    fast = run(m, make_caches(m, q, calibration, "eigen"), ids, 40)
+    mla_attention.uninstall(m)
+    try:
+        # mlx-lm's own attention, reading the dequantized latent through update_and_fetch
+        slow = run(m, make_caches(m, q, calibration, "eigen"), ids, 40)
+    finally:
+        mla_attention.install(m)
+    np.testing.assert_allclose(np.array(fast), np.array(slow), atol=2e-3, rtol=2e-3)
+
+
+def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
+    """Speculative verification feeds k+1 tokens at once; it must see what decode would."""
+    m, tok = model
+    ids = prompt(tok, 120)
+    a = make_caches(m, SMALL, calibration, "eigen")
+    b = make_caches(m, SMALL, calibration, "eigen")
+    run(m, a, ids[:100], 25)
+    run(m, b, ids[:100], 25)
+    chunk = run(m, a, ids[100:104], 4)
+    single = run(m, b, ids[100:104], 1)
+    np.testing.assert_allclose(np.array(chunk), np.array(single), atol=1e-4, rtol=1e-4)
+
+
+def test_trim_restores_exact_state(model, calibration):
+    m, tok = model
+    ids = prompt(tok, 140)
+    a = make_caches(m, SMALL, calibration, "eigen")
+    b = make_caches(m, SMALL, calibration, "eigen")
+    run(m, a, ids[:130], 26)
+    run(m, b, ids[:130], 26)
+    run(m, b, ids[130:134], 4)  # four drafts, all rejected
+    assert all(c.trim(4) == 4 for c in b)
+    assert [c.offset for c in a] == [c.offset for c in b] == [130] * 4
+    for ca, cb in zip(a, b):
+        for (ka, sa, la, _), (kb, sb, lb, _) in zip(ca.segments(), cb.segments()):
+            assert (ka, sa) == (kb, sb)
+            for x, y in zip(la, lb):
+                assert mx.array_equal(x, y)
+    np.testing.assert_array_equal(np.array(run(m, a, ids[130:131], 1)),
+                                  np.array(run(m, b, ids[130:131], 1)))
+
+
+def test_trim_never_goes_past_what_it_can_restore(model, calibration):
+    m, tok = model
+    caches = make_caches(m, SMALL, calibration, "eigen")
+    run(m, caches, prompt(tok, 400), 50)
+    c = caches[0]
+    held = c._rec_lat.length
+    assert held < 400 - SMALL.sink  # old bf16 rows were let go
+    n = c.trim(300)
+    # only as far as the bf16 window can be rebuilt from rows still held
+    assert n == held - SMALL.recent and c.offset == 400 - n
+    recent = [seg for seg in c.segments() if seg[0] == "recent"][0]
+    assert recent[2][0].shape[2] == SMALL.recent
+
+
+def test_the_cache_works_inside_mlx_lm_generate(model, calibration):
+    from mlx_lm import generate
+
+    m, tok = model
+    text = "ROMEO.\nBut soft, what light through yonder window breaks?"
+    outs = [generate(m, tok, text, max_tokens=12,
+                     prompt_cache=make_caches(m, INT2, calibration, "eigen")) for _ in range(2)]
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
+def test_quantized_cache_stays_close_to_bf16(model, calibration):
+    m, tok = model
+    ids = prompt(tok, 256)
+    ref = run(m, make_caches(m, LatentQuant(bits=None)), ids, 64)
+    out = run(m, make_caches(m, SMALL, calibration, "eigen"), ids, 64)
+    lr = ref - mx.logsumexp(ref, -1, keepdims=True)
+    lq = out - mx.logsumexp(out, -1, keepdims=True)
+    kl = float((mx.exp(lr) * (lr - lq)).sum(-1).mean())
+    assert kl < 0.05
+    plain = make_caches(m, SMALL)  # no calibration needed for the naive baseline
+    assert plain[0].rotation is None
+    with pytest.raises(ValueError, match="needs a calibration"):
+        make_caches(m, SMALL, None, "eigen")

@@ -1,0 +1,110 @@
+"""MTP speculative decoding on the project's own model: exactness and the sampling rule."""
+
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx.core as mx
+from macserve.engine.generate import load
+from macserve.engine.latent_cache import LatentQuant
+from macserve.engine.kv import make_caches
+from macserve.engine.mtp_decode import MTPDecoder, verify_sampled
+
+from .conftest import TINY_MODEL
+
+PROMPTS = [
+    "HAMLET.\nTo be, or not to be",
+    "ROMEO.\nBut soft, what light through yonder window breaks?",
+    "<|user|>Tell me of the king.<|assistant|>",
+    "VIOLA.\nWhat country, friends, is this?\n\nCAPTAIN.\n",
+    "PROSPERO.\nOur revels now are ended.",
+]
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load(TINY_MODEL)
+
+
+def plain_greedy(b, ids, n, cache):
+    return [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), b.model, max_tokens=n,
+                                                      prompt_cache=cache), range(n))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_mtp_is_token_identical(bundle, k):
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=k, probe_rounds=10**9)
+    for text in PROMPTS:
+        ids = bundle.tokenizer.encode(text, add_special_tokens=False)
+        ref = plain_greedy(bundle, ids, 40, bundle.caches("bf16", None))
+        assert list(dec.generate(ids, 40, caches=bundle.caches("bf16", None))) == ref
+        st = dec.stats
+        assert st.proposed[0] == st.rounds and st.accepted_tokens <= st.draft_tokens
+        assert all(p is None or 0 <= p <= 1 for p in st.per_position())
+
+
+def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, tmp_path):
+    from macserve.engine.calibrate import calibration_windows, collect, fit
+
+    cal = fit(collect(bundle.model, calibration_windows(bundle.tokenizer, None, 1, 256)),
+              LatentQuant(bits=2))
+    # small windows: the rollback has to cross the bf16/INT2 boundary
+    q = LatentQuant(bits=2, sink=4, recent=16, slack=4)
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=3, probe_rounds=10**9)
+    for text in PROMPTS[:3]:
+        ids = bundle.tokenizer.encode(text, add_special_tokens=False)
+        ref = plain_greedy(bundle, ids, 40, make_caches(bundle.model, q, cal, "eigen"))
+        out = list(dec.generate(ids, 40, caches=make_caches(bundle.model, q, cal, "eigen")))
+        assert out == ref
+
+
+def test_drafting_switches_itself_off_below_break_even(bundle):
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, min_accept_per_round=1.01, probe_rounds=4)
+    ids = bundle.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    out = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None)))
+    assert dec.stats.disabled_after == 4 and dec.stats.rounds == 4
+    assert out == plain_greedy(bundle, ids, 30, bundle.caches("bf16", None))
+
+
+def _tv(counts, p):
+    return 0.5 * np.abs(counts / counts.sum() - p).sum()
+
+
+def test_speculative_sampling_matches_the_target_distribution():
+    """Two chained drafts on a 5-token Markov chain: what comes out is distributed as p."""
+    rng = np.random.default_rng(0)
+    V = 5
+    p1 = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    q1 = np.array([0.1, 0.1, 0.2, 0.3, 0.3])  # a poor drafter
+    p2 = rng.dirichlet(np.ones(V), size=V)  # p(x2 | x1)
+    q2 = rng.dirichlet(np.ones(V), size=V)
+    p3 = rng.dirichlet(np.ones(V), size=V)
+    first, second = np.zeros(V), np.zeros((V, V))
+    for _ in range(60000):
+        d1 = rng.choice(V, p=q1)
+        d2 = rng.choice(V, p=q2[d1])
+        a, tok = verify_sampled([p1, p2[d1]], [q1, q2[d1]], [d1, d2], p3[d2], rng)
+        x1 = d1 if a >= 1 else tok
+        first[x1] += 1
+        if a >= 1:
+            second[x1, d2 if a >= 2 else tok] += 1
+    assert _tv(first, p1) < 0.01
+    for x1 in range(V):
+        if second[x1].sum() > 3000:
+            assert _tv(second[x1], p2[x1]) < 0.03
+    # the test has power: the drafter's own distribution is far from the target
+    assert _tv(q1 * 60000, p1) > 0.3
+
+
+def test_sampled_generation_runs_and_counts(bundle):
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=2, probe_rounds=10**9)
+    ids = bundle.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    a = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None), temperature=1.0, seed=7))
+    b = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None), temperature=1.0, seed=7))
+    assert a == b and len(a) == 30  # seeded: reproducible
+    assert dec.stats.draft_tokens >= dec.stats.rounds
+
+
+def test_bad_draft_length_is_refused(bundle):
+    with pytest.raises(ValueError, match="1..3"):
+        MTPDecoder(bundle.model, bundle.mtp(), k=4)
