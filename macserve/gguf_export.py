@@ -33,7 +33,13 @@ def _load_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     import mlx.core as mx
 
     out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        # Only the weight files: a folder may also hold other safetensors (a latent calibration).
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("model*.safetensors"))
+    for f in files:
         for k, v in mx.load(str(f)).items():
             out[k] = np.array(v.astype(mx.float32))
     if not out:

@@ -12,7 +12,8 @@ from pathlib import Path
 from .errors import MacserveError
 
 # Which of inspect's cache figures describe each provider's default cache.
-CACHE_KEY = {"llama.cpp": "llama.cpp/f16", "mlx": "mlx/bf16", "macserve": "macserve/int2"}
+# The engine serves bf16 unless EXTRA_ARGS asks for --kv int2, so size for what it runs.
+CACHE_KEY = {"llama.cpp": "llama.cpp/f16", "mlx": "mlx/bf16", "macserve": "mlx/bf16"}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the built-in demo model: size its cache, export its GGUF twin, serve it
-# with a real llama-server (MTP drafting on) and ask it one question.
+# with a real llama-server (MTP drafting on) and ask it one question; then run it as a
+# supervised service on macserve's own engine with the INT2 latent cache and MTP drafting.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$here/scripts/install.sh"
@@ -19,3 +20,14 @@ for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18480/health >/dev/null && b
 curl -s http://127.0.0.1:18480/v1/chat/completions -H 'Content-Type: application/json' \
   -d '{"messages":[{"role":"user","content":"What country, friends, is this?"}],"max_tokens":48,"temperature":0}' \
   | python3 -c 'import json,sys; d=json.load(sys.stdin); print(repr(d["choices"][0]["message"]["content"])); t=d.get("timings",{}); print("MTP draft acceptance:", t.get("draft_n_accepted"), "/", t.get("draft_n"))'
+kill $pid 2>/dev/null || true
+
+# The same model on macserve's own MLX engine as a supervised service: new, then set (the
+# service restarts itself and is health-checked) to the INT2 latent cache with MTP drafting,
+# then one chat turn; the stats line shows the draft acceptance.
+export MACSERVE_HOME="$out/home"
+macserve rm tiny-engine >/dev/null 2>&1 || true
+macserve new "$model" --provider macserve --name tiny-engine --port 18481
+macserve set tiny-engine -- EXTRA_ARGS="--ctx 1024 --kv int2 --mtp-k 1"
+macserve chat tiny-engine "What country, friends, is this?"
+macserve rm tiny-engine

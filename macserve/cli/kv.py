@@ -10,7 +10,6 @@ import click
 from ..errors import MacserveError
 from . import bench, main
 
-METHOD = click.Choice(["plain", "hadamard", "eigen", "eigen-interleave", "upproj"])
 
 
 def _progress(label):

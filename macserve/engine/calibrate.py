@@ -32,6 +32,8 @@ from . import mla_attention
 from .latent_cache import LatentQuant, RotatedLatentCache
 
 METHODS = ("plain", "hadamard", "eigen", "eigen-interleave", "upproj")
+# The shipped default is whichever `macserve bench kv` measured best on KL (docs/int2-latent-cache.md).
+DEFAULT_METHOD = "upproj"
 CLIP_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 SAMPLE = 8192  # latents kept per layer for fitting clips
 
@@ -217,7 +219,7 @@ def fit(stats: list[LayerStats], quant: LatentQuant, methods=METHODS, meta=None)
     info = dict(meta or {})
     info.update({"layers": len(stats), "methods": list(methods), "bits": quant.bits,
                  "group_size": quant.group_size, "calibration_tokens": stats[0].tokens,
-                 "default": "eigen", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                 "default": DEFAULT_METHOD, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return Calibration(rotations, clips, info)
 
 

@@ -55,7 +55,7 @@ class Bundle:
 
         if kv == "bf16":
             return make_prompt_cache(self.model)
-        from .calibrate import Calibration
+        from .calibrate import DEFAULT_METHOD, Calibration
         from .kv import make_caches
         from .latent_cache import LatentQuant
 
@@ -73,7 +73,7 @@ class Bundle:
                 raise MacserveError(str(e)) from None
         cal = self._calibrations[key]
         try:
-            return make_caches(self.model, LatentQuant(bits=2), cal, cal.meta.get("default", "eigen"))
+            return make_caches(self.model, LatentQuant(bits=2), cal, cal.meta.get("default", DEFAULT_METHOD))
         except ValueError as e:
             raise MacserveError(str(e)) from None
 

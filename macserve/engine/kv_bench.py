@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from .calibrate import Calibration
+from .calibrate import DEFAULT_METHOD, METHODS, Calibration
 from .kv import make_caches
 from .latent_cache import LatentQuant
 
@@ -37,12 +37,12 @@ class Variant:
         return self.quant.bits is not None and (self.quant.sink > 0 or self.quant.recent > 0)
 
 
-def variants(default_method: str = "eigen") -> list[Variant]:
+def variants(default_method: str = DEFAULT_METHOD) -> list[Variant]:
     out = []
     for windows in (True, False):
         q = INT2 if windows else replace(INT2, **NO_WINDOWS)
         tag = "" if windows else " no-windows"
-        for m in ("plain", "hadamard", "eigen", "eigen-interleave", "upproj"):
+        for m in METHODS:
             out.append(Variant(f"int2 {m}{tag}", q, m, default=(windows and m == default_method)))
         out.append(Variant(f"int2 {default_method} row-quantile{tag}",
                            replace(q, row_quantile=0.96), default_method))
@@ -164,7 +164,7 @@ def rows(model, calibration: Calibration, windows, contexts=(1024, 4096, 16384),
          gen_tokens=256, progress=None, speed_steps=16) -> list[dict]:
     attn = model.layers[0].self_attn
     rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
-    default = calibration.meta.get("default", "eigen")
+    default = calibration.meta.get("default", DEFAULT_METHOD)
     vs = variants(default)
     q = quality(model, vs, windows, calibration, chunk=chunk, gen_tokens=gen_tokens,
                 progress=progress)

@@ -89,9 +89,14 @@ def load_mtp_layers(model_dir: str | Path, trunk=None) -> list[MTPLayer]:
         return []
     args = ModelArgs.from_dict(config)
     weights = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    for f in files:
         for k, v in mx.load(str(f)).items():
-            if k.startswith(f"model.layers.") and int(k.split(".")[2]) >= args.num_hidden_layers:
+            if k.startswith("model.layers.") and int(k.split(".")[2]) >= args.num_hidden_layers:
                 weights[k] = v
     layers = []
     for k in range(n):
