@@ -218,3 +218,27 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
         "messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 4})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
     assert cli("rm", "tiny-mlx").returncode == 0
+
+
+def test_engine_service_new_set_chat(services, macserve_home):
+    """The README demo's path: the project's model on macserve's own engine, supervised."""
+    port = free_port()
+    r = cli("new", str(TINY_MODEL), "--provider", "macserve", "--name", "tiny-engine",
+            "--port", str(port), "--timeout", "120")
+    assert r.returncode == 0, r.stderr
+    profile = (macserve_home / "profiles" / "tiny-engine.env").read_text()
+    assert "PROVIDER=macserve" in profile and "--mtp-k 1" in profile
+    first = status("tiny-engine")
+    assert first["healthy"]
+    services.append(first["pid"])
+    r = cli("set", "tiny-engine", "--", "EXTRA_ARGS=--ctx 1024 --kv int2 --mtp-k 1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    second = status("tiny-engine")
+    assert second["healthy"] and second["pid"] != first["pid"]
+    services.append(second["pid"])
+    r = cli("chat", "tiny-engine", "What country, friends, is this?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    # the stats line reports MTP drafting done by the INT2-cache engine
+    assert "draft acceptance" in r.stderr, r.stderr
+    assert cli("rm", "tiny-engine").returncode == 0

@@ -36,7 +36,10 @@ THROTTLE_INTERVAL = 30  # seconds between spawns: a crash loop must not remap a 
 EXIT_TIMEOUT = 20  # SIGTERM -> SIGKILL on stop
 NOT_FOUND = 113  # launchctl print: "could not find service"
 EINPROGRESS = 36  # bootout while the job is still exiting
-TEMPLATE = Path(__file__).resolve().parents[2] / "launchd" / "macserve.plist.template"
+# The repo's launchd/ template; an installed wheel carries it as package data (a symlink here).
+_REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "launchd" / "macserve.plist.template"
+TEMPLATE = (_REPO_TEMPLATE if _REPO_TEMPLATE.exists()
+            else Path(__file__).resolve().parents[1] / "templates" / "macserve.plist.template")
 
 
 def label(name: str) -> str:
