@@ -138,6 +138,19 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
     np.testing.assert_allclose(np.array(chunk), np.array(single), atol=1e-4, rtol=1e-4)
 
 
+def test_a_long_chunk_is_causal(model, calibration):
+    """A prefill chunk longer than the windows (mlx-lm prefills 2,048 at a time) must not let
+    a query see later tokens through their INT2 copies."""
+    m, tok = model
+    ids = prompt(tok, 400)
+    changed = list(ids)
+    changed[300] = (changed[300] + 1) % 2048
+    a = run(m, make_caches(m, SMALL, calibration, "eigen"), ids, 400)
+    b = run(m, make_caches(m, SMALL, calibration, "eigen"), changed, 400)
+    np.testing.assert_allclose(np.array(a[:300]), np.array(b[:300]), atol=1e-5)
+    assert not np.allclose(np.array(a[300:]), np.array(b[300:]), atol=1e-3)
+
+
 def test_trim_restores_exact_state(model, calibration):
     m, tok = model
     ids = prompt(tok, 140)

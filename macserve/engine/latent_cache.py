@@ -220,7 +220,7 @@ class RotatedLatentCache(_BaseCache):
         for kind, start, lat, _ in segments:
             t = mx.arange(start, start + lat[0].shape[2])[None, :]
             if kind == "int":
-                cols.append(t < split)
+                cols.append((t < split) & (t <= p))
             elif kind == "recent":
                 cols.append((t <= p) & (t >= split))
             else:
