@@ -81,7 +81,8 @@ def calibrate(model, out, data, windows, seq_len):
 @bench.command("kv")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False),
-              help="calibration file (default: calibrate now on the training plays)")
+              help="calibration file (default: the model folder's latent-rotation.safetensors, "
+                   "else calibrate now on the training plays)")
 @click.option("--data", type=click.Path(exists=True, dir_okay=False),
               help="held-out text (default: the demo model's held-out plays)")
 @click.option("--windows", type=int, default=2, show_default=True)
@@ -95,7 +96,11 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_j
     from ..engine.calibrate import Calibration, collect, fit
     from ..engine.latent_cache import LatentQuant
 
+    from ..engine.generate import SHIPPED_ROTATION
+
     m, tok = _load(model)
+    if rotation is None and (Path(model) / SHIPPED_ROTATION).exists():
+        rotation = Path(model) / SHIPPED_ROTATION
     if rotation:
         try:
             cal = Calibration.load(rotation)
