@@ -99,7 +99,12 @@ def plan(report: Report, memory_bytes: int | None = None, parallel: int = 1,
 
 def report(source: str, quant: str | None = None, memory_bytes: int | None = None,
            parallel: int = 1, ctx: int | None = None) -> dict:
-    rep = inspect_source(source, quant)
+    return report_of(inspect_source(source, quant), memory_bytes, parallel, ctx)
+
+
+def report_of(rep: Report, memory_bytes: int | None = None, parallel: int = 1,
+              ctx: int | None = None) -> dict:
+    """`report` for a Report already in hand (inspect --hosts resolves the source once)."""
     p = plan(rep, memory_bytes, parallel, ctx)
     shape = rep.shape
 

@@ -28,22 +28,42 @@ def _num(x):
 @main.command()
 @click.argument("source")
 @click.option("--quant", help="GGUF quant to pick from a repo or folder (or write REPO:QUANT).")
-@click.option("--memory", help="Plan for a Mac with this much RAM, e.g. 256GB.")
+@click.option("--memory", help="Plan for a Mac with this much RAM, e.g. 256GB; a comma list "
+              "(256GB,256GB,192GB) plans one host per entry.")
+@click.option("--hosts", type=int, help="Plan a split over N equal hosts (each --memory, or "
+              "this machine's).")
+@click.option("--weights", help="Weights' size when inspect cannot know it (a bare config): "
+              "380GB, or 4bit to count the config's parameters under MLX 4-bit quantization.")
 @click.option("--parallel", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="Sequences served at once (llama-server -np).")
 @click.option("--ctx", type=click.IntRange(1), help="Check this context length per sequence.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(source, quant, memory, parallel, ctx, as_json):
+def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
     """Size a model's KV cache and the context that fits. Reads config.json, the file
     listing and GGUF headers only, never weights.
 
     SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
     config.json, or a .gguf file.
     """
-    from ..inspect_model import report
+    from ..inspect_model import inspect_source, report_of
     from ..memory import parse_size
+    from ..multi_host import apply_weights, parse_hosts, plan_hosts
 
-    r = report(source, quant, parse_size(memory) if memory else None, parallel, ctx)
+    if hosts is not None or (memory and "," in memory):
+        machines = parse_hosts(memory, hosts)
+        rep = inspect_source(source, quant)
+        mh = plan_hosts(rep, machines, weights, parallel, ctx)
+        if as_json:
+            apply_weights(rep, weights)
+            r = report_of(rep, max(machines, key=lambda m: m or 0), parallel, ctx)
+            r["multi_host"] = mh
+            click.echo(json.dumps(r, indent=2))
+        else:
+            _print_hosts(rep, mh)
+        return
+    rep = inspect_source(source, quant)
+    apply_weights(rep, weights)
+    r = report_of(rep, parse_size(memory) if memory else None, parallel, ctx)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
@@ -96,3 +116,53 @@ def _print(r):
     if r["ctx"] and r["model_max_context"] and r["ctx"] > r["model_max_context"]:
         click.echo(f"note: --ctx {r['ctx']:,} is beyond the model's trained limit "
                    f"({r['model_max_context']:,})")
+
+
+def _ctx(n):
+    return "n/a" if n is None else ("none" if n == 0 else f"{n:,}")
+
+
+def _print_hosts(rep, mh):
+    shape = rep.shape
+    layers = ", ".join(f"{v} {k}" for k, v in shape.counts().items())
+    click.echo(f"{rep.source.name}  ({shape.model_type}, {rep.source.kind}): {layers}")
+    mems = ", ".join("this Mac" if m is None else _gib(m) for m in mh["memory_bytes"])
+    seqs = f"{mh['parallel']} sequence" + ("s" if mh["parallel"] > 1 else "")
+    click.echo(f"weights {_gib(mh['weights_bytes'])} ({mh['weights_how']}); "
+               f"{mh['hosts']} host(s): {mems}; {seqs}")
+    one, key = mh["one_host"], mh["main_cache"]
+    c1 = one["max_context"].get(key) if key else None
+    if one["enough"]:
+        click.echo(f"fits on one Mac: no split needed (budget {_gib(one['budget_bytes'])}, "
+                   f"max ctx {_ctx(c1)} with {key}, >= {mh['target_context']:,})")
+    elif c1:
+        click.echo(f"one Mac (budget {_gib(one['budget_bytes'])}): max ctx {c1:,} with {key}, "
+                   f"under {mh['target_context']:,}: a split gives more context")
+    else:
+        click.echo(f"one Mac (budget {_gib(one['budget_bytes'])}): the weights alone do not "
+                   "fit: split needed")
+    for s in mh["splits"]:
+        keys = list(s["group_context"])
+        title = ("pipeline: contiguous layers in proportion to each host's budget"
+                 if s["mode"] == "pipeline" else "tensor: every host holds 1/N of each layer")
+        click.echo("")
+        if not s["possible"]:
+            click.echo(f"{title}: not possible, {s['reason']}")
+            continue
+        click.echo(f"{title}; max ctx per cache type:")
+        head = (f"{'host':5} {'budget':>9} {'layers':>11} {'weights':>9} {key + ' B/tok':>15}"
+                + "".join(f" {k:>{len(k)}}" for k in keys))
+        click.echo(head)
+        for i, h in enumerate(s["hosts"], 1):
+            a, z = h["layers"]
+            per = h["kv_bytes_per_token"].get(key)
+            click.echo(f"{i:<5} {_gib(h['budget_bytes']):>9} {f'{a}-{z - 1} ({z - a})':>11} "
+                       f"{_gib(h['weights_bytes']):>9} {_num(per) if per is not None else 'n/a':>15}"
+                       + "".join(f" {_ctx(h['max_context'][k]):>{len(k)}}" for k in keys))
+        click.echo(f"{'group':5} {'':>9} {'':>11} {'':>9} {'':>15}"
+                   + "".join(f" {_ctx(s['group_context'][k]):>{len(k)}}" for k in keys))
+        if s["group_context"].get(key) == 0:
+            click.echo("(none: a host's weights share alone is over its budget; this split "
+                       "does not fit these hosts)")
+        for n in s["notes"]:
+            click.echo(f"note: {n}")
