@@ -43,14 +43,15 @@ def test_greedy_with_mtp_is_token_identical(bundle, k):
         assert all(p is None or 0 <= p <= 1 for p in st.per_position())
 
 
-def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, tmp_path):
+@pytest.mark.parametrize("k", [1, 3])  # k = 1 runs the pipelined loop, k = 3 the chained one
+def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, k):
     from macserve.engine.calibrate import calibration_windows, collect, fit
 
     cal = fit(collect(bundle.model, calibration_windows(bundle.tokenizer, None, 1, 256)),
               LatentQuant(bits=2))
     # small windows: the rollback has to cross the bf16/INT2 boundary
     q = LatentQuant(bits=2, sink=4, recent=16, slack=4)
-    dec = MTPDecoder(bundle.model, bundle.mtp(), k=3, probe_rounds=10**9)
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=k, probe_rounds=10**9)
     for text in PROMPTS[:3]:
         ids = bundle.tokenizer.encode(text, add_special_tokens=False)
         ref = plain_greedy(bundle, ids, 40, make_caches(bundle.model, q, cal, "eigen"))

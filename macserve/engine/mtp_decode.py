@@ -76,6 +76,25 @@ def verify_sampled(p_rows: list[np.ndarray], q_rows: list[np.ndarray], drafts: l
     return len(drafts), int(rng.choice(len(p_next), p=p_next))
 
 
+class _Round:
+    """One k = 1 round, built lazily: MTP draft d from the pending rows, trunk over [t, d]."""
+
+    def __init__(self, dec, t, pend_h, pend_tok, caches, mtp_cache):
+        m_logits, _ = dec._mtp(pend_h, pend_tok, mtp_cache)
+        self.mtp_rows = pend_h.shape[1]
+        d = mx.argmax(m_logits[0, -1:], axis=-1)
+        self.seq = mx.concatenate([t, d])
+        self.h = dec.model.model(self.seq[None], caches)
+        self.target = mx.argmax(dec.model.lm_head(self.h)[0], axis=-1)
+        mx.async_eval(self.seq, self.target)
+
+    def speculate(self, dec, caches, mtp_cache) -> "_Round":
+        """The next round, as if the draft is accepted: built while this one computes."""
+        bonus = self.target[1:2]
+        return _Round(dec, bonus, self.h, mx.concatenate([self.seq[1:], bonus])[None],
+                      caches, mtp_cache)
+
+
 class MTPDecoder:
     """Generates with trunk `model` (mlx-lm) and `mtp` (an MTPLayer) sharing one tokenizer."""
 
@@ -85,6 +104,7 @@ class MTPDecoder:
             raise ValueError(f"draft length k must be 1..3, not {k}")
         self.model, self.mtp, self.k = model, mtp, k
         self.min_accept, self.probe_rounds = min_accept_per_round, probe_rounds
+        self.pipeline = True  # greedy k = 1: build the next round before reading this one
 
     def _trunk(self, tokens: list[int], cache):
         h = self.model.model(mx.array([tokens]), cache)
@@ -96,6 +116,61 @@ class MTPDecoder:
         mask = create_attention_mask(h, cache, return_array=True)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array([tokens])
         return self.mtp(h, tokens, mask, cache)
+
+    def _greedy_k1(self, t, pend_h, caches, mtp_cache, max_tokens, eos, t0):
+        """Greedy k = 1 with the next round built before this one is read.
+
+        mlx-lm's plain loop overlaps building step n+1 with computing step n (async_eval);
+        a draft round that waited for its own result would pay the graph building that
+        plain decoding hides. So round n+1 is built assuming round n's draft is accepted;
+        when it is not, round n+1's cache rows are trimmed away, unread.
+        """
+        stats = self.stats
+        yield t
+        produced = 1
+        if produced >= max_tokens or t in eos:
+            return
+        cur = _Round(self, mx.array([t]), pend_h, mx.array([[t]]), caches, mtp_cache)
+        while True:
+            nxt = cur.speculate(self, caches, mtp_cache)
+            seq, target = np.array(cur.seq), np.array(cur.target)
+            d = int(seq[1])
+            accepted = d == int(target[0])
+            stats.rounds += 1
+            stats.proposed[0] += 1
+            stats.accepted[0] += accepted
+            emitted = [d, int(target[1])] if accepted else [int(target[0])]
+            if not accepted:
+                # Round n+1 was built on the rejected draft: drop its rows, then the draft's.
+                for c in caches:
+                    c.trim(2 + 1)
+                mtp_cache.trim(nxt.mtp_rows)
+            for tok in emitted:
+                yield tok
+                produced += 1
+                if produced >= max_tokens or tok in eos:
+                    self.timings["decode_s"] = time.perf_counter() - t0
+                    return
+            if accepted:
+                cur = nxt
+            else:
+                b = emitted[0]
+                cur = _Round(self, mx.array([b]), cur.h[:, :1], mx.array([[b]]), caches, mtp_cache)
+            if (stats.rounds >= self.probe_rounds and
+                    stats.accepted_tokens / stats.rounds < self.min_accept):
+                stats.disabled_after = stats.rounds
+                # The round in flight is dropped; plain decoding continues from its first token.
+                nxt_t = int(np.array(cur.seq)[0])
+                for c in caches:
+                    c.trim(2)
+                while True:
+                    logits = self.model(mx.array([[nxt_t]]), cache=caches)
+                    nxt_t = int(mx.argmax(logits[0, -1]).item())
+                    yield nxt_t
+                    produced += 1
+                    if produced >= max_tokens or nxt_t in eos:
+                        self.timings["decode_s"] = time.perf_counter() - t0
+                        return
 
     def generate(self, prompt: list[int], max_tokens: int, caches=None, temperature: float = 0.0,
                  eos: set[int] | frozenset = frozenset(), seed: int = 0, draft: bool = True):
@@ -123,6 +198,9 @@ class MTPDecoder:
         if len(prompt) > 1:
             # The MTP rows for the prompt: (h_i, token i+1) for i < n-1.
             mx.eval(self._mtp(h[:, :-1], prompt[1:], mtp_cache)[0])
+        if greedy and self.k == 1 and draft and self.pipeline:
+            yield from self._greedy_k1(t, pend_h, caches, mtp_cache, max_tokens, eos, t0)
+            return
         produced = 0
         while True:
             yield t
