@@ -256,7 +256,8 @@ class RotatedLatentCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Remove the last n tokens exactly; at most `slack` past the bf16 window."""
+        """Remove the last n tokens exactly: as far as the bf16 rows still held can rebuild the
+        recent window (always at least `slack`); returns how many were removed."""
         q = self.quant
         n = min(n, self.offset)
         if q.bits is None:
