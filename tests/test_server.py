@@ -236,3 +236,13 @@ def test_engine_provider_argv_flags_and_checks():
             prov.check_args(p.updated({"EXTRA_ARGS": extra}))
     with pytest.raises(MacserveError, match="local model folder"):
         prov.check_args(p.updated({"MODEL": "org/not-here"}))
+
+
+def test_int2_without_a_calibration_is_refused_at_start(tmp_path):
+    import shutil
+
+    model = tmp_path / "tiny-no-rotation"
+    shutil.copytree(TINY_MODEL, model, ignore=shutil.ignore_patterns("latent-rotation.safetensors"))
+    r = CliRunner().invoke(main, ["serve", str(model), "--kv", "int2", "--port", str(free_port())])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines()[-1].startswith("error: --kv int2 needs --rotation FILE")

@@ -12,7 +12,6 @@ import contextlib
 import hmac
 import logging
 import socket
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -323,7 +322,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def check_settings(settings: Settings) -> list[str]:
     """Refuse what would only fail after the server is up: a missing folder, a --ctx the model
-    cannot reach, engine options this build does not have. Returns notes to print."""
+    cannot reach, an INT2 cache without its calibration. Returns notes to print."""
     from ..engine import generate
 
     notes = []
@@ -336,21 +335,12 @@ def check_settings(settings: Settings) -> list[str]:
         raise MacserveError("--rotation applies to the int2 cache; add --kv int2")
     if settings.mtp_k < 0 or settings.mtp_k > 3:
         raise MacserveError("--mtp-k must be 0..3")
-    wanted = {"kv": settings.kv if settings.kv != "bf16" else None, "rotation": settings.rotation,
-              "mtp_k": settings.mtp_k or None}
-    accepted = inspect.signature(generate.stream).parameters
-    opts = {}
-    for k, v in wanted.items():
-        if v is None:
-            continue
-        if k in accepted:
-            opts[k] = v
-        elif k == "mtp_k":
-            # Drafting changes speed, never the greedy output, so serving without it is safe.
-            notes.append(f"--mtp-k {v}: this engine build has no MTP drafting yet; serving without it")
-        else:
-            flag = "--kv int2" if k == "kv" else "--rotation"
-            raise MacserveError(f"{flag}: this engine build does not have it yet")
+    if (settings.kv == "int2" and not settings.rotation
+            and not (Path(settings.model) / generate.SHIPPED_ROTATION).exists()):
+        # Caught here, not per request: every request would fail the same way.
+        raise MacserveError(f"--kv int2 needs --rotation FILE: {settings.model} ships no "
+                            f"{generate.SHIPPED_ROTATION} (make one with macserve calibrate)")
+    opts = {"kv": settings.kv, "rotation": settings.rotation, "mtp_k": settings.mtp_k}
     settings.engine_opts = opts
     return notes
 
