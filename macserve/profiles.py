@@ -11,7 +11,11 @@ Keys:
   PORT        1..65535                                (required)
   HOST        bind address, default 127.0.0.1
   EXTRA_ARGS  provider flags, split with shlex (never through a shell)
-  HOSTS, BACKEND, PARALLEL   reserved for serving across several Macs; validated, not used yet.
+  HOSTS       serve across several Macs (mlx): IPs/hosts `a,b,...` (first = this head host, rank 0)
+              or a path to an mlx.launch hostfile (JSON); rpc also takes host:port entries
+  BACKEND     ring | jaccl (mlx.launch backends; default ring) | rpc (reserved, llama.cpp)
+  SHARDING    pipeline | tensor: how mlx-lm splits the model over HOSTS (default pipeline)
+  PARALLEL    reserved; validated as a positive integer, not used yet.
 
 Writes are atomic (temp file in the same directory, fsync, os.replace, fsync of the directory),
 and every read-modify-write holds an exclusive flock (`profiles/.NAME.lock` per profile,
@@ -36,10 +40,12 @@ from .errors import MacserveError
 # the list lives here so profiles never import providers (data flows one way).
 PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve")
 
-KEYS = ("PROVIDER", "MODEL", "HOST", "PORT", "EXTRA_ARGS", "HOSTS", "BACKEND", "PARALLEL")
+KEYS = ("PROVIDER", "MODEL", "HOST", "PORT", "EXTRA_ARGS", "HOSTS", "BACKEND", "SHARDING",
+        "PARALLEL")
 REQUIRED = ("PROVIDER", "MODEL", "PORT")
 DEFAULTS = {"HOST": "127.0.0.1", "EXTRA_ARGS": ""}
-BACKENDS = ("", "rpc", "ring", "jaccl")  # reserved: multi-Mac transports
+BACKENDS = ("", "rpc", "ring", "jaccl")  # multi-Mac transports (rpc: reserved for llama.cpp)
+SHARDINGS = ("", "pipeline", "tensor")
 
 # Names become file names, launchd labels (dev.macserve.NAME) and supervisor program names,
 # so keep them to characters all three accept.
@@ -177,7 +183,8 @@ def validate_values(values: dict[str, str]) -> None:
         shlex.split(values.get("EXTRA_ARGS", ""))
     except ValueError as e:
         raise MacserveError(f"EXTRA_ARGS does not parse: {e}") from None
-    for h in filter(None, (x.strip() for x in values.get("HOSTS", "").split(","))):
+    hosts = values.get("HOSTS", "")
+    for h in [] if is_hostfile(hosts) else filter(None, (x.strip() for x in hosts.split(","))):
         hostpart, _, port = h.partition(":")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", hostpart):
             raise MacserveError(f"bad HOSTS entry {h!r}: expected host[:port],...")
@@ -185,9 +192,16 @@ def validate_values(values: dict[str, str]) -> None:
             _check_port("HOSTS", port)
     if values.get("BACKEND", "") not in BACKENDS:
         raise MacserveError(f"unknown BACKEND {values['BACKEND']!r} (known: {', '.join(BACKENDS[1:])})")
+    if values.get("SHARDING", "") not in SHARDINGS:
+        raise MacserveError(f"unknown SHARDING {values['SHARDING']!r} (known: pipeline, tensor)")
     if values.get("PARALLEL"):
         if not values["PARALLEL"].isdigit() or int(values["PARALLEL"]) < 1:
             raise MacserveError(f"bad PARALLEL {values['PARALLEL']!r}: expected a positive integer")
+
+
+def is_hostfile(hosts: str) -> bool:
+    """HOSTS names a hostfile (a path) rather than listing hosts: host names never hold '/'."""
+    return "/" in hosts or hosts.startswith("~")
 
 
 def _check_port(key: str, v: str) -> None:

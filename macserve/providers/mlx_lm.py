@@ -4,27 +4,50 @@ Run as `python -m mlx_lm server` with the same interpreter as macserve (the `pyt
 mlx_lm.server` form is deprecated). Its `/health` answers 200 while the model is still loading
 in a background thread, so readiness is a real one-token completion. It has no context-size
 flag: the KV cache grows with each request.
+
+Several hosts (profile HOSTS): the same server runs under `mlx.launch` (MLX's own distributed
+launcher, `--backend ring|jaccl`), one rank per host; mlx-lm shards the model itself
+(`--pipeline` for SHARDING=pipeline, its tensor parallelism otherwise) and only rank 0 answers
+HTTP, on HOST:PORT of the first host, so health, readiness and chat are unchanged. When a rank
+dies mlx.launch stops the others and exits; `mlx_launch.py` (which runs it) turns that into a
+non-zero exit, so the supervisor restarts the whole group.
+The ring backend listens on PORT+1.. (one port per rank), not on its default 32323, so two
+services on one machine do not collide.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
+import os
+import shutil
 import sys
+from pathlib import Path
 
 import httpx
 
 from ..errors import MacserveError
-from ..profiles import Profile
+from ..profiles import Profile, is_hostfile
 from . import BaseProvider, base_url
 
 
 class MlxLm(BaseProvider):
     name = "mlx"
     label = "mlx_lm.server"
-    reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL"}
+    reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "mlx_lm", "server"]
+
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        if not profile.values.get("HOSTS"):
+            return argv
+        if (profile.values.get("SHARDING") or "pipeline") == "pipeline":
+            argv.append("--pipeline")
+        # mlx.launch runs `--python` + the arguments after `--` on each host.
+        return ([sys.executable, "-m", "macserve.providers.mlx_launch"] + launch_command(profile)
+                + ["--python", argv[0], "--"] + argv[1:])
 
     def binary_path(self) -> str:
         # The help cache is keyed on mlx_lm's server.py, so upgrading mlx-lm re-probes flags.
@@ -39,6 +62,11 @@ class MlxLm(BaseProvider):
     def env(self, profile: Profile) -> dict[str, str]:
         # Python buffers stdout when it is a file; the service log should show progress live.
         return {"PYTHONUNBUFFERED": "1"}
+
+    def check_args(self, profile: Profile) -> None:
+        super().check_args(profile)
+        if profile.values.get("HOSTS"):
+            check_hosts(profile)
 
     def ready(self, profile: Profile, timeout: float = 5.0) -> bool:
         try:
@@ -61,6 +89,44 @@ class MlxLm(BaseProvider):
 
     def context_args(self, n_ctx: int) -> None:
         return None  # mlx_lm.server has no context flag
+
+
+def launcher() -> str:
+    """mlx.launch of the interpreter running macserve (not a pyenv shim), else the one on PATH."""
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if os.access(here, os.X_OK) else shutil.which("mlx.launch")
+    if not found:
+        raise MacserveError("mlx.launch not found (it comes with mlx: pip install mlx)")
+    return found
+
+
+def launch_command(profile: Profile) -> list[str]:
+    hosts = profile.values["HOSTS"]
+    where = (["--hostfile", str(Path(hosts).expanduser())] if is_hostfile(hosts)
+             else ["--hosts", ",".join(h.strip() for h in hosts.split(",") if h.strip())])
+    return [launcher(), "--backend", profile.values.get("BACKEND") or "ring", *where,
+            "--starting-port", str(profile.port + 1)]
+
+
+def check_hosts(profile: Profile) -> None:
+    """One-line errors for a HOSTS/BACKEND pair mlx.launch would refuse after the restart."""
+    hosts, backend = profile.values["HOSTS"], profile.values.get("BACKEND") or "ring"
+    if backend not in ("ring", "jaccl"):
+        raise MacserveError(f"BACKEND={backend} does not apply to mlx; use ring or jaccl")
+    if is_hostfile(hosts):
+        if not Path(hosts).expanduser().is_file():
+            raise MacserveError(f"HOSTS hostfile {hosts} not found")
+        return
+    for h in filter(None, (x.strip() for x in hosts.split(","))):
+        if ":" in h:
+            raise MacserveError(f"HOSTS entry {h!r}: mlx takes no port (ranks use PORT+1..)")
+        if backend == "ring":
+            try:
+                ipaddress.ip_address(h)
+            except ValueError:
+                raise MacserveError(f"HOSTS entry {h!r}: the ring backend needs IP addresses "
+                                    "(or a hostfile)") from None
+    launcher()
 
 
 PROVIDER = MlxLm()

@@ -1,0 +1,139 @@
+"""Serving across several hosts, end to end on one machine: the `mlx` provider with HOSTS runs
+mlx_lm.server under `mlx.launch` (ring backend, two ranks over loopback, pipeline sharding) as
+a supervised service. Greedy output must equal the single-process service's token for token,
+and a rank killed with SIGKILL must bring the whole group back healthy.
+"""
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from .test_services_e2e import cli, free_port, poll, services, status, tiny_mlx_f32  # noqa: F401
+
+pytestmark = pytest.mark.skipif(
+    __import__("shutil").which("mlx.launch") is None
+    and not os.access(os.path.join(os.path.dirname(__import__("sys").executable), "mlx.launch"), os.X_OK),
+    reason="mlx.launch not installed")
+
+PROMPT = [{"role": "user", "content": "What country, friends, is this?"}]
+
+
+def greedy(port) -> list[tuple[int, float]]:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
+        "messages": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    assert r.status_code == 200, r.text
+    return [(t["id"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+
+def ranks(pid) -> list[psutil.Process]:
+    """The mlx_lm.server processes under the supervised mlx.launch."""
+    return [c for c in psutil.Process(pid).children(recursive=True)
+            if "mlx_lm" in " ".join(c.cmdline()) and "server" in c.cmdline()]
+
+
+def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # noqa: F811
+    single, multi = free_port(), free_port()
+    r = cli("new", str(tiny_mlx_f32), "--provider", "mlx", "--name", "one", "--port", str(single),
+            "--timeout", "120")
+    assert r.returncode == 0, r.stderr
+    services.append(status("one")["pid"])
+    want = greedy(single)
+    assert len(want) == 16
+
+    r = cli("new", str(tiny_mlx_f32), "--provider", "mlx", "--name", "two", "--port", str(multi),
+            "--timeout", "120")
+    assert r.returncode == 0, r.stderr
+    services.append(status("two")["pid"])
+    # a bad multi-host edit is refused in one line before any restart
+    r = cli("set", "two", "--", "HOSTS=127.0.0.1:5000,127.0.0.1")
+    assert r.returncode != 0 and "mlx takes no port" in r.stderr.strip().splitlines()[-1]
+    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1", "BACKEND=ring", "SHARDING=pipeline",
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = (macserve_home / "profiles" / "two.env").read_text()
+    assert "HOSTS=127.0.0.1,127.0.0.1" in text and "SHARDING=pipeline" in text
+    s = status("two")
+    assert s["healthy"] and s["port"] == multi
+    services.append(s["pid"])
+    # the supervised process runs mlx.launch; under it one mlx_lm.server per host, pipelined
+    cmd = psutil.Process(s["pid"]).cmdline()
+    assert cmd[1:3] == ["-m", "macserve.providers.mlx_launch"] and cmd[3].endswith("mlx.launch")
+    assert "--pipeline" in cmd
+    group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(ranks(s["pid"])), "two ranks")
+    services.extend(p.pid for p in group)
+
+    got = greedy(multi)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got, want))
+
+    r = cli("chat", "two", "Who's there?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout and " tokens, " in r.stderr  # the tiny model's chat reply is newlines
+
+    # kill -9 one rank: mlx.launch takes the group down, the supervisor starts it again
+    rank1 = next(p for p in group if "MLX_RANK=1" in open(f"/proc/{p.pid}/environ").read().split("\0"))
+    os.kill(rank1.pid, signal.SIGKILL)
+    poll(lambda: not psutil.pid_exists(s["pid"]) or psutil.Process(s["pid"]).status() == psutil.STATUS_ZOMBIE,
+         "mlx.launch to exit after a rank died", timeout=60)
+    back = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != s["pid"] else None)(status("two")),
+                "the service to come back healthy", timeout=180)
+    services.append(back["pid"])
+    services.extend(p.pid for p in poll(lambda: ranks(back["pid"]) or None, "new ranks"))
+    assert [t for t, _ in greedy(multi)] == [t for t, _ in want]
+
+    assert cli("rm", "two").returncode == 0
+    assert cli("rm", "one").returncode == 0
+    time.sleep(0.5)
+    assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+# ---- the command line and the one-line errors, without starting anything ----------------------
+
+from macserve.errors import MacserveError  # noqa: E402
+from macserve.profiles import parse  # noqa: E402
+from macserve.providers import mlx_lm  # noqa: E402
+
+BASE = "PROVIDER=mlx\nMODEL=/m\nPORT=8080\n"
+
+
+def test_argv_wraps_mlx_launch():
+    argv = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nBACKEND=jaccl\n", "x"))
+    assert argv[1:3] == ["-m", "macserve.providers.mlx_launch"] and argv[3].endswith("mlx.launch")
+    i = argv.index("--")
+    assert argv[4:i] == ["--backend", "jaccl", "--hosts", "10.0.0.1,10.0.0.2",
+                         "--starting-port", "8081", "--python", argv[i - 1]]
+    assert argv[i + 1:] == ["-m", "mlx_lm", "server", "--model", "/m", "--host", "127.0.0.1",
+                            "--port", "8080", "--pipeline"]
+    tensor = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=/etc/hosts.json\nSHARDING=tensor\n", "x"))
+    assert "--pipeline" not in tensor and ["--backend", "ring", "--hostfile", "/etc/hosts.json"] == tensor[4:8]
+    # no HOSTS: the plain single-process server, as before
+    assert mlx_lm.PROVIDER.argv(parse(BASE, "x"))[1:4] == ["-m", "mlx_lm", "server"]
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ("SHARDING=rows\n", "unknown SHARDING 'rows' (known: pipeline, tensor)"),
+    ("HOSTS=a/b,c\n", None),  # a hostfile path: accepted by the profile, checked by the provider
+])
+def test_profile_keys(extra, msg):
+    if msg is None:
+        assert parse(BASE + extra, "x").values["HOSTS"] == "a/b,c"
+    else:
+        with pytest.raises(MacserveError, match=re.escape(msg)):
+            parse(BASE + extra, "x")
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ("HOSTS=10.0.0.1:5000\n", "HOSTS entry '10.0.0.1:5000': mlx takes no port"),
+    ("HOSTS=studio1,studio2\n", "HOSTS entry 'studio1': the ring backend needs IP addresses"),
+    ("HOSTS=10.0.0.1\nBACKEND=rpc\n", "BACKEND=rpc does not apply to mlx"),
+    ("HOSTS=/nonexistent/hosts.json\n", "HOSTS hostfile /nonexistent/hosts.json not found"),
+])
+def test_check_hosts_one_line_errors(extra, msg):
+    with pytest.raises(MacserveError, match=re.escape(msg)) as e:
+        mlx_lm.check_hosts(parse(BASE + extra, "x"))
+    assert "\n" not in str(e.value)
