@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ def _progress(label):
 
     def update(done, total):
         if "bar" not in bar:
-            bar["bar"] = click.progressbar(length=total, label=label, file=click.get_text_stream("stderr"))
+            bar["bar"] = click.progressbar(length=total, label=label, file=sys.stderr)
             bar["bar"].__enter__()
         bar["bar"].update(done - bar.get("done", 0))
         bar["done"] = done

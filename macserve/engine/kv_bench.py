@@ -126,8 +126,7 @@ def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0):
             n = min(1024, ctx - s)
             k1, k2, key = mx.random.split(key, 3)
             c.append(mx.random.normal((1, 1, n, rank), key=k1), mx.random.normal((1, 1, n, rope), key=k2))
-        mx.eval([p for st in (c._int_lat, c._int_pe, c._rec_lat, c._rec_pe, c._sink_lat)
-                 if st.parts for p in st.parts])
+        mx.eval(c.arrays())
 
 
 def decode_speed(model, quants: dict[str, LatentQuant], calibration, method, contexts,

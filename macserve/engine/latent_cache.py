@@ -135,6 +135,12 @@ class RotatedLatentCache(_BaseCache):
     def rope_dims(self) -> int:
         return self._dims[1]
 
+    def arrays(self) -> list[mx.array]:
+        """Every buffer the cache holds (to evaluate, or to count)."""
+        stores = (self._sink_lat, self._sink_pe, self._int_lat, self._int_pe,
+                  self._rec_lat, self._rec_pe)
+        return [p for st in stores if st.parts for p in st.parts]
+
     def stores(self):
         """(latent store, rope store) of the quantized segment, for the attention kernel."""
         return self._int_lat, self._int_pe
