@@ -1,4 +1,4 @@
-"""`macserve calibrate`, `macserve bench kv`, `macserve generate`: the rotated latent cache."""
+"""The engine's commands: `calibrate`, `generate`, `bench kv`, `bench mtp` (docs/engine.md)."""
 
 from __future__ import annotations
 
