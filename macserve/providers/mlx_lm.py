@@ -67,6 +67,9 @@ class MlxLm(BaseProvider):
         super().check_args(profile)
         if profile.values.get("HOSTS"):
             check_hosts(profile)
+            from .. import preflight
+
+            preflight.check(profile)  # ssh, versions, model, memory on the non-local hosts
 
     def ready(self, profile: Profile, timeout: float = 5.0) -> bool:
         try:
