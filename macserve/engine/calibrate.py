@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import mla_attention
-from .latent_cache import LatentQuant, RotatedLatentCache
+from .latent_cache import LatentQuant
 
 METHODS = ("plain", "hadamard", "eigen", "eigen-interleave", "upproj")
 # The shipped default is whichever `macserve bench kv` measured best on KL (docs/int2-latent-cache.md).
@@ -92,6 +92,8 @@ class Calibration:
 
 def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -> list[LayerStats]:
     """Run the model over token windows through a bf16 latent cache, observing every layer."""
+    from .kv import make_caches  # kv needs Calibration from this module
+
     attns = mla_attention.mla_attentions(model)
     mla_attention.install(model)
     r = attns[0].kv_lora_rank
@@ -116,7 +118,7 @@ def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -
         a._observer = observer_for(i)
     try:
         for w_i, w in enumerate(windows):
-            caches = [RotatedLatentCache(LatentQuant(bits=None)) for _ in attns]
+            caches = make_caches(model, LatentQuant(bits=None))
             for a in acc:
                 a["window"] = []
             for s in range(0, len(w), chunk):

@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from . import mla_attention
 from .calibrate import Calibration
+from .dsa_indexer import IndexerKeyCache
 from .latent_cache import LatentQuant, RotatedLatentCache
 
 
@@ -26,14 +28,26 @@ def load_model(model_dir: str | Path):
 
 
 def make_caches(model, quant: LatentQuant, calibration: Calibration | None = None,
-                method: str | None = None) -> list[RotatedLatentCache]:
-    """One cache per trunk layer. Quantized caches other than `plain` need a calibration."""
-    n = len(mla_attention.mla_attentions(model))
+                method: str | None = None) -> list:
+    """One cache per trunk layer. Quantized caches other than `plain` need a calibration.
+    DSA models get mlx-lm's layout, CacheList(latent, indexer key), with our two caches."""
+    attns = mla_attention.mla_attentions(model)
+    n = len(attns)
     if quant.bits is None or method in (None, "plain"):
-        return [RotatedLatentCache(quant) for _ in range(n)]
-    if calibration is None:
-        raise ValueError(f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)")
-    rots, clips = calibration.for_method(method)
-    if len(rots) != n:
-        raise ValueError(f"calibration has {len(rots)} layers, the model {n}")
-    return [RotatedLatentCache(quant, r, c) for r, c in zip(rots, clips)]
+        latents = [RotatedLatentCache(quant) for _ in range(n)]
+    else:
+        if calibration is None:
+            raise ValueError(f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)")
+        rots, clips = calibration.for_method(method)
+        if len(rots) != n:
+            raise ValueError(f"calibration has {len(rots)} layers, the model {n}")
+        latents = [RotatedLatentCache(quant, r, c) for r, c in zip(rots, clips)]
+    if not hasattr(attns[0], "indexer"):
+        return latents
+    bits = None if quant.bits is None else quant.index_bits
+    return [CacheList(c, IndexerKeyCache(bits, quant.group_size)) for c in latents]
+
+
+def latent_caches(caches) -> list[RotatedLatentCache]:
+    """The latent cache of each layer, whether or not the model is DSA."""
+    return [c[0] if isinstance(c, CacheList) else c for c in caches]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
 from .calibrate import DEFAULT_METHOD, METHODS, Calibration
 from .kv import make_caches
@@ -118,15 +119,19 @@ def quality(model, variant_list, windows, calibration, chunk=64, gen_tokens=256,
     return out
 
 
-def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0):
+def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0, index_dims: int = 0):
     """Pre-fill caches with `ctx` latent-shaped tokens; speed does not depend on their values."""
     key = mx.random.key(seed)
     for c in caches:
+        parts = list(c.caches) if isinstance(c, CacheList) else [c]
         for s in range(0, ctx, 1024):
             n = min(1024, ctx - s)
-            k1, k2, key = mx.random.split(key, 3)
-            c.append(mx.random.normal((1, 1, n, rank), key=k1), mx.random.normal((1, 1, n, rope), key=k2))
-        mx.eval(c.arrays())
+            k1, k2, k3, key = mx.random.split(key, 4)
+            parts[0].append(mx.random.normal((1, 1, n, rank), key=k1),
+                            mx.random.normal((1, 1, n, rope), key=k2))
+            if len(parts) > 1:
+                parts[1].append(mx.random.normal((1, 1, n, index_dims), key=k3))
+        mx.eval([a for p in parts for a in p.arrays()])
 
 
 def decode_speed(model, quants: dict[str, LatentQuant], calibration, method, contexts,
@@ -140,7 +145,8 @@ def decode_speed(model, quants: dict[str, LatentQuant], calibration, method, con
         caches = {}
         for name, q in quants.items():
             caches[name] = make_caches(model, q, calibration, method if q.bits else None)
-            _fill(caches[name], ctx, rank, rope)
+            indexer = getattr(attn, "indexer", None)
+            _fill(caches[name], ctx, rank, rope, index_dims=indexer.head_dim if indexer else 0)
         for _ in range(rounds):
             for name in quants:
                 cs = caches[name]

@@ -38,6 +38,7 @@ class LatentQuant:
     recent: int = 256
     slack: int = 16
     row_quantile: float | None = None  # clip each row at this quantile of |u| instead of `clip`
+    index_bits: int | None = 8  # DSA models' indexer key (dsa_indexer.py); bf16 when bits is None
 
     def bytes_per_token(self, latent_dims: int, rope_dims: int) -> float:
         """Bytes of one quantized token: packed codes plus a bf16 scale and bias per group."""

@@ -7,6 +7,9 @@ coordinates: q~ . c = (q~ R) . u, and sum_t p_t c_t = (sum_t p_t u_t) R^T. So th
 rotated once, `mx.quantized_matmul` scores and attends the packed codes, and the output is
 rotated back once per step.
 
+DSA models (deepseek_v32, glm_moe_dsa) cache CacheList(latent, indexer key); the indexer's
+top-k selection (`dsa_indexer.py`) becomes a mask over the same quantized scores.
+
 `install(model)` swaps each MLA attention module's class for a subclass whose `__call__`
 takes this path when its cache is a RotatedLatentCache and defers to mlx-lm otherwise, so
 mlx-lm's model code, weights and `generate` are used unchanged.
@@ -15,23 +18,27 @@ mlx-lm's model code, weights and `generate` are used unchanged.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from .latent_cache import RotatedLatentCache
 
 
 def _project(attn, x):
+    """(q_nope, q_pe, latent, k_pe, qr): qr is the query's low-rank code (DSA's indexer reads it)."""
     B, L, _ = x.shape
     if getattr(attn, "q_lora_rank", None) is None:
+        qr = None
         q = attn.q_proj(x)
     else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        qr = attn.q_a_layernorm(attn.q_a_proj(x))
+        q = attn.q_b_proj(qr)
     q = q.reshape(B, L, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
     q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
     ckv = attn.kv_a_proj_with_mqa(x)
     ckv, k_pe = mx.split(ckv, [attn.kv_lora_rank], axis=-1)
     k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
     latent = mx.expand_dims(attn.kv_a_layernorm(ckv), axis=1)
-    return q_nope, q_pe, latent, k_pe
+    return q_nope, q_pe, latent, k_pe, qr
 
 
 def _scores(x, kind, parts, store, dims):
@@ -50,16 +57,23 @@ def _attend(p, kind, parts, store, dims):
                                bits=store.bits)
 
 
-def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None):
+def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None, indexer_cache=None):
+    """Attention of x's tokens through `cache`. With `indexer_cache` (a DSA model) each query
+    attends only to the tokens its lightning indexer selects, as mlx-lm's deepseek_v32 does."""
     B, L, _ = x.shape
     H = attn.num_heads
-    q_nope, q_pe, latent, k_pe = _project(attn, x)
+    q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
     q_lat = attn.embed_q(q_nope)  # (B, H, L, r): the absorbed query
     if observer is not None:
         observer(q_lat, latent)
     cache.append(latent, k_pe)
+    selected = None
+    if indexer_cache is not None:
+        from .dsa_indexer import select_tokens
+
+        selected = select_tokens(attn.indexer, x, qr, indexer_cache)
     q_rot = cache.rotate(q_lat) * attn.scale
     q_rot = q_rot.reshape(B, 1, H * L, -1)
     q_pe = (q_pe * attn.scale).reshape(B, 1, H * L, -1)
@@ -73,6 +87,10 @@ def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None)
     s = mx.concatenate(scores, axis=-1).reshape(B, H, L, -1)
     # Our own mask, not mlx-lm's: a token may appear twice (int and bf16) near the window edge.
     visible = cache.mask(segs, L)
+    if selected is not None:
+        # Selection is per token; map it onto the score columns, segment by segment.
+        visible = visible & mx.concatenate(
+            [selected[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1)
     s = mx.where(visible, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
     p = mx.softmax(s.astype(mx.float32), axis=-1).astype(q_rot.dtype).reshape(B, 1, H * L, -1)
     out, start = None, 0
@@ -100,7 +118,7 @@ def absorbed_attention(attn, x, mask, cache):
     from mlx_lm.models.base import scaled_dot_product_attention
 
     B, L, _ = x.shape
-    q_nope, q_pe, latent, k_pe = _project(attn, x)
+    q_nope, q_pe, latent, k_pe, _ = _project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
     latent, k_pe = cache.update_and_fetch(latent, k_pe)
@@ -122,6 +140,9 @@ def _patched_class(base: type) -> type:
         def __call__(self, x, mask=None, cache=None):
             if isinstance(cache, RotatedLatentCache):
                 return quantized_attention(self, x, mask, cache, getattr(self, "_observer", None))
+            if isinstance(cache, CacheList) and isinstance(cache[0], RotatedLatentCache):
+                return quantized_attention(self, x, mask, cache[0], getattr(self, "_observer", None),
+                                           indexer_cache=cache[1])
             if (cache is not None and 1 < x.shape[1] <= ABSORBED_MAX_QUERIES
                     and hasattr(cache, "update_and_fetch") and mask is not None
                     and not isinstance(mask, str)):
