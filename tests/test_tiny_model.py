@@ -118,3 +118,28 @@ def test_llama_server_greedy_matches_mlx(llama_server, tiny_gguf, tiny):
     finally:
         p.terminate()
         p.wait(timeout=30)
+
+
+def test_training_runs_every_expert_yet_computes_mlx_lm_moe():
+    """train-tiny's all-experts MoE has mlx-lm's outputs and gradients (it only runs faster)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from macserve.tiny.train import AllExpertsGLU
+
+    mx.random.seed(1)
+    m = SwitchGLU(16, 24, 4)
+    x = mx.random.normal((2, 70, 16))  # >= 64 routed rows: mlx-lm's sorted gather path
+    idx = mx.random.randint(0, 4, (2, 70, 2))
+    w = mx.random.normal((2, 70, 2, 16))
+
+    def loss(mod):
+        return (mod(x, idx) * w).sum()
+
+    ref_v, ref_g = nn.value_and_grad(m, loss)(m)
+    m.__class__ = AllExpertsGLU
+    v, g = nn.value_and_grad(m, loss)(m)
+    assert abs(float(v - ref_v)) < 1e-3
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert mx.allclose(g[name]["weight"], ref_g[name]["weight"], atol=1e-4).item()
