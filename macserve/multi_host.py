@@ -265,19 +265,33 @@ def _group(hosts, keys):
                 else min(h.max_context[k] for h in hosts)) for k in keys}
 
 
+def runtime_ranges(counts: list[int]) -> list[tuple[int, int]]:
+    """Layer range of each host (HOSTS order = rank order) for per-host layer counts, in
+    mlx-lm's pipeline order: rank 0 runs the last layers, the last rank the first ones."""
+    n, out = sum(counts), []
+    for r, c in enumerate(counts):
+        a = sum(counts[r + 1:])
+        out.append((a, a + c))
+    assert out[0][1] == n
+    return out
+
+
 def pipeline(rep, memory: list, w: Weights, parallel: int = 1) -> Split:
     budgets = [machine_budget(m) for m in memory]
-    ranges = proportional_layers(len(rep.shape.layers), [b.budget_bytes for b in budgets])
+    counts = [z - a for a, z in
+              proportional_layers(len(rep.shape.layers), [b.budget_bytes for b in budgets])]
+    ranges = runtime_ranges(counts)
     keys = list(rep.layouts)
     hosts = []
     for b, m, (a, z) in zip(budgets, memory, ranges):
         sub = dataclasses.replace(rep.shape, layers=rep.shape.layers[a:z])
         wb = w.outer + sum(s + k for s, k in w.layers[a:z])
         hosts.append(_host(rep, sub, b, m, (a, z), wb, keys, parallel))
-    notes = ["every host also holds the embeddings and head, as mlx-lm's pipeline does"]
+    notes = ["every host also holds the embeddings and head, as mlx-lm's pipeline does",
+             "layers in mlx-lm's order: the first host (rank 0) runs the last layers"]
     if len({b.budget_bytes for b in budgets}) > 1:
-        notes.append("mlx_lm.server (sharded_load) splits layers evenly whatever the hosts' "
-                     "memory; this proportional split needs PipelineMixin.pipeline(split=...)")
+        notes.append("mlx-lm splits layers evenly unless told: set SPLIT="
+                     + ",".join(map(str, counts)) + " in the profile for this split")
     return Split("pipeline", hosts, _group(hosts, keys), notes=notes)
 
 

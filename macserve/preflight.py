@@ -60,7 +60,7 @@ except (ValueError, OSError, AttributeError):
         mem = None
 m = os.path.expanduser(sys.argv[1])
 print(json.dumps({"python": platform.python_version(), "mlx": v("mlx"), "mlx_lm": v("mlx-lm"),
-                  "model": os.path.exists(m), "memory_bytes": mem}))
+                  "macserve": v("macserve"), "model": os.path.exists(m), "memory_bytes": mem}))
 """.strip()
 
 
@@ -146,34 +146,49 @@ def _mm(v: str | None) -> tuple | None:
     return tuple(v.split(".")[:2]) if v else None
 
 
-def shares(profile: Profile, n: int) -> tuple[list | None, str | None]:
-    """Per rank (layers, weight bytes) of mlx-lm's split, or (None, why not)."""
+def _weights(profile: Profile):
     from .providers import local_model_path
 
     path = local_model_path(profile.model)
     if path is None or not path.exists():
-        return None, "memory not checked: the model is not on this host, its weights are unknown"
+        return None, "the model is not on this host, its weights are unknown"
     try:
         from .inspect_model import inspect_source
         from .multi_host import weights_split
 
-        w = weights_split(inspect_source(str(path)))
+        return weights_split(inspect_source(str(path))), None
     except MacserveError as e:
-        return None, f"memory not checked: weights unknown ({e})"
+        return None, f"weights unknown ({e})"
+
+
+def model_layers(profile: Profile) -> int | None:
+    """The trunk's layer count when MODEL is on this host, else None."""
+    w, _ = _weights(profile)
+    return None if w is None else len(w.layers)
+
+
+def shares(profile: Profile, n: int) -> tuple[list | None, str | None]:
+    """Per rank (layers, weight bytes) of the split mlx-lm will run, or (None, why not)."""
+    from .multi_host import runtime_ranges
+
+    w, why = _weights(profile)
+    if w is None:
+        return None, f"memory not checked: {why}"
     layers = len(w.layers)
     if (profile.values.get("SHARDING") or "pipeline") == "tensor":
         need = w.outer + sum(s / n + k for s, k in w.layers)
         return [((0, layers), round(need))] * n, None
     if layers < n:
         return None, f"memory not checked: {n} ranks for {layers} layers"
-    base, extra = divmod(layers, n)
-    split = [base + (1 if r < extra else 0) for r in range(n)]
-    out = []
-    for r in range(n):  # mlx-lm's PipelineMixin.pipeline: rank 0 runs the last layers
-        a = sum(split[r + 1:])
-        z = a + split[r]
-        out.append(((a, z), round(w.outer + sum(s + k for s, k in w.layers[a:z]))))
-    return out, None
+    if profile.values.get("SPLIT"):
+        split = [int(x) for x in profile.values["SPLIT"].split(",")]
+        if len(split) != n or sum(split) != layers:
+            return None, f"memory not checked: SPLIT {profile.values['SPLIT']} does not fit"
+    else:  # mlx-lm's even split: the low ranks get the extra layers
+        base, extra = divmod(layers, n)
+        split = [base + (1 if r < extra else 0) for r in range(n)]
+    return [((a, z), round(w.outer + sum(s + k for s, k in w.layers[a:z])))
+            for a, z in runtime_ranges(split)], None
 
 
 def _gb(b) -> str:
@@ -181,7 +196,7 @@ def _gb(b) -> str:
 
 
 def _judge(c: HostCheck, proc: subprocess.CompletedProcess, head: dict, model: str,
-           model_is_path: bool) -> None:
+           model_is_path: bool, need_macserve: bool = False) -> None:
     err = (proc.stderr or "").strip().splitlines()
     last = err[-1].strip() if err else ""
     if proc.returncode == 255:
@@ -205,6 +220,9 @@ def _judge(c: HostCheck, proc: subprocess.CompletedProcess, head: dict, model: s
             c.problems.append(f"{label} not installed there ({label} {here} here)")
         elif _mm(there) != _mm(here):
             c.problems.append(f"{label} {there} there, {here} here (major.minor must match)")
+    if need_macserve and not f.get("macserve"):
+        c.problems.append("macserve not installed there (SPLIT runs each rank through "
+                          "macserve's split shim: pip install macserve there)")
     if model_is_path and not f.get("model"):
         c.problems.append(f"model {model} not found there (copy it to the same path, e.g. "
                           f"rsync -a {model}/ {c.host}:{model}/)")
@@ -223,7 +241,7 @@ def run(profile: Profile) -> Result:
         procs = list(ex.map(lambda c: remote(ssh_argv(c.host, sys.executable, model)),
                             remote_checks))
     for c, p in zip(remote_checks, procs):
-        _judge(c, p, head, model, model_is_path)
+        _judge(c, p, head, model, model_is_path, need_macserve=bool(profile.values.get("SPLIT")))
     notes = []
     if not model_is_path:
         notes.append(f"MODEL {profile.model} is not a path: not checked on the hosts "

@@ -11,10 +11,13 @@ Keys:
   PORT        1..65535                                (required)
   HOST        bind address, default 127.0.0.1
   EXTRA_ARGS  provider flags, split with shlex (never through a shell)
-  HOSTS       serve across several Macs (mlx): IPs/hosts `a,b,...` (first = this head host, rank 0)
-              or a path to an mlx.launch hostfile (JSON); rpc also takes host:port entries
-  BACKEND     ring | jaccl (mlx.launch backends; default ring) | rpc (reserved, llama.cpp)
+  HOSTS       serve across several Macs. mlx: IPs/hosts `a,b,...` (first = this head host,
+              rank 0) or a path to an mlx.launch hostfile (JSON). llama.cpp: the RPC workers,
+              `host[:port],...` (port default 50052), this head not included
+  BACKEND     ring | jaccl (mlx.launch backends; mlx default ring) | rpc (llama.cpp, its default)
   SHARDING    pipeline | tensor: how mlx-lm splits the model over HOSTS (default pipeline)
+  SPLIT       pipeline layers per HOSTS entry, `n1,n2,...` (mlx; default: mlx-lm's even split).
+              `macserve inspect --memory A,B` prints the split in proportion to each host's budget
   PARALLEL    reserved; validated as a positive integer, not used yet.
 
 Writes are atomic (temp file in the same directory, fsync, os.replace, fsync of the directory),
@@ -41,10 +44,10 @@ from .errors import MacserveError
 PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve")
 
 KEYS = ("PROVIDER", "MODEL", "HOST", "PORT", "EXTRA_ARGS", "HOSTS", "BACKEND", "SHARDING",
-        "PARALLEL")
+        "SPLIT", "PARALLEL")
 REQUIRED = ("PROVIDER", "MODEL", "PORT")
 DEFAULTS = {"HOST": "127.0.0.1", "EXTRA_ARGS": ""}
-BACKENDS = ("", "rpc", "ring", "jaccl")  # multi-Mac transports (rpc: reserved for llama.cpp)
+BACKENDS = ("", "rpc", "ring", "jaccl")  # multi-Mac transports: rpc for llama.cpp, the rest mlx
 SHARDINGS = ("", "pipeline", "tensor")
 
 # Names become file names, launchd labels (dev.macserve.NAME) and supervisor program names,
@@ -194,6 +197,9 @@ def validate_values(values: dict[str, str]) -> None:
         raise MacserveError(f"unknown BACKEND {values['BACKEND']!r} (known: {', '.join(BACKENDS[1:])})")
     if values.get("SHARDING", "") not in SHARDINGS:
         raise MacserveError(f"unknown SHARDING {values['SHARDING']!r} (known: pipeline, tensor)")
+    if values.get("SPLIT") and not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)+", values["SPLIT"]):
+        raise MacserveError(f"bad SPLIT {values['SPLIT']!r}: expected layer counts n1,n2,... "
+                            "(one per HOSTS entry, each >= 1)")
     if values.get("PARALLEL"):
         if not values["PARALLEL"].isdigit() or int(values["PARALLEL"]) < 1:
             raise MacserveError(f"bad PARALLEL {values['PARALLEL']!r}: expected a positive integer")

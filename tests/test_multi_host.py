@@ -49,8 +49,9 @@ def mla_row(c):
 def test_pipeline_layers_are_contiguous_and_cover_the_trunk():
     mh = plan(V3, "--hosts", 3, "--memory", "256GB", "--weights", "400GB")
     ranges = [h["layers"] for h in split(mh, "pipeline")["hosts"]]
-    assert ranges[0][0] == 0 and ranges[-1][1] == cfg(V3)["num_hidden_layers"]
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    # mlx-lm's order: the first host (rank 0) runs the last layers
+    assert ranges[-1][0] == 0 and ranges[0][1] == cfg(V3)["num_hidden_layers"]
+    assert all(b[1] == a[0] for a, b in zip(ranges, ranges[1:]))
     counts = [z - a for a, z in ranges]
     assert max(counts) - min(counts) <= 1  # equal hosts, near-equal shares
 
@@ -65,7 +66,8 @@ def test_unequal_budgets_get_proportional_layers():
         a, z = h["layers"]
         assert abs((z - a) - n * m / sum(mems)) < 1
         assert h["budget_bytes"] == budget(m * GB)
-    assert any("splits layers evenly" in note for note in split(mh, "pipeline")["notes"])
+    counts = ",".join(str(z - a) for a, z in (h["layers"] for h in hosts))
+    assert any(f"set SPLIT={counts} in the profile" in note for note in split(mh, "pipeline")["notes"])
 
 
 def test_group_context_is_the_minimum_over_hosts():

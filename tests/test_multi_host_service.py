@@ -86,10 +86,80 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
     services.extend(p.pid for p in poll(lambda: ranks(back["pid"]) or None, "new ranks"))
     assert [t for t, _ in greedy(multi)] == [t for t, _ in want]
 
+    # an uneven split (hosts of different memory): 3 layers on rank 0, 1 on rank 1
+    r = cli("set", "two", "--", "SPLIT=3,2")
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == "error: SPLIT 3,2 sums to 5; the model has 4 layers"
+    r = cli("set", "two", "--", "SPLIT=3,1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    uneven = status("two")
+    services.append(uneven["pid"])
+    group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(ranks(uneven["pid"])), "two ranks")
+    services.extend(p.pid for p in group)
+    assert [t for t, _ in greedy(multi)] == [t for t, _ in want]
+    log = cli("logs", "two", "-n", "400").stdout
+    assert "macserve: pipeline rank 0 of 2: layers 1-3" in log
+    assert "macserve: pipeline rank 1 of 2: layers 0-0" in log
+
     assert cli("rm", "two").returncode == 0
     assert cli("rm", "one").returncode == 0
     time.sleep(0.5)
     assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def completion(port, **body) -> str:
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+        "prompt": "HAMLET.\nWho's there?\n", "max_tokens": 24, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # noqa: F811
+    """macserve's own engine under mlx.launch: rank 0 answers HTTP, both ranks generate in
+    lockstep (pipeline); the INT2 cache and MTP drafting run on each rank's layers."""
+    from .test_services_e2e import TINY_MODEL
+
+    single, multi = free_port(), free_port()
+    engine = ["--provider", "macserve", "--timeout", "120",
+              "--extra-args", "--ctx 1024 --kv int2 --mtp-k 1"]
+    r = cli("new", str(TINY_MODEL), "--name", "one", "--port", str(single), *engine)
+    assert r.returncode == 0, r.stderr
+    services.append(status("one")["pid"])
+    r = cli("new", str(TINY_MODEL), "--name", "two", "--port", str(multi), *engine)
+    assert r.returncode == 0, r.stderr
+    services.append(status("two")["pid"])
+    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = status("two")
+    assert s["healthy"]
+    services.append(s["pid"])
+    group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(
+        [c for c in psutil.Process(s["pid"]).children(recursive=True)
+         if c.cmdline()[1:4] == ["-m", "macserve", "serve"]]), "two engine ranks")
+    services.extend(p.pid for p in group)
+
+    # greedy, and sampled with a seed: the same text as the one-process engine
+    assert completion(multi, temperature=0) == completion(single, temperature=0)
+    sampled = completion(single, temperature=1.0, seed=5)
+    assert completion(multi, temperature=1.0, seed=5) == sampled
+    assert sampled.strip() and len(set(sampled)) > 3  # sampling really produced text
+
+    # a client that leaves mid-stream: every rank stops, and the next request is served
+    with httpx.stream("POST", f"http://127.0.0.1:{multi}/v1/completions", timeout=60, json={
+            "prompt": "HAMLET.\n", "max_tokens": 900, "temperature": 1.0, "stream": True}) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 5:
+                break
+    assert completion(multi, temperature=1.0, seed=5) == sampled
+
+    r = cli("chat", "two", "Who's there?")
+    assert r.returncode == 0, r.stderr
+    assert "draft acceptance" in r.stderr, r.stderr
+    log = cli("logs", "two", "-n", "400").stdout
+    assert "rank 1: loaded; following rank 0" in log
+
+    assert cli("rm", "two").returncode == 0
+    assert cli("rm", "one").returncode == 0
 
 
 # ---- the command line and the one-line errors, without starting anything ----------------------
@@ -111,12 +181,19 @@ def test_argv_wraps_mlx_launch():
                             "--port", "8080", "--pipeline"]
     tensor = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=/etc/hosts.json\nSHARDING=tensor\n", "x"))
     assert "--pipeline" not in tensor and ["--backend", "ring", "--hostfile", "/etc/hosts.json"] == tensor[4:8]
+    # SPLIT: mlx-lm's server under the split shim, same arguments
+    split = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\n", "x"))
+    i = split.index("--")
+    assert split[i + 1:] == ["-m", "macserve.providers.mlx_split", "41,20", "--model", "/m",
+                             "--host", "127.0.0.1", "--port", "8080", "--pipeline"]
     # no HOSTS: the plain single-process server, as before
     assert mlx_lm.PROVIDER.argv(parse(BASE, "x"))[1:4] == ["-m", "mlx_lm", "server"]
 
 
 @pytest.mark.parametrize("extra, msg", [
     ("SHARDING=rows\n", "unknown SHARDING 'rows' (known: pipeline, tensor)"),
+    ("SPLIT=4\n", "bad SPLIT '4': expected layer counts n1,n2,..."),
+    ("SPLIT=3,0\n", "bad SPLIT '3,0'"),
     ("HOSTS=a/b,c\n", None),  # a hostfile path: accepted by the profile, checked by the provider
 ])
 def test_profile_keys(extra, msg):
@@ -132,6 +209,8 @@ def test_profile_keys(extra, msg):
     ("HOSTS=studio1,studio2\n", "HOSTS entry 'studio1': the ring backend needs IP addresses"),
     ("HOSTS=10.0.0.1\nBACKEND=rpc\n", "BACKEND=rpc does not apply to mlx"),
     ("HOSTS=/nonexistent/hosts.json\n", "HOSTS hostfile /nonexistent/hosts.json not found"),
+    ("HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2,3\n", "SPLIT has 3 entries for 2 hosts"),
+    ("HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2\nSHARDING=tensor\n", "SPLIT applies to SHARDING=pipeline only"),
 ])
 def test_check_hosts_one_line_errors(extra, msg):
     with pytest.raises(MacserveError, match=re.escape(msg)) as e:

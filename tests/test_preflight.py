@@ -175,3 +175,15 @@ def test_cli(ssh, macserve_home, monkeypatch):
     assert r.returncode == 2
     assert "rank 2  10.0.0.3" in r.stdout and "error: not reachable over ssh" in r.stdout
     assert r.stderr.strip() == "error: pre-flight failed on 1 host(s)"
+
+
+def test_split_sets_the_shares_and_needs_macserve_on_every_host(ssh, monkeypatch):
+    r = preflight.run(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n"))
+    assert r.ok, r.error()
+    assert [h.layers for h in r.hosts] == [(1, 4), (0, 1)]  # rank 0 runs the last 3 layers
+    assert r.hosts[0].need_bytes > r.hosts[1].need_bytes
+    override(monkeypatch, **{"10_0_0_2": {"macserve": None}})
+    assert one_line(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n")) == (
+        "pre-flight: host 10.0.0.2: macserve not installed there (SPLIT runs each rank through "
+        "macserve's split shim: pip install macserve there)")
+    preflight.check(profile("127.0.0.1,10.0.0.2"))  # without SPLIT macserve is not needed there

@@ -131,7 +131,15 @@ def load(model_dir: str | Path) -> Bundle:
 
     path = Path(model_dir).expanduser().resolve()
     config = read_config(path)
-    model, tokenizer = mlx_load(str(path))
+    group = mx.distributed.init()
+    if group.size() > 1:
+        # Under mlx.launch: this rank's share of the layers (mlx-lm's pipeline; rank 0 runs
+        # the last ones). Every rank keeps the embeddings and head, so each computes logits.
+        from mlx_lm.utils import sharded_load
+
+        model, tokenizer = sharded_load(str(path), pipeline_group=group)
+    else:
+        model, tokenizer = mlx_load(str(path))
     if mx.default_device().type == mx.DeviceType.cpu:
         # MLX's CPU gather_mm (the MoE experts) only runs in float32.
         model.set_dtype(mx.float32)

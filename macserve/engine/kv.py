@@ -39,9 +39,13 @@ def make_caches(model, quant: LatentQuant, calibration: Calibration | None = Non
         if calibration is None:
             raise ValueError(f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)")
         rots, clips = calibration.for_method(method)
-        if len(rots) != n:
-            raise ValueError(f"calibration has {len(rots)} layers, the model {n}")
-        latents = [RotatedLatentCache(quant, r, c) for r, c in zip(rots, clips)]
+        # A pipeline rank holds layers [start, start + n) of the whole model.
+        start = getattr(getattr(model, "model", None), "start_idx", 0) or 0
+        total = getattr(getattr(model, "args", None), "num_hidden_layers", None) or n
+        if len(rots) != total:
+            raise ValueError(f"calibration has {len(rots)} layers, the model {total}")
+        latents = [RotatedLatentCache(quant, r, c)
+                   for r, c in zip(rots[start:start + n], clips[start:start + n])]
     if not hasattr(attns[0], "indexer"):
         return latents
     bits = None if quant.bits is None else quant.index_bits

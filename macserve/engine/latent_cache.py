@@ -127,6 +127,19 @@ class RotatedLatentCache(_BaseCache):
         self._int_pe = _Store(q.rope_bits if q.bits is not None else None, q.group_size)
         self._rec_lat = _Store(None, q.group_size)
         self._rec_pe = _Store(None, q.group_size)
+        self._dep = mx.array(0)
+
+    @property
+    def keys(self) -> mx.array:
+        """mlx-lm's pipeline ties each step's send to the last layer's cache
+        (`cache[-1].keys = mx.depends(cache[-1].keys, h)`); this is what it holds on to.
+        `append` lets go of it: the send is evaluated anyway through the all_gather after it,
+        and a chain of unevaluated steps would keep every step's activations alive."""
+        return self._dep
+
+    @keys.setter
+    def keys(self, v: mx.array) -> None:
+        self._dep = v
 
     @property
     def latent_dims(self) -> int:
@@ -163,6 +176,7 @@ class RotatedLatentCache(_BaseCache):
     def append(self, latent: mx.array, k_pe: mx.array) -> None:
         """Store L new tokens: latent (B, 1, L, r) unrotated, k_pe (B, 1, L, d) after RoPE."""
         q = self.quant
+        self._dep = mx.array(0)
         self._dims = (latent.shape[-1], k_pe.shape[-1])
         u = self.rotate(latent)
         n = u.shape[2]

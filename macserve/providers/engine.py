@@ -30,6 +30,17 @@ class Engine(BaseProvider):
     def model_args(self, profile: Profile) -> list[str]:
         return [profile.model]
 
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        if not profile.values.get("HOSTS"):
+            return argv
+        from .mlx_lm import launch_command
+
+        # As the mlx provider: every rank runs `macserve serve`, pipelined by mlx-lm;
+        # rank 0 (the first host) answers HTTP.
+        return ([sys.executable, "-m", "macserve.providers.mlx_launch"] + launch_command(profile)
+                + ["--python", argv[0], "--"] + argv[1:])
+
     def env(self, profile: Profile) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
 
@@ -39,6 +50,17 @@ class Engine(BaseProvider):
         if path is None or not (path / "config.json").is_file():
             raise MacserveError(f"{profile.model}: macserve serve needs a local model folder with a config.json")
         super().check_args(profile)
+        if profile.values.get("HOSTS"):
+            if (profile.values.get("SHARDING") or "pipeline") != "pipeline":
+                raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
+            if profile.values.get("SPLIT"):
+                raise MacserveError("SPLIT is not supported by the macserve engine yet "
+                                    "(it runs mlx-lm's even split)")
+            from .. import preflight
+            from .mlx_lm import check_hosts
+
+            check_hosts(profile)
+            preflight.check(profile)
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["--ctx", str(n_ctx)]

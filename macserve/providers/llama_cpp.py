@@ -4,6 +4,12 @@ The binary is found in MACSERVE_LLAMA_SERVER, then PATH, then the Homebrew prefi
 LaunchAgent's PATH is minimal, and `brew install llama.cpp` puts it in /opt/homebrew/bin on
 Apple silicon). MODEL is a local .gguf path (`-m`) or a Hugging Face `owner/repo[:QUANT]`
 (`--hf-repo`, which llama-server downloads and caches itself).
+
+Several Macs (profile `BACKEND=rpc`, `HOSTS=worker[:port],...`): llama.cpp's own RPC backend.
+Each worker runs `rpc-server -H ADDR -p PORT` (default port 50052); this head runs
+llama-server with `--rpc worker:port,...` and splits the layers over its own GPU and the
+workers'. Before a start, every worker's port must accept a TCP connection and this
+llama-server must list `--rpc` (built with -DGGML_RPC=ON), so a bad edit is refused in one line.
 """
 
 from __future__ import annotations
@@ -11,22 +17,32 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from ..errors import MacserveError
-from ..profiles import Profile
-from . import BaseProvider, help_text, local_model_path
+from ..profiles import Profile, is_hostfile
+from . import BaseProvider, help_flags, help_text, local_model_path
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+RPC_PORT = 50052  # rpc-server's default
+RPC_CONNECT_TIMEOUT = 3.0
+
+
+def _from_env(var: str) -> str | None:
+    p = os.environ.get(var)
+    if not p:
+        return None
+    if os.access(p, os.X_OK):
+        return os.path.abspath(p)
+    raise MacserveError(f"{var}={p} is not an executable file")
 
 
 def find_llama_server() -> str:
-    p = os.environ.get("MACSERVE_LLAMA_SERVER")
+    p = _from_env("MACSERVE_LLAMA_SERVER")
     if p:
-        if os.access(p, os.X_OK):
-            return os.path.abspath(p)
-        raise MacserveError(f"MACSERVE_LLAMA_SERVER={p} is not an executable file")
+        return p
     found = shutil.which("llama-server")
     if found:
         return os.path.abspath(found)
@@ -37,6 +53,26 @@ def find_llama_server() -> str:
     raise MacserveError("llama-server not found (brew install llama.cpp, or set MACSERVE_LLAMA_SERVER)")
 
 
+RPC_SERVER_NAMES = ("ggml-rpc-server", "rpc-server")  # its name since / before late 2025
+
+
+def find_rpc_server() -> str:
+    """The RPC worker binary: MACSERVE_RPC_SERVER, beside llama-server, then PATH."""
+    p = _from_env("MACSERVE_RPC_SERVER")
+    if p:
+        return p
+    try:
+        here = os.path.dirname(find_llama_server())
+    except MacserveError:
+        here = None
+    for name in RPC_SERVER_NAMES:
+        if here and os.access(os.path.join(here, name), os.X_OK):
+            return os.path.join(here, name)
+        if shutil.which(name):
+            return os.path.abspath(shutil.which(name))
+    raise MacserveError("rpc-server not found (a llama.cpp build with -DGGML_RPC=ON has it)")
+
+
 class LlamaCpp(BaseProvider):
     name = "llama.cpp"
     label = "llama-server"
@@ -44,6 +80,7 @@ class LlamaCpp(BaseProvider):
     reserved = {
         "--host": "HOST", "--port": "PORT",
         "-m": "MODEL", "--model": "MODEL", "-hf": "MODEL", "-hfr": "MODEL", "--hf-repo": "MODEL",
+        "--rpc": "HOSTS",
     }
 
     def command(self) -> list[str]:
@@ -57,12 +94,28 @@ class LlamaCpp(BaseProvider):
             return ["--hf-repo", profile.model]
         raise MacserveError(f"MODEL {profile.model!r} is neither a file nor owner/repo[:QUANT]")
 
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        workers = rpc_workers(profile)
+        if workers:
+            argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]
+        return argv
+
     def check_args(self, profile: Profile) -> None:
         local = local_model_path(profile.model)
         if local is not None and not local.is_file():
             raise MacserveError(f"model file {local} not found")
         self.model_args(profile)
         super().check_args(profile)
+        workers = rpc_workers(profile)
+        if workers:
+            if "--rpc" not in help_flags(self.command(), self.binary_path()):
+                raise MacserveError("this llama-server has no --rpc: it was built without "
+                                    "-DGGML_RPC=ON (scripts/build-llama-server.sh builds it with RPC)")
+            down = [f"{h}:{p}" for h, p in workers if not reachable(h, p)]
+            if down:
+                raise MacserveError(f"rpc worker {', '.join(down)} not reachable: start "
+                                    f"`rpc-server -H 0.0.0.0 -p PORT` there first")
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["-c", str(n_ctx)]
@@ -75,6 +128,31 @@ class LlamaCpp(BaseProvider):
         if re.search(r"--spec-type\s+\S*\bdraft-mtp\b", text):
             return ["--spec-type", "draft-mtp"]
         return []
+
+
+def rpc_workers(profile: Profile) -> list[tuple[str, int]]:
+    """(host, port) of each RPC worker; [] for a one-Mac profile."""
+    hosts = profile.values.get("HOSTS", "")
+    if not hosts:
+        return []
+    backend = profile.values.get("BACKEND") or "rpc"
+    if backend != "rpc":
+        raise MacserveError(f"BACKEND={backend} does not apply to llama.cpp; use rpc")
+    if is_hostfile(hosts):
+        raise MacserveError("llama.cpp takes HOSTS as worker[:port],... (no hostfile)")
+    out = []
+    for h in filter(None, (x.strip() for x in hosts.split(","))):
+        host, _, port = h.partition(":")
+        out.append((host, int(port) if port else RPC_PORT))
+    return out
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=RPC_CONNECT_TIMEOUT):
+            return True
+    except OSError:
+        return False
 
 
 PROVIDER = LlamaCpp()

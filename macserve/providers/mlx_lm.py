@@ -45,9 +45,13 @@ class MlxLm(BaseProvider):
             return argv
         if (profile.values.get("SHARDING") or "pipeline") == "pipeline":
             argv.append("--pipeline")
+        rest = argv[1:]
+        if profile.values.get("SPLIT"):
+            # [-m, mlx_lm, server, ...] -> mlx-lm's server under our uneven-split shim
+            rest = ["-m", "macserve.providers.mlx_split", profile.values["SPLIT"]] + rest[3:]
         # mlx.launch runs `--python` + the arguments after `--` on each host.
         return ([sys.executable, "-m", "macserve.providers.mlx_launch"] + launch_command(profile)
-                + ["--python", argv[0], "--"] + argv[1:])
+                + ["--python", argv[0], "--"] + rest)
 
     def binary_path(self) -> str:
         # The help cache is keyed on mlx_lm's server.py, so upgrading mlx-lm re-probes flags.
@@ -119,6 +123,8 @@ def check_hosts(profile: Profile) -> None:
     if is_hostfile(hosts):
         if not Path(hosts).expanduser().is_file():
             raise MacserveError(f"HOSTS hostfile {hosts} not found")
+    check_split(profile)
+    if is_hostfile(hosts):
         return
     for h in filter(None, (x.strip() for x in hosts.split(","))):
         if ":" in h:
@@ -130,6 +136,24 @@ def check_hosts(profile: Profile) -> None:
                 raise MacserveError(f"HOSTS entry {h!r}: the ring backend needs IP addresses "
                                     "(or a hostfile)") from None
     launcher()
+
+
+def check_split(profile: Profile) -> None:
+    """SPLIT: one count per rank, summing to the model's layers (when the model is here)."""
+    split = profile.values.get("SPLIT")
+    if not split:
+        return
+    if (profile.values.get("SHARDING") or "pipeline") != "pipeline":
+        raise MacserveError("SPLIT applies to SHARDING=pipeline only")
+    from .. import preflight
+
+    counts = [int(x) for x in split.split(",")]
+    n = len(preflight.hosts_of(profile))
+    if len(counts) != n:
+        raise MacserveError(f"SPLIT has {len(counts)} entries for {n} hosts")
+    layers = preflight.model_layers(profile)
+    if layers is not None and sum(counts) != layers:
+        raise MacserveError(f"SPLIT {split} sums to {sum(counts)}; the model has {layers} layers")
 
 
 PROVIDER = MlxLm()

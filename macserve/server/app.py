@@ -348,10 +348,16 @@ def check_settings(settings: Settings) -> list[str]:
 def run(settings: Settings) -> None:
     import uvicorn
 
+    from .ranks import Ranks, follow
+
     notes = check_settings(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for n in notes:
         log.warning("%s", n)
+    ranks = Ranks()
+    if ranks.rank > 0:  # under mlx.launch: only rank 0 answers HTTP
+        follow(settings.model, settings.engine_opts, ranks)
+        return
     sock = _bind(settings.host, settings.port)
     failure: list[str] = []
     server: uvicorn.Server | None = None

@@ -60,6 +60,9 @@ class Worker(threading.Thread):
         self.served = 0
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
+        from .ranks import Ranks
+
+        self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
 
     @property
     def ready(self) -> bool:
@@ -73,6 +76,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         from ..engine import generate
+        from . import ranks
 
         try:
             log.info("loading %s", self.model)
@@ -84,19 +88,29 @@ class Worker(threading.Thread):
             self.on_load_failed(self.error)
             return
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=ranks.HEARTBEAT if self.ranks.distributed else None)
+            except queue.Empty:
+                self.ranks.share(None)  # the other ranks wait on this: "nothing yet"
+                continue
             if job.cancelled.is_set():
                 self.disconnected += job.disconnected
                 job.deliver(END)
                 continue
             self.busy = True
             try:
-                self._run(job, generate)
+                stop = job.cancelled.is_set
+                if self.ranks.distributed:
+                    params = ranks.job_params(job)
+                    job.seed = params["seed"]
+                    self.ranks.share(params)
+                    stop = self.ranks.synced_stop(stop)
+                self._run(job, generate, stop)
             finally:
                 self.busy = False
                 job.deliver(END)
 
-    def _run(self, job: Job, generate) -> None:
+    def _run(self, job: Job, generate, stop) -> None:
         import mlx.core as mx
 
         try:
@@ -104,7 +118,7 @@ class Worker(threading.Thread):
                 mx.random.seed(job.seed)
             for step in generate.stream(self.bundle, job.prompt_ids, job.max_tokens,
                                         temperature=job.temperature, top_p=job.top_p,
-                                        stop=job.cancelled.is_set, **self.engine_opts):
+                                        stop=stop, **self.engine_opts):
                 job.deliver(step)
             if job.disconnected:
                 self.disconnected += 1

@@ -1,0 +1,106 @@
+"""The engine across several hosts (under `mlx.launch`): rank 0 answers HTTP, every rank runs
+every generation in lockstep on its share of the layers (mlx-lm's pipeline).
+
+Rank 0's worker hands each job's parameters to the others with `share` (a pickled object
+summed over the group, as mlx_lm.server does), and sends `None` as a heartbeat while idle so
+the other ranks never block for long and a dead peer surfaces within a second. The other
+ranks run `follow`: receive, generate, discard. Cancellation (a client that went away) must
+stop every rank at the same token, so the stop callback is a collective too (`synced_stop`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import random
+from typing import Callable
+
+log = logging.getLogger("macserve.server")
+
+HEARTBEAT = 0.5  # seconds rank 0 waits for a job before telling the others "nothing yet"
+STOP_EVERY = 8  # tokens between collective stop checks: a cancelled job runs at most this far
+
+
+class Ranks:
+    def __init__(self):
+        import mlx.core as mx
+
+        self.group = mx.distributed.init()
+        self.rank, self.size = self.group.rank(), self.group.size()
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def share(self, obj):
+        """Rank 0's `obj` on every rank (the others pass anything)."""
+        import mlx.core as mx
+
+        if not self.distributed:
+            return obj
+        if self.rank == 0:
+            data = mx.array(bytearray(pickle.dumps(obj)), dtype=mx.uint8)
+            mx.eval(mx.distributed.all_sum(data.size, group=self.group))
+            mx.eval(mx.distributed.all_sum(data, group=self.group))
+            return obj
+        size = mx.distributed.all_sum(0, group=self.group).item()
+        data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=self.group)
+        return pickle.loads(bytes(memoryview(data)))
+
+    def synced_stop(self, flag: Callable[[], bool]) -> Callable[[], bool]:
+        """A stop callback that answers the same on every rank: rank 0's flag, polled every
+        STOP_EVERY calls. Every rank calls it at the same points of the same generation.
+
+        Before the collective, both streams are drained: mlx-lm has already scheduled the next
+        step's forward (whose pipeline sends are collectives too), and collectives must be
+        issued in the same order on every rank.
+        """
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        if not self.distributed:
+            return flag
+        calls = 0
+
+        def stop() -> bool:
+            nonlocal calls
+            calls += 1
+            if calls % STOP_EVERY:
+                return False
+            mx.synchronize(generation_stream)
+            mx.synchronize()
+            mine = int(flag()) if self.rank == 0 else 0
+            return bool(mx.distributed.all_sum(mine, group=self.group).item())
+
+        return stop
+
+
+def job_params(job) -> dict:
+    """What every rank needs to run the same generation. A job without a seed gets one here:
+    sampling must draw the same numbers on every rank."""
+    seed = job.seed if job.seed is not None else random.randrange(2**31)
+    return {"prompt_ids": list(job.prompt_ids), "max_tokens": job.max_tokens,
+            "temperature": job.temperature, "top_p": job.top_p, "seed": seed}
+
+
+def follow(model: str, engine_opts: dict, ranks: Ranks) -> None:
+    """Ranks other than 0: load the model's share, then run whatever rank 0 runs, forever."""
+    import mlx.core as mx
+
+    from ..engine import generate
+
+    log.info("rank %d of %d: loading %s", ranks.rank, ranks.size, model)
+    bundle = generate.load(model)
+    log.info("rank %d: loaded; following rank 0", ranks.rank)
+    while True:
+        req = ranks.share(None)
+        if req is None:
+            continue
+        mx.random.seed(req["seed"])
+        try:
+            for _ in generate.stream(bundle, req["prompt_ids"], req["max_tokens"],
+                                     temperature=req["temperature"], top_p=req["top_p"],
+                                     stop=ranks.synced_stop(lambda: False), **engine_opts):
+                pass
+        except (ValueError, RuntimeError) as e:  # rank 0 fails the same request the same way
+            log.error("rank %d: generation failed: %s", ranks.rank, e)
