@@ -35,8 +35,8 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   models keep a bf16 indexer key on every layer, shared or not.
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
   (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
-  and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); every
-  other cache as in mlx/bf16.
+  and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); a DSA
+  indexer key as 8-bit groups of 64 (D + ceil(D/64) x 4 B); every other cache as in mlx/bf16.
 """
 
 from __future__ import annotations
@@ -313,7 +313,12 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
                    Buffer(i, "rope key", bf16 * l.rope, "token")]
         else:
             raise _Unsupported(f"mlx-lm's {mod.name} MLA cache layout is not verified here")
-        if l.indexer:
+        if l.indexer and int2:
+            # macserve's engine (engine/dsa_indexer.py): the same key on every layer, 8-bit
+            # groups of 64 with a bf16 scale and bias, and no zero-filled values array.
+            out.append(Buffer(i, "indexer key (int8)", l.indexer + math.ceil(l.indexer / 64) * 4,
+                              "token"))
+        elif l.indexer:
             # deepseek_v32's Indexer caches every token's key on every layer; it ignores
             # indexer_types and pools nothing.
             out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
@@ -378,7 +383,7 @@ def engine_notes(shape: ModelShape) -> list[str]:
         if dsa and mod.name in ("deepseek_v32", "glm_moe_dsa"):
             notes.append("mlx-lm's DSA Indexer also stores a zero-filled values array as "
                          "large as its keys (cache.values = mx.zeros_like(cache.keys)); it is "
-                         f"not counted above: +{2 * dsa[0].indexer * len(dsa):,} B/token")
+                         f"not counted above: +{2 * dsa[0].indexer * len(dsa):,} B/token in mlx/bf16")
     return notes
 
 

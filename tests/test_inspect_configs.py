@@ -43,19 +43,19 @@ GLM53_MLX_RANGE = (11264, 14080)
 DERIVED = {
     # llama.cpp DSA: K-only latent row (576) + an indexer-key row (128) on every layer.
     # q8_0: 576 -> 18 x 34 = 612, 128 -> 4 x 34 = 136; q4_0: 18 x 18 = 324, 4 x 18 = 72.
-    # int2: 61 x (228 + 256 bf16 indexer key).
-    "deepseek-ai__DeepSeek-V3.2": (_, 85888, 61 * 748, 61 * 396, 61 * 484),
-    "zai-org__GLM-5": (_, 109824, 78 * 748, 78 * 396, 78 * 484),
+    # int2: 61 x (228 + 136: the engine's 8-bit indexer key, 128 + 2 x 4).
+    "deepseek-ai__DeepSeek-V3.2": (_, 85888, 61 * 748, 61 * 396, 61 * 364),
+    "zai-org__GLM-5": (_, 109824, 78 * 748, 78 * 396, 78 * 364),
     # llama.cpp honours indexer_types: 78 latent rows + 21 owned indexer rows.
     "zai-org__GLM-5.2": (_, 78 * 1152 + 21 * 256, 78 * 612 + 21 * 136, 78 * 324 + 21 * 72,
-                         78 * 484),
+                         78 * 364),
     # 9 full layers x 4 heads: K 768 values (24 blocks), V 512 (16 blocks).
     "XiaomiMiMo__MiMo-V2-Flash": (_, 23040, 9 * (816 + 544), 9 * (432 + 288), _),
     # 11 nope-only MLA layers: latent 512; llama.cpp's k-pool indexer row is key|gate|pooled
     # = 3 x 128 per token; mlx keeps a 128-wide bf16 key per token (the range's top).
     "zai-org__GLM-5.3-Flash.RECONSTRUCTED": (
         11 * (1024 + 256), 11 * (1024 + 768), 11 * (544 + 408), 11 * (288 + 216),
-        11 * (160 + 256)),
+        11 * (160 + 136)),
     # 21 CSA layers (ratio 4): K 512 per 4 tokens + indexer 128 per 4 tokens; 20 HCA layers
     # (ratio 128): K 512 per 128 tokens. f16: 21 x (256 + 64) + 20 x 8.
     "deepseek-ai__DeepSeek-V4-Flash": (
