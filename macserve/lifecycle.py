@@ -158,6 +158,36 @@ def new(source: str, quant=None, name=None, provider=None, ctx="auto", port=None
         args += shlex.split(extra_args or "")
     except ValueError as e:
         raise MacserveError(f"--extra-args does not parse: {e}") from None
+    values = {"PROVIDER": plan.provider, "MODEL": plan.model, "HOST": host, "PORT": None,
+              "EXTRA_ARGS": shlex.join(args)}
+    comment = f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")
+    return _create(st, name, values, comment, port, start, timeout, tick, notes)
+
+
+def new_worker(name: str, host: str, port: int | None = None, extra_args: str = "", start=True,
+               timeout: float = 60.0, tick=None) -> Outcome:
+    """A supervised llama.cpp RPC worker (rpc-server) for another Mac's llama-server."""
+    from .providers.llama_rpc import DEFAULT_PORT
+
+    name = check_name(name)
+    st = store()
+    if st.exists(name):
+        raise MacserveError(f"profile {name} exists (change it with macserve set {name}, or pick --name)")
+    try:
+        args = shlex.split(extra_args or "")
+    except ValueError as e:
+        raise MacserveError(f"--extra-args does not parse: {e}") from None
+    values = {"PROVIDER": "llama.cpp-rpc", "HOST": host, "PORT": None, "EXTRA_ARGS": shlex.join(args)}
+    out = _create(st, name, values, f"# macserve worker {name} --host {host}",
+                  port or DEFAULT_PORT, start, timeout, tick, [])
+    out.url = f"{host}:{store().load(name).port}"
+    return out
+
+
+def _create(st: ProfileStore, name: str, values: dict, comment: str, port: int | None, start: bool,
+            timeout: float, tick, notes: list[str]) -> Outcome:
+    """Write a new profile (port picked or checked, flags checked), then install and start it."""
+    host = values["HOST"]
     with st.lock():
         if st.exists(name):
             raise MacserveError(f"profile {name} exists")
@@ -168,11 +198,10 @@ def new(source: str, quant=None, name=None, provider=None, ctx="auto", port=None
             raise MacserveError(f"port {port} is already used by another profile")
         elif start and not port_free(host, port):
             raise MacserveError(f"port {port} on {host} is in use by another program")
-        profile = Profile(name, {"PROVIDER": plan.provider, "MODEL": plan.model, "HOST": host,
-                                 "PORT": str(port), "EXTRA_ARGS": shlex.join(args)})
-        profile.lines = [f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")]
+        profile = Profile(name, {**values, "PORT": str(port)})
+        profile.lines = [comment]
         profile.validate()
-        prov.check_args(profile)  # a profile that cannot start is never written
+        providers.for_profile(profile).check_args(profile)  # a profile that cannot start is never written
         st.save(profile)
     out = Outcome(name, base_url(profile), notes)
     if not start:

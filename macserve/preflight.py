@@ -221,8 +221,8 @@ def _judge(c: HostCheck, proc: subprocess.CompletedProcess, head: dict, model: s
         elif _mm(there) != _mm(here):
             c.problems.append(f"{label} {there} there, {here} here (major.minor must match)")
     if need_macserve and not f.get("macserve"):
-        c.problems.append("macserve not installed there (SPLIT runs each rank through "
-                          "macserve's split shim: pip install macserve there)")
+        c.problems.append("macserve not installed there (every rank runs macserve's engine or "
+                          "its SPLIT shim: pip install macserve there)")
     if model_is_path and not f.get("model"):
         c.problems.append(f"model {model} not found there (copy it to the same path, e.g. "
                           f"rsync -a {model}/ {c.host}:{model}/)")
@@ -241,7 +241,8 @@ def run(profile: Profile) -> Result:
         procs = list(ex.map(lambda c: remote(ssh_argv(c.host, sys.executable, model)),
                             remote_checks))
     for c, p in zip(remote_checks, procs):
-        _judge(c, p, head, model, model_is_path, need_macserve=bool(profile.values.get("SPLIT")))
+        _judge(c, p, head, model, model_is_path,
+               need_macserve=bool(profile.values.get("SPLIT")) or profile.provider == "macserve")
     notes = []
     if not model_is_path:
         notes.append(f"MODEL {profile.model} is not a path: not checked on the hosts "

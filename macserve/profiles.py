@@ -6,8 +6,8 @@ shell quoting (`EXTRA_ARGS='-c 8192 --threads 8'`), so the file can be read by a
 file: `set` changes the value in place instead of regenerating the file.
 
 Keys:
-  PROVIDER    llama.cpp | mlx | macserve            (required)
-  MODEL       path, HF repo id, or repo:QUANT         (required)
+  PROVIDER    llama.cpp | mlx | macserve | llama.cpp-rpc (required; the last is an RPC worker)
+  MODEL       path, HF repo id, or repo:QUANT         (required, except for llama.cpp-rpc)
   PORT        1..65535                                (required)
   HOST        bind address, default 127.0.0.1
   EXTRA_ARGS  provider flags, split with shlex (never through a shell)
@@ -41,7 +41,9 @@ from .errors import MacserveError
 
 # Provider names a profile may name. The registry in macserve.providers maps each to a module;
 # the list lives here so profiles never import providers (data flows one way).
-PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve")
+PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc")
+# llama.cpp-rpc is an RPC worker (rpc-server) for another Mac's llama-server: it serves no model.
+MODELLESS = ("llama.cpp-rpc",)
 
 KEYS = ("PROVIDER", "MODEL", "HOST", "PORT", "EXTRA_ARGS", "HOSTS", "BACKEND", "SHARDING",
         "SPLIT", "PARALLEL")
@@ -84,7 +86,7 @@ class Profile:
 
     @property
     def model(self) -> str:
-        return self.values["MODEL"]
+        return self.values.get("MODEL", "")
 
     @property
     def host(self) -> str:
@@ -172,6 +174,8 @@ def validate_values(values: dict[str, str]) -> None:
         if key not in KEYS:
             raise MacserveError(f"unknown key {key} (known: {', '.join(KEYS)})")
     for key in REQUIRED:
+        if key == "MODEL" and values.get("PROVIDER") in MODELLESS:
+            continue
         if not values.get(key):
             raise MacserveError(f"{key} is required")
     if values["PROVIDER"] not in PROVIDER_NAMES:

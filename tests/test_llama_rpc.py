@@ -5,18 +5,16 @@ supervised llama-server service; greedy output through the worker equals the one
 """
 
 import os
-import socket
-import subprocess
-import time
 
 import httpx
+import psutil
 import pytest
 
 from macserve.errors import MacserveError
 from macserve.profiles import parse
 from macserve.providers.llama_cpp import RPC_PORT, find_rpc_server, rpc_workers
 
-from .test_services_e2e import cli, free_port, model_gguf, poll, services, status  # noqa: F401
+from .test_services_e2e import cli, free_port, model_gguf, services, status  # noqa: F401
 
 
 def profile(extra=""):
@@ -39,6 +37,20 @@ def test_what_llama_cpp_cannot_do_is_refused(extra, message):
         rpc_workers(profile(extra))
 
 
+def test_a_worker_profile_needs_no_model_and_runs_rpc_server(monkeypatch, tmp_path):
+    from macserve.providers import llama_rpc
+
+    p = parse("PROVIDER=llama.cpp-rpc\nHOST=10.0.0.2\nPORT=50052\nEXTRA_ARGS=-c\n", "w")
+    fake = tmp_path / "ggml-rpc-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("MACSERVE_RPC_SERVER", str(fake))
+    assert llama_rpc.PROVIDER.argv(p) == [str(fake), "-H", "10.0.0.2", "-p", "50052", "-c"]
+    assert llama_rpc.PROVIDER.health_url(p) == "tcp://10.0.0.2:50052"
+    with pytest.raises(MacserveError, match="MODEL is required"):
+        parse("PROVIDER=llama.cpp\nPORT=1\n", "x")
+
+
 def rpc_server_binary(llama_server, monkeypatch) -> str:
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
     try:
@@ -57,57 +69,47 @@ def completion(port) -> list[int]:
     return r.json()["tokens"]
 
 
-def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_gguf, services,
-                                                         macserve_home, tmp_path, monkeypatch):
+def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_gguf, services,  # noqa: F811
+                                                         macserve_home, monkeypatch):
+    rpc_server_binary(llama_server, monkeypatch)
     port, wport, dead = free_port(), free_port(), free_port()
-    log = open(tmp_path / "rpc-server.log", "w")
-    worker = subprocess.Popen([rpc_server_binary(llama_server, monkeypatch), "-H", "127.0.0.1", "-p", str(wport)],
-                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        poll(lambda: _accepts(wport), "rpc-server to listen", timeout=30)
-        r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port),
-                "--extra-args", "-t 1 -np 1")
-        assert r.returncode == 0, r.stderr
-        services.append(status("tiny")["pid"])
-        one_host = completion(port)
-        assert len(one_host) == 32
+    # the worker: rpc-server as a supervised service of its own
+    r = cli("worker", "w1", "--host", "127.0.0.1", "--port", str(wport))
+    assert r.returncode == 0, r.stderr
+    assert f"w1: rpc worker listening on 127.0.0.1:{wport}" in r.stdout
+    w = status("w1")
+    assert w["healthy"] and w["port"] == wport
+    services.append(w["pid"])
+    assert "MODEL" not in (macserve_home / "profiles" / "w1.env").read_text()
 
-        # a worker that is not there: refused in one line before any restart
-        prof = macserve_home / "profiles" / "tiny.env"
-        before = prof.read_bytes()
-        r = cli("set", "tiny", "--", f"HOSTS=127.0.0.1:{dead}", "BACKEND=rpc")
-        assert r.returncode == 2
-        assert r.stderr.strip().splitlines() == [
-            f"error: rpc worker 127.0.0.1:{dead} not reachable: start `rpc-server -H 0.0.0.0 "
-            "-p PORT` there first"]
-        assert prof.read_bytes() == before
+    r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1")
+    assert r.returncode == 0, r.stderr
+    services.append(status("tiny")["pid"])
+    one_host = completion(port)
+    assert len(one_host) == 32
 
-        r = cli("set", "tiny", "--", f"HOSTS=127.0.0.1:{wport}", "BACKEND=rpc")
-        assert r.returncode == 0, r.stderr
-        assert "restarted, healthy" in r.stdout
-        s = status("tiny")
-        services.append(s["pid"])
-        assert f"--rpc 127.0.0.1:{wport}" in " ".join(_cmdline(s["pid"]))
-        assert completion(port) == one_host
-        log.flush()
-        assert "accepted client connection" in (tmp_path / "rpc-server.log").read_text().lower()
-        assert cli("rm", "tiny").returncode == 0
-    finally:
-        worker.terminate()
-        worker.wait(timeout=10)
-        log.close()
+    # a worker that is not there: refused in one line before any restart
+    prof = macserve_home / "profiles" / "tiny.env"
+    before = prof.read_bytes()
+    r = cli("set", "tiny", "--", f"HOSTS=127.0.0.1:{dead}", "BACKEND=rpc")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: rpc worker 127.0.0.1:{dead} not reachable: start `rpc-server -H 0.0.0.0 "
+        "-p PORT` there first"]
+    assert prof.read_bytes() == before
 
+    r = cli("set", "tiny", "--", f"HOSTS=127.0.0.1:{wport}", "BACKEND=rpc")
+    assert r.returncode == 0, r.stderr
+    assert "restarted, healthy" in r.stdout
+    s = status("tiny")
+    services.append(s["pid"])
+    assert f"--rpc 127.0.0.1:{wport}" in " ".join(psutil.Process(s["pid"]).cmdline())
+    assert completion(port) == one_host
+    assert "accepted client connection" in cli("logs", "w1", "-n", "200").stdout.lower()
 
-def _accepts(port) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        time.sleep(0.1)
-        return False
+    # an unknown rpc-server flag (rpc-server itself would exit 0 on it) is refused up front
+    r = cli("set", "w1", "--", "EXTRA_ARGS=--no-such-flag")
+    assert r.returncode == 2 and "rpc-server does not accept --no-such-flag" in r.stderr
 
-
-def _cmdline(pid) -> list[str]:
-    import psutil
-
-    return psutil.Process(pid).cmdline()
+    assert cli("rm", "tiny").returncode == 0
+    assert cli("rm", "w1").returncode == 0

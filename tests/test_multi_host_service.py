@@ -158,6 +158,15 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     log = cli("logs", "two", "-n", "400").stdout
     assert "rank 1: loaded; following rank 0" in log
 
+    # an uneven split on the engine too; the calibration's rotations follow each rank's layers
+    r = cli("set", "two", "--", "SPLIT=1,3", timeout=300)
+    assert r.returncode == 0, r.stderr
+    services.append(status("two")["pid"])
+    assert completion(multi, temperature=1.0, seed=5) == sampled
+    log = cli("logs", "two", "-n", "400").stdout
+    assert "macserve: pipeline rank 0 of 2: layers 3-3" in log
+    assert "macserve: pipeline rank 1 of 2: layers 0-2" in log
+
     assert cli("rm", "two").returncode == 0
     assert cli("rm", "one").returncode == 0
 

@@ -184,6 +184,6 @@ def test_split_sets_the_shares_and_needs_macserve_on_every_host(ssh, monkeypatch
     assert r.hosts[0].need_bytes > r.hosts[1].need_bytes
     override(monkeypatch, **{"10_0_0_2": {"macserve": None}})
     assert one_line(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n")) == (
-        "pre-flight: host 10.0.0.2: macserve not installed there (SPLIT runs each rank through "
-        "macserve's split shim: pip install macserve there)")
+        "pre-flight: host 10.0.0.2: macserve not installed there (every rank runs macserve's "
+        "engine or its SPLIT shim: pip install macserve there)")
     preflight.check(profile("127.0.0.1,10.0.0.2"))  # without SPLIT macserve is not needed there

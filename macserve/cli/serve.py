@@ -20,10 +20,16 @@ from . import main
               help="Fitted rotations for --kv int2.")
 @click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True,
               help="Tokens to draft per step with the model's MTP layer (0: off).")
-def serve(model, host, port, api_key, ctx, kv, rotation, mtp_k):
+@click.option("--split", help="Under mlx.launch: layers per rank, N1,N2,... (rank 0 runs the "
+              "last layers) [default: mlx-lm's even split].")
+def serve(model, host, port, api_key, ctx, kv, rotation, mtp_k, split):
     """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions
     and /v1/models; /health is 503 until the model has loaded, then 200."""
     from ..server.app import Settings, run
 
+    try:
+        layers = [int(x) for x in split.split(",")] if split else None
+    except ValueError:
+        raise click.BadParameter("layer counts N1,N2,...", param_hint="--split") from None
     run(Settings(model, host=host, port=port, api_key=api_key, ctx=ctx, kv=kv,
-                 rotation=rotation, mtp_k=mtp_k))
+                 rotation=rotation, mtp_k=mtp_k, split=layers))

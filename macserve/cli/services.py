@@ -1,4 +1,4 @@
-"""Service commands: new, set, run, ls, show, start, stop, restart, status, logs, rm.
+"""Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs, rm.
 
 Parsing and printing only; the work is in macserve.lifecycle.
 """
@@ -94,6 +94,30 @@ def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, ti
         click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
     else:
         click.echo(f"{out.name}: healthy at {out.url}/v1 (pid {out.pid})")
+
+
+@main.command()
+@click.argument("name")
+@click.option("--host", required=True, help="Address to bind: the one the head Mac reaches this "
+              "Mac on (a Thunderbolt bridge or private LAN IP). RPC has no authentication.")
+@click.option("--port", type=click.IntRange(1, 65535), help="Default: 50052 (rpc-server's).")
+@click.option("--extra-args", default="", help="More rpc-server flags, e.g. '-c' (cache received "
+              "weights on disk) or '-t 8'.")
+@click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option("--timeout", type=click.FloatRange(1), default=60.0, show_default=True,
+              help="Seconds to wait for the worker to listen.")
+def worker(name, host, port, extra_args, no_start, timeout):
+    """Run llama.cpp's rpc-server here as a supervised service: an RPC worker that another
+    Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
+    from .. import lifecycle
+
+    out = _run_waiting(name, lifecycle.new_worker, name, host, port=port, extra_args=extra_args,
+                       start=not no_start, timeout=timeout)
+    if no_start:
+        click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
+    else:
+        click.echo(f"{out.name}: rpc worker listening on {out.url} (pid {out.pid}); on the head: "
+                   f"macserve set PROFILE -- HOSTS={out.url} BACKEND=rpc")
 
 
 @main.command(name="set", context_settings={"ignore_unknown_options": True})

@@ -125,7 +125,9 @@ def read_config(model_dir: str | Path) -> dict:
         raise MacserveError(f"{cfg}: {e}") from None
 
 
-def load(model_dir: str | Path) -> Bundle:
+def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
+    """The model, on this rank's share of the layers under mlx.launch (`split`: layers per
+    rank, default mlx-lm's even split)."""
     import mlx.core as mx
     from mlx_lm import load as mlx_load
 
@@ -137,6 +139,9 @@ def load(model_dir: str | Path) -> Bundle:
         # the last ones). Every rank keeps the embeddings and head, so each computes logits.
         from mlx_lm.utils import sharded_load
 
+        from ..providers.mlx_split import use_split
+
+        use_split(split)
         model, tokenizer = sharded_load(str(path), pipeline_group=group)
     else:
         model, tokenizer = mlx_load(str(path))

@@ -49,6 +49,7 @@ REGISTRY = {
     "llama.cpp": "macserve.providers.llama_cpp",
     "mlx": "macserve.providers.mlx_lm",
     "macserve": "macserve.providers.engine",
+    "llama.cpp-rpc": "macserve.providers.llama_rpc",
 }
 
 

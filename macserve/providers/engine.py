@@ -19,6 +19,7 @@ from . import BaseProvider, local_model_path
 class Engine(BaseProvider):
     name = "macserve"
     label = "macserve serve"
+    reserved = {"--host": "HOST", "--port": "PORT", "--split": "SPLIT"}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "macserve", "serve"]
@@ -36,6 +37,8 @@ class Engine(BaseProvider):
             return argv
         from .mlx_lm import launch_command
 
+        if profile.values.get("SPLIT"):
+            argv += ["--split", profile.values["SPLIT"]]
         # As the mlx provider: every rank runs `macserve serve`, pipelined by mlx-lm;
         # rank 0 (the first host) answers HTTP.
         return ([sys.executable, "-m", "macserve.providers.mlx_launch"] + launch_command(profile)
@@ -53,9 +56,6 @@ class Engine(BaseProvider):
         if profile.values.get("HOSTS"):
             if (profile.values.get("SHARDING") or "pipeline") != "pipeline":
                 raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
-            if profile.values.get("SPLIT"):
-                raise MacserveError("SPLIT is not supported by the macserve engine yet "
-                                    "(it runs mlx-lm's even split)")
             from .. import preflight
             from .mlx_lm import check_hosts
 

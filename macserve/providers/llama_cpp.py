@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import socket
-from pathlib import Path
 
 from ..errors import MacserveError
 from ..profiles import Profile, is_hostfile
@@ -147,9 +146,11 @@ def rpc_workers(profile: Profile) -> list[tuple[str, int]]:
     return out
 
 
-def reachable(host: str, port: int) -> bool:
+def reachable(host: str, port: int, timeout: float = RPC_CONNECT_TIMEOUT) -> bool:
+    """rpc-server serves one client at a time, but its listen backlog accepts the connection
+    while it is busy, so this answers for a worker the head is already using."""
     try:
-        with socket.create_connection((host, port), timeout=RPC_CONNECT_TIMEOUT):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False

@@ -13,19 +13,25 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    split = [int(x) for x in argv[0].split(",")]
+def use_split(split: list[int] | None) -> None:
+    """From now on mlx-lm's pipeline splits by `split` unless told otherwise (None: mlx-lm's
+    even split), and each rank logs its layer range. The macserve engine uses it too."""
     from mlx_lm.models.pipeline import PipelineMixin
 
-    own = PipelineMixin.pipeline
+    own = getattr(PipelineMixin.pipeline, "_mlx_lm", PipelineMixin.pipeline)
 
     def pipeline(self, group, split_=None):
         own(self, group, split if split_ is None else split_)
         print(f"macserve: pipeline rank {group.rank()} of {group.size()}: layers "
               f"{self.start_idx}-{self.end_idx - 1}", file=sys.stderr, flush=True)
 
+    pipeline._mlx_lm = own
     PipelineMixin.pipeline = pipeline
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    use_split([int(x) for x in argv[0].split(",")])
     from mlx_lm.server import main as server_main
 
     sys.argv = ["mlx_lm.server", *argv[1:]]

@@ -42,6 +42,7 @@ class Settings:
     kv: str = "bf16"
     rotation: str | None = None
     mtp_k: int = 0
+    split: list | None = None  # under mlx.launch: pipeline layers per rank (None: even)
     # What reaches generate.stream as keyword options: only non-defaults, so an engine build
     # without a feature still serves when the feature is not asked for. Set by check_settings.
     engine_opts: dict = field(default_factory=dict)
@@ -82,7 +83,7 @@ class _SSEResponse(StreamingResponse):
 class Engine:
     def __init__(self, settings: Settings, on_load_failed):
         self.settings = settings
-        self.worker = Worker(settings.model, settings.engine_opts, on_load_failed)
+        self.worker = Worker(settings.model, settings.engine_opts, on_load_failed, settings.split)
 
     @property
     def ctx(self) -> int:
@@ -356,7 +357,7 @@ def run(settings: Settings) -> None:
         log.warning("%s", n)
     ranks = Ranks()
     if ranks.rank > 0:  # under mlx.launch: only rank 0 answers HTTP
-        follow(settings.model, settings.engine_opts, ranks)
+        follow(settings.model, settings.engine_opts, ranks, settings.split)
         return
     sock = _bind(settings.host, settings.port)
     failure: list[str] = []

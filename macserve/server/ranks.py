@@ -83,14 +83,14 @@ def job_params(job) -> dict:
             "temperature": job.temperature, "top_p": job.top_p, "seed": seed}
 
 
-def follow(model: str, engine_opts: dict, ranks: Ranks) -> None:
+def follow(model: str, engine_opts: dict, ranks: Ranks, split: list[int] | None = None) -> None:
     """Ranks other than 0: load the model's share, then run whatever rank 0 runs, forever."""
     import mlx.core as mx
 
     from ..engine import generate
 
     log.info("rank %d of %d: loading %s", ranks.rank, ranks.size, model)
-    bundle = generate.load(model)
+    bundle = generate.load(model, split)
     log.info("rank %d: loaded; following rank 0", ranks.rank)
     while True:
         req = ranks.share(None)

@@ -48,10 +48,12 @@ class Job:
 
 
 class Worker(threading.Thread):
-    def __init__(self, model: str, engine_opts: dict, on_load_failed: Callable[[str], None]):
+    def __init__(self, model: str, engine_opts: dict, on_load_failed: Callable[[str], None],
+                 split: list[int] | None = None):
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.engine_opts = engine_opts
+        self.split = split
         self.on_load_failed = on_load_failed
         self.bundle = None
         self.error: str | None = None
@@ -80,7 +82,7 @@ class Worker(threading.Thread):
 
         try:
             log.info("loading %s", self.model)
-            self.bundle = generate.load(self.model)
+            self.bundle = generate.load(self.model, self.split)
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
             self.error = f"{type(e).__name__}: {e}"

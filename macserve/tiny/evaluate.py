@@ -35,7 +35,6 @@ def evaluate(model_dir: str | Path, seq_len: int = 1024, max_windows: int = 16) 
     # agreement is also reported on the positions where the trunk predicts something else.
     breaks = mx.array([i for t, i in tok._tokenizer.get_vocab().items() if t.strip("Ċ") == ""]
                       if hasattr(tok, "_tokenizer") else [])
-    cov = None
     latents = []
 
     windows = [held_ids[i : i + seq_len + 1] for i in range(0, len(held_ids) - seq_len - 1, seq_len)]
