@@ -88,7 +88,7 @@ def test_the_indexer_really_selects(model):
     attn = model.layers[1].self_attn
     x = mx.random.normal((1, 3, 64), key=mx.random.key(1))
     _, _, _, _, qr = mla_attention._project(attn, x)
-    chosen = np.array(select_tokens(attn.indexer, x, qr, caches[1][1]))
+    chosen = np.array(select_tokens(attn.indexer, x, qr, caches[1][1])[0])
     assert chosen.shape == (1, 1, 3, 123)
     assert chosen.sum(-1).ravel().tolist() == [TOPK] * 3
     assert not chosen[0, 0, 0, 121:].any() and not chosen[0, 0, 1, 122]
@@ -159,3 +159,35 @@ def test_calibration_and_the_speed_bench_run_on_a_dsa_model(model):
     speed = decode_speed(model, {"bf16": LatentQuant(bits=None), "int2": SMALL}, cal, "upproj",
                          contexts=(64,), steps=2, rounds=1)
     assert speed["int2"][64] > 0 and speed["bf16"][64] > 0
+
+
+def test_sparse_decode_reads_only_the_selected_rows_and_matches_the_masked_path(model):
+    """Decode past index_topk gathers the chosen rows of the INT2 segment (DSA's compute
+    saving) and gives the attention the dense, masked path gives."""
+    toks = ids(160, seed=6)
+    outs = {}
+    for sparse in (True, False):
+        mla_attention.SPARSE_DECODE = sparse
+        try:
+            caches = make_caches(model, SMALL)
+            run(model, caches, toks[:120], 60)
+            outs[sparse] = run(model, caches, toks[120:], 1)
+        finally:
+            mla_attention.SPARSE_DECODE = True
+    np.testing.assert_allclose(np.array(outs[True]), np.array(outs[False]), rtol=1e-4, atol=1e-5)
+
+    from macserve.engine.dsa_indexer import gather_selected, select_tokens
+
+    caches = make_caches(model, SMALL)
+    run(model, caches, toks[:120], 60)
+    attn = model.layers[0].self_attn
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(2))
+    _, _, latent, k_pe, qr = mla_attention._project(attn, x)
+    lat = caches[0][0]
+    lat.append(latent, attn.rope(k_pe, lat.offset))
+    chosen, top = select_tokens(attn.indexer, x, qr, caches[0][1])
+    segs = lat.segments(1)
+    cut, vis = gather_selected(segs, lat.mask(segs, 1)[None, None], top, TOPK)
+    rows = {k: parts[0].shape[2] for k, _, parts, _ in cut}
+    assert rows["int"] == TOPK < dict((k, p[0].shape[2]) for k, _, p, _ in segs)["int"]
+    assert vis.shape[-1] == sum(rows.values())

@@ -58,3 +58,14 @@ def test_generate_with_int2_and_mtp():
                                   "--kv", "int2", "--mtp-k", "1"])
     assert r.exit_code == 0, r.output
     assert "drafts accepted" in r.output
+
+
+def test_bench_dsa_json():
+    """Just past index_topk (2,048): both DSA decode paths run and are timed in one process."""
+    r = CliRunner().invoke(main, ["bench", "dsa", "--contexts", "2304", "--json"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.output)
+    assert row["context"] == 2304 and row["index_topk"] == 2048
+    assert row["tokens_per_s_sparse"] > 0 and row["tokens_per_s_masked"] > 0
+    r = CliRunner().invoke(main, ["bench", "dsa", "--contexts", "4k"])
+    assert r.exit_code == 2 and "comma-separated token counts" in r.output

@@ -144,6 +144,29 @@ def _held_out_prompts(tok, n, prompt_tokens):
     return [ids[s : s + prompt_tokens] for s in range(0, stride * n, stride)][:n]
 
 
+@bench.command("dsa")
+@click.option("--contexts", default="4096,16384", show_default=True,
+              help="cached tokens before the timed decode steps")
+@click.option("--json", "as_json", is_flag=True)
+def bench_dsa(contexts, as_json):
+    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
+    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
+    from ..engine import dsa_bench
+
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise click.BadParameter("comma-separated token counts", param_hint="--contexts") from None
+    rows = dsa_bench.run(ctxs)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        click.echo(f"context {r['context']:,} (top-{r['index_topk']:,}): sparse "
+                   f"{r['tokens_per_s_sparse']:.1f} tok/s, masked {r['tokens_per_s_masked']:.1f} "
+                   f"tok/s, speedup {r['speedup']:.2f}x")
+
+
 @bench.command("mtp")
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("-k", "ks", type=int, multiple=True, default=[1, 2, 3], show_default=True,

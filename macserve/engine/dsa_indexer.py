@@ -81,9 +81,10 @@ class IndexerKeyCache(_BaseCache):
         raise ValueError("IndexerKeyCache cannot be restored from a saved prompt cache")
 
 
-def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache) -> mx.array | None:
-    """Append x's indexer keys; (B, 1, L, T) True where a query attends, or None when every
-    cached token fits in `index_topk` (DSA then attends densely, as mlx-lm does)."""
+def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
+    """Append x's indexer keys; then (chosen, top): chosen (B, 1, L, T) True where a query
+    attends, top (B, 1, L, index_topk) those token indices; or None when every cached token
+    fits in `index_topk` (DSA then attends densely, as mlx-lm does)."""
     b, L, _ = x.shape
     H, D = indexer.n_heads, indexer.head_dim
     offset = cache.offset
@@ -106,4 +107,33 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache) ->
     s = mx.where(causal, s, -float("inf"))
     top = mx.argpartition(s, kth=-indexer.index_topk, axis=-1)[..., -indexer.index_topk:]
     chosen = mx.put_along_axis(mx.zeros(s.shape, dtype=mx.bool_), top, mx.array(True), axis=-1)
-    return chosen & causal
+    return chosen & causal, top
+
+
+def gather_selected(segments, visible: mx.array, top: mx.array, keep: int):
+    """One decode query: the quantized segment cut down to the `top` tokens it may select, so
+    the codes of only index_topk rows are scored and attended (DSA's point) instead of every
+    row under a mask. visible (B, 1, 1, columns) is the dense visibility, selection included.
+    Rows are gathered as they are stored: codes, scales and biases of a row stay together."""
+    out, cols, c = [], [], 0
+    for kind, start, lat, pe in segments:
+        n = lat[0].shape[2]
+        vis = visible[..., c : c + n]
+        c += n
+        if kind != "int" or n <= keep:
+            out.append((kind, start, lat, pe))
+            cols.append(vis)
+            continue
+        local = top - start  # (B, 1, 1, k)
+        inside = (local >= 0) & (local < n)
+        local = mx.clip(local, 0, n - 1)
+        rows = local.reshape(*local.shape[:2], -1, 1)  # (B, 1, k, 1)
+
+        def take(parts):
+            return tuple(mx.take_along_axis(p, mx.broadcast_to(rows, (*rows.shape[:3], p.shape[-1])),
+                                            axis=2) for p in parts)
+
+        out.append((kind, start, take(lat), take(pe)))
+        cols.append(mx.take_along_axis(mx.broadcast_to(vis, (*local.shape[:3], n)), local, axis=-1)
+                    & inside)
+    return out, mx.concatenate(cols, axis=-1)

@@ -57,6 +57,11 @@ def _attend(p, kind, parts, store, dims):
                                bits=store.bits)
 
 
+# DSA decode scores only the selected rows of the quantized segment (False: all rows, masked;
+# the bench flips it to measure the difference, tests check both give the same attention).
+SPARSE_DECODE = True
+
+
 def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None, indexer_cache=None):
     """Attention of x's tokens through `cache`. With `indexer_cache` (a DSA model) each query
     attends only to the tokens its lightning indexer selects, as mlx-lm's deepseek_v32 does."""
@@ -71,26 +76,29 @@ def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None,
     cache.append(latent, k_pe)
     selected = None
     if indexer_cache is not None:
-        from .dsa_indexer import select_tokens
+        from . import dsa_indexer
 
-        selected = select_tokens(attn.indexer, x, qr, indexer_cache)
+        selected = dsa_indexer.select_tokens(attn.indexer, x, qr, indexer_cache)
     q_rot = cache.rotate(q_lat) * attn.scale
     q_rot = q_rot.reshape(B, 1, H * L, -1)
     q_pe = (q_pe * attn.scale).reshape(B, 1, H * L, -1)
     lat_store, pe_store = cache.stores()
     segs = cache.segments(L)
+    # Our own mask, not mlx-lm's: a token may appear twice (int and bf16) near the window edge.
+    visible = cache.mask(segs, L)
+    if selected is not None:
+        chosen, top = selected
+        # Selection is per token; map it onto the score columns, segment by segment.
+        visible = visible & mx.concatenate(
+            [chosen[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1)
+        if L == 1 and SPARSE_DECODE:
+            segs, visible = dsa_indexer.gather_selected(segs, visible, top, top.shape[-1])
     scores = []
     for kind, _, lat, pe in segs:
         s = _scores(q_rot, kind, lat, lat_store, cache.latent_dims)
         s = s + _scores(q_pe, kind, pe, pe_store, cache.rope_dims)
         scores.append(s)
     s = mx.concatenate(scores, axis=-1).reshape(B, H, L, -1)
-    # Our own mask, not mlx-lm's: a token may appear twice (int and bf16) near the window edge.
-    visible = cache.mask(segs, L)
-    if selected is not None:
-        # Selection is per token; map it onto the score columns, segment by segment.
-        visible = visible & mx.concatenate(
-            [selected[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1)
     s = mx.where(visible, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
     p = mx.softmax(s.astype(mx.float32), axis=-1).astype(q_rot.dtype).reshape(B, 1, H * L, -1)
     out, start = None, 0
