@@ -5,6 +5,7 @@ supervised llama-server service; greedy output through the worker equals the one
 """
 
 import os
+import signal
 
 import httpx
 import psutil
@@ -14,7 +15,7 @@ from macserve.errors import MacserveError
 from macserve.profiles import parse
 from macserve.providers.llama_cpp import RPC_PORT, find_rpc_server, rpc_workers
 
-from .test_services_e2e import cli, free_port, model_gguf, services, status  # noqa: F401
+from .test_services_e2e import cli, free_port, model_gguf, poll, services, status  # noqa: F401
 
 
 def profile(extra=""):
@@ -106,6 +107,23 @@ def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_ggu
     assert f"--rpc 127.0.0.1:{wport}" in " ".join(psutil.Process(s["pid"]).cmdline())
     assert completion(port) == one_host
     assert "accepted client connection" in cli("logs", "w1", "-n", "200").stdout.lower()
+
+    # kill -9 the worker: its service comes back; the head aborts on its next request ("Remote
+    # RPC server crashed"), its supervisor restarts it, and it reconnects to the new worker
+    head = s["pid"]
+    os.kill(w["pid"], signal.SIGKILL)
+    w2 = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != w["pid"] else None)(status("w1")),
+              "the worker to come back after kill -9", timeout=60)
+    services.append(w2["pid"])
+    try:
+        httpx.post(f"http://127.0.0.1:{port}/completion", timeout=30,
+                   json={"prompt": "a", "n_predict": 1})
+    except httpx.HTTPError:
+        pass  # the request in flight when the head finds its worker gone
+    s2 = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != head else None)(status("tiny")),
+              "the head to restart against the new worker", timeout=90)
+    services.append(s2["pid"])
+    assert completion(port) == one_host
 
     # an unknown rpc-server flag (rpc-server itself would exit 0 on it) is refused up front
     r = cli("set", "w1", "--", "EXTRA_ARGS=--no-such-flag")
