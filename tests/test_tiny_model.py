@@ -157,7 +157,8 @@ def test_llama_server_next_token_matches_mlx_along_held_out_text(llama_server, t
     want = mx.argmax(logits, axis=-1).tolist()
     top2 = mx.sort(logits, axis=-1)[:, -2:]
     gap = (top2[:, 1] - top2[:, 0]).tolist()
-    assert len(set(want)) > 8  # not one token everywhere
+    # not one token everywhere (the undertrained model still favours "\n", " the" and ",")
+    assert len(set(want)) >= 4 and max(want.count(t) for t in want) < 0.6 * len(want)
     p = _serve(llama_server, tiny_gguf, 18433, "-c", "512")
     try:
         for i in range(1, len(ids)):
