@@ -32,6 +32,16 @@ class Ranks:
     def distributed(self) -> bool:
         return self.size > 1
 
+    def abort(self) -> None:
+        """A rank that failed mid-generation leaves the group out of step: exit at once
+        (mlx.launch then stops the other ranks and the service's supervisor restarts all)."""
+        import os
+        import time
+
+        log.error("rank %d: leaving the group after a failed generation", self.rank)
+        time.sleep(0.5)  # let rank 0's error response reach its client
+        os._exit(1)
+
     def share(self, obj):
         """Rank 0's `obj` on every rank (the others pass anything)."""
         import mlx.core as mx
@@ -102,5 +112,6 @@ def follow(model: str, engine_opts: dict, ranks: Ranks, split: list[int] | None 
                                      temperature=req["temperature"], top_p=req["top_p"],
                                      stop=ranks.synced_stop(lambda: False), **engine_opts):
                 pass
-        except (ValueError, RuntimeError) as e:  # rank 0 fails the same request the same way
+        except Exception as e:  # noqa: BLE001 - see Ranks.abort
             log.error("rank %d: generation failed: %s", ranks.rank, e)
+            ranks.abort()

@@ -130,3 +130,7 @@ class Worker(threading.Thread):
             self.failed += 1
             log.error("generation failed: %s\n%s", e, traceback.format_exc())
             job.deliver(e)
+            if self.ranks.distributed:
+                # The other ranks may be mid-step, waiting on collectives this rank will never
+                # issue: end the group so mlx.launch exits and the supervisor restarts it.
+                self.ranks.abort()
