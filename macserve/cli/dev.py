@@ -12,7 +12,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "models" / "tiny-mla"
 @dev.command("train-tiny")
 @click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True)
 @click.option("--minutes", type=float, default=45.0, show_default=True, help="Wall-time budget.")
-@click.option("--batch", type=int, default=4, show_default=True)
+@click.option("--batch", type=int, default=2, show_default=True)
 @click.option("--seq-len", type=int, default=1024, show_default=True)
 @click.option("--lr", type=float, default=2e-3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

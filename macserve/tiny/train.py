@@ -34,7 +34,7 @@ from .tokenizer import save_tokenizer, train_tokenizer
 @dataclass
 class TrainSettings:
     seq_len: int = 1024
-    batch: int = 8
+    batch: int = 2
     minutes: float = 40.0
     max_steps: int = 100000
     lr: float = 2e-3
