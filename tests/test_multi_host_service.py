@@ -31,9 +31,11 @@ def greedy(port) -> list[tuple[int, float]]:
 
 
 def ranks(pid) -> list[psutil.Process]:
-    """The mlx_lm.server processes under the supervised mlx.launch."""
+    """The mlx_lm.server processes under the supervised mlx.launch (plain, or under the
+    SPLIT shim, which runs mlx-lm's server in-process)."""
     return [c for c in psutil.Process(pid).children(recursive=True)
-            if "mlx_lm" in " ".join(c.cmdline()) and "server" in c.cmdline()]
+            if ("mlx_lm" in c.cmdline() and "server" in c.cmdline())
+            or "macserve.providers.mlx_split" in c.cmdline()]
 
 
 def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # noqa: F811
