@@ -12,13 +12,14 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 
 from .errors import MacserveError
+from .fileio import atomic_write
 
 HELP = """commands:
   /clear         forget the conversation (the system prompt stays)
@@ -30,36 +31,19 @@ HELP = """commands:
 
 # ---- where to talk to --------------------------------------------------------------------------
 
-def resolve(target: str | None) -> tuple[str, str | None]:
-    """(base URL without /v1, API key from the profile if it sets one)."""
-    from . import providers
-    from .profiles import ProfileStore
 
-    if target and re.match(r"^https?://", target):
-        return re.sub(r"/+(v1/*)?$", "", target), None
-    if target and re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", target):
-        return f"http://{target}", None  # profile names cannot contain ':'
-    store = ProfileStore()
-    if target is None:
-        names = store.names()
-        if len(names) != 1:
-            raise MacserveError("no profiles yet: give a URL, e.g. http://127.0.0.1:8080" if not names
-                                else f"several profiles ({', '.join(names)}): name one, or give a URL")
-        target = names[0]
-    profile = store.load(target)
-    return providers.base_url(profile), _api_key(profile.extra_args)
-
-
-def _api_key(args: list[str]) -> str | None:
-    for i, a in enumerate(args):
-        if a == "--api-key" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--api-key="):
-            return a.split("=", 1)[1]
+def url_of(target: str) -> str | None:
+    """A base URL (without /v1) for a URL or HOST:PORT target; None for anything else (a
+    profile name, which the caller resolves)."""
+    if re.match(r"^https?://", target):
+        return re.sub(r"/+(v1/*)?$", "", target)
+    if re.fullmatch(r"[A-Za-z0-9.-]+:\d{1,5}", target):
+        return f"http://{target}"  # profile names cannot contain ':'
     return None
 
 
 # ---- one streamed answer -----------------------------------------------------------------------
+
 
 @dataclass
 class TurnStats:
@@ -76,12 +60,17 @@ class TurnStats:
     def line(self) -> str:
         parts = [f"{self.completion_tokens} tokens"]
         if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:.1f} tok/s" + (" (server)" if self.tps_source == "server" else ""))
+            parts.append(
+                f"{self.tokens_per_s:.1f} tok/s"
+                + (" (server)" if self.tps_source == "server" else "")
+            )
         if self.ttft is not None:
             parts.append(f"first token {self.ttft:.2f} s")
         if self.draft_n:
-            parts.append(f"draft acceptance {self.draft_accepted / self.draft_n:.0%} "
-                         f"({self.draft_accepted}/{self.draft_n})")
+            parts.append(
+                f"draft acceptance {self.draft_accepted / self.draft_n:.0%} "
+                f"({self.draft_accepted}/{self.draft_n})"
+            )
         if self.finish_reason == "length":
             parts.append("cut at max_tokens")
         return ", ".join(parts)
@@ -101,13 +90,16 @@ class Client:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         self.base_url = base_url
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url, headers=headers,
-                                 timeout=httpx.Timeout(timeout, connect=5.0))
+        self.http = httpx.Client(
+            base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=5.0)
+        )
         self.timeout = timeout
 
     def _fail(self, e: httpx.HTTPError) -> MacserveError:
         if isinstance(e, httpx.ConnectError):
-            return MacserveError(f"cannot reach {self.base_url}: {' '.join(str(e).split()) or 'connection failed'}")
+            return MacserveError(
+                f"cannot reach {self.base_url}: {' '.join(str(e).split()) or 'connection failed'}"
+            )
         if isinstance(e, httpx.TimeoutException):
             return MacserveError(f"no answer from {self.base_url} within {self.timeout:.0f} s")
         return MacserveError(f"{self.base_url}: {type(e).__name__}: {' '.join(str(e).split())}")
@@ -132,7 +124,9 @@ class Client:
         chunks = 0
         t0 = time.perf_counter()
         try:
-            with self.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            with self.http.stream(
+                "POST", "/v1/chat/completions", json={**body, "stream": True}
+            ) as r:
                 if r.status_code >= 400:
                     r.read()
                     raise MacserveError(_error_text(r))
@@ -142,10 +136,14 @@ class Client:
                     try:
                         ev = json.loads(data)
                     except ValueError:
-                        raise MacserveError(f"server sent a line that is not JSON: {data[:80]!r}") from None
+                        raise MacserveError(
+                            f"server sent a line that is not JSON: {data[:80]!r}"
+                        ) from None
                     if "error" in ev:
                         err = ev["error"]
-                        raise MacserveError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
+                        raise MacserveError(
+                            f"server error: {err.get('message', err) if isinstance(err, dict) else err}"
+                        )
                     _take_stats(st, ev)
                     for ch in ev.get("choices") or []:
                         st.finish_reason = ch.get("finish_reason") or st.finish_reason
@@ -196,14 +194,24 @@ def _take_stats(st: TurnStats, ev: dict) -> None:
 
 # ---- the session --------------------------------------------------------------------------------
 
+
 class Session:
-    def __init__(self, client: Client, model: str | None = None, system: str | None = None,
-                 max_tokens: int | None = None, temperature: float | None = None):
+    def __init__(
+        self,
+        client: Client,
+        model: str | None = None,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+    ):
         self.client = client
         self.model = model
         self.system = system
-        self.params = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature))
-                       if v is not None}
+        self.params = {
+            k: v
+            for k, v in (("max_tokens", max_tokens), ("temperature", temperature))
+            if v is not None
+        }
         self.messages: list[dict] = []
         self.turns: list[TurnStats] = []
 
@@ -241,9 +249,11 @@ class Session:
         last = self.turns[-1]
         toks = sum(t.completion_tokens for t in self.turns)
         gen = sum(t.seconds - (t.ttft or 0) for t in self.turns)
-        lines = [f"last: {last.line()}, {last.seconds:.2f} s total",
-                 f"session: {len(self.turns)} answer{'' if len(self.turns) == 1 else 's'}, {toks} tokens"
-                 + (f", {toks / gen:.1f} tok/s overall (client clock)" if gen > 0 else "")]
+        lines = [
+            f"last: {last.line()}, {last.seconds:.2f} s total",
+            f"session: {len(self.turns)} answer{'' if len(self.turns) == 1 else 's'}, {toks} tokens"
+            + (f", {toks / gen:.1f} tok/s overall (client clock)" if gen > 0 else ""),
+        ]
         dn = sum(t.draft_n or 0 for t in self.turns)
         if dn:
             da = sum(t.draft_accepted or 0 for t in self.turns)
@@ -251,11 +261,14 @@ class Session:
         return "\n".join(lines)
 
     def save(self, path: str) -> Path:
-        from .profiles import atomic_write
-
         p = Path(path).expanduser()
-        doc = {"url": self.client.base_url, "model": self.model, "system": self.system,
-               "messages": self.messages, "turns": [asdict(t) for t in self.turns]}
+        doc = {
+            "url": self.client.base_url,
+            "model": self.model,
+            "system": self.system,
+            "messages": self.messages,
+            "turns": [asdict(t) for t in self.turns],
+        }
         try:
             atomic_write(p, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
@@ -292,8 +305,12 @@ def command(session: Session, line: str, echo: Callable[[str], None]) -> bool:
     return True
 
 
-def repl(session: Session, read: Callable[[], str], write: Callable[[str], None],
-         echo: Callable[[str], None]) -> None:
+def repl(
+    session: Session,
+    read: Callable[[], str],
+    write: Callable[[str], None],
+    echo: Callable[[str], None],
+) -> None:
     """read() returns the next line (raises EOFError at the end); write() streams answer
     text; echo() prints a whole line. Errors end the turn, never the session."""
     while True:

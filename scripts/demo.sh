@@ -32,4 +32,4 @@ macserve set tiny-engine -- EXTRA_ARGS="--ctx 1024 --kv int2 --mtp-k 1"
 macserve chat tiny-engine "What country, friends, is this?"
 macserve rm tiny-engine
 # The demo's private supervisord (Linux; launchd on a Mac needs nothing) goes too.
-python3 -c 'import os, pathlib; from macserve.service.supervisor import SupervisorBackend; SupervisorBackend(pathlib.Path(os.environ["MACSERVE_HOME"])).shutdown()'
+python3 -c 'import os, pathlib; from macserve.services.supervisors.supervisord import SupervisorBackend; SupervisorBackend(pathlib.Path(os.environ["MACSERVE_HOME"])).shutdown()'

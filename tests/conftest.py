@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-SHARED_CONFIGS = SHARED / "configs"
+CONFIGS = Path(__file__).resolve().parent / "configs"  # real published configs, see its README
 TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
 
 

@@ -46,9 +46,22 @@ def serve(log_dir: Path, *extra: str, timeout: float = 120.0):
     log = log_dir / f"serve-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "macserve", "serve", str(TINY_MODEL),
-                                 "--port", str(port), *extra],
-                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "macserve",
+                "serve",
+                str(TINY_MODEL),
+                "--port",
+                str(port),
+                *extra,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     srv = Server(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + timeout

@@ -13,8 +13,9 @@ from mlx_lm.models import deepseek_v32
 from mlx_lm.models.cache import CacheList
 
 from macserve.engine import mla_attention
+from macserve.engine.caches import latent_caches
+from macserve.engine.calibration import caches_for
 from macserve.engine.dsa_indexer import IndexerKeyCache
-from macserve.engine.kv import latent_caches, make_caches
 from macserve.engine.latent_cache import LatentQuant
 
 SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
@@ -24,12 +25,28 @@ TOPK = 24
 @pytest.fixture(scope="module")
 def model():
     args = deepseek_v32.ModelArgs(
-        model_type="deepseek_v32", vocab_size=97, hidden_size=64, index_head_dim=64,
-        index_n_heads=4, index_topk=TOPK, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=128,
-        q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32,
-        max_position_embeddings=4096)
+        model_type="deepseek_v32",
+        vocab_size=97,
+        hidden_size=64,
+        index_head_dim=64,
+        index_n_heads=4,
+        index_topk=TOPK,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,
+        kv_lora_rank=128,
+        q_lora_rank=64,
+        qk_rope_head_dim=32,
+        v_head_dim=32,
+        qk_nope_head_dim=32,
+        max_position_embeddings=4096,
+    )
     mx.random.seed(3)
     m = deepseek_v32.Model(args)
     m.set_dtype(mx.float32)
@@ -42,7 +59,9 @@ def ids(n, seed=0):
 
 
 def run(model, caches, toks, chunk):
-    outs = [model(mx.array([toks[s : s + chunk]]), cache=caches) for s in range(0, len(toks), chunk)]
+    outs = [
+        model(mx.array([toks[s : s + chunk]]), cache=caches) for s in range(0, len(toks), chunk)
+    ]
     return mx.concatenate(outs, axis=1)[0]
 
 
@@ -57,23 +76,24 @@ class Replay:
 
 
 def test_dsa_models_get_a_latent_and_an_indexer_cache(model):
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     assert all(isinstance(c, CacheList) and isinstance(c[1], IndexerKeyCache) for c in caches)
     assert [c[1]._keys.bits for c in caches] == [8, 8]
-    bf16 = make_caches(model, LatentQuant(bits=None))
+    bf16 = caches_for(model, LatentQuant(bits=None))
     assert bf16[0][1]._keys.bits is None  # the bf16 baseline keeps the indexer in bf16 too
 
 
 def test_attention_and_selection_on_codes_equal_mlx_lm_on_the_dequantized_cache(model):
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     run(model, caches, ids(150), 50)
     attn = model.layers[0].self_attn
     x = mx.random.normal((1, 1, 64), key=mx.random.key(7))
     ours = attn(x, None, caches[0])
     lat, idx = caches[0][0], caches[0][1]
     c, k_pe = lat.dequantized()
-    stock = CacheList(Replay(lat.offset - 1, c, k_pe),
-                      Replay(idx.offset - 1, idx.dequantized(), None))
+    stock = CacheList(
+        Replay(lat.offset - 1, c, k_pe), Replay(idx.offset - 1, idx.dequantized(), None)
+    )
     theirs = type(attn).__bases__[0].__call__(attn, x, None, stock)
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
 
@@ -83,7 +103,7 @@ def test_the_indexer_really_selects(model):
     the output differs from dense attention over all of them."""
     from macserve.engine.dsa_indexer import select_tokens
 
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     run(model, caches, ids(120), 60)
     attn = model.layers[1].self_attn
     x = mx.random.normal((1, 3, 64), key=mx.random.key(1))
@@ -93,10 +113,10 @@ def test_the_indexer_really_selects(model):
     assert chosen.sum(-1).ravel().tolist() == [TOPK] * 3
     assert not chosen[0, 0, 0, 121:].any() and not chosen[0, 0, 1, 122]
 
-    sparse = run(model, make_caches(model, SMALL), ids(120), 60)
+    sparse = run(model, caches_for(model, SMALL), ids(120), 60)
     attn.indexer.index_topk = 10_000
     try:
-        dense = run(model, make_caches(model, SMALL), ids(120), 60)
+        dense = run(model, caches_for(model, SMALL), ids(120), 60)
     finally:
         attn.indexer.index_topk = TOPK
     assert np.allclose(np.array(sparse[:TOPK]), np.array(dense[:TOPK]), atol=1e-5)
@@ -105,14 +125,14 @@ def test_the_indexer_really_selects(model):
 
 def test_a_chunk_scores_exactly_as_single_steps(model):
     toks = ids(140, seed=2)
-    a = run(model, make_caches(model, SMALL), toks, 70)
-    b = run(model, make_caches(model, SMALL), toks, 1)
+    a = run(model, caches_for(model, SMALL), toks, 70)
+    b = run(model, caches_for(model, SMALL), toks, 1)
     np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=1e-3)
 
 
 def test_trim_restores_exact_state(model):
     toks = ids(130, seed=4)
-    a, b = make_caches(model, SMALL), make_caches(model, SMALL)
+    a, b = caches_for(model, SMALL), caches_for(model, SMALL)
     run(model, a, toks[:120], 40)
     run(model, b, toks[:120], 40)
     run(model, b, toks[120:123], 3)  # a rejected 3-token draft
@@ -123,7 +143,7 @@ def test_trim_restores_exact_state(model):
 
 
 def test_nbytes_adds_the_8bit_indexer_key(model):
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     run(model, caches, ids(100), 50)
     idx = caches[0][1]
     assert idx.nbytes == 100 * (64 + 4 * 64 // 64)  # 8-bit codes + bf16 scale and bias per group
@@ -134,11 +154,11 @@ def test_nbytes_adds_the_8bit_indexer_key(model):
 def test_the_cache_works_inside_mlx_lm_generate(model):
     from mlx_lm.generate import generate_step
 
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     out = []
     for tok, _ in generate_step(mx.array(ids(60)), model, max_tokens=12, prompt_cache=caches):
         out.append(int(tok))
-    mine, cs = [], make_caches(model, SMALL)
+    mine, cs = [], caches_for(model, SMALL)
     logits = run(model, cs, ids(60), 60)[-1]
     for _ in range(12):
         mine.append(int(mx.argmax(logits)))
@@ -149,15 +169,22 @@ def test_the_cache_works_inside_mlx_lm_generate(model):
 
 
 def test_calibration_and_the_speed_bench_run_on_a_dsa_model(model):
-    from macserve.engine.calibrate import collect, fit
-    from macserve.engine.kv_bench import decode_speed
+    from macserve.engine.bench.kv import decode_speed
+    from macserve.engine.calibration import collect, fit
 
     cal = fit(collect(model, [np.array(ids(200, seed=s)) for s in range(2)], chunk=64), SMALL)
     assert len(cal.rotations["upproj"]) == 2
-    caches = make_caches(model, SMALL, cal, "upproj")
+    caches = caches_for(model, SMALL, cal, "upproj")
     assert caches[1][0].rotation.shape == (128, 128)
-    speed = decode_speed(model, {"bf16": LatentQuant(bits=None), "int2": SMALL}, cal, "upproj",
-                         contexts=(64,), steps=2, rounds=1)
+    speed = decode_speed(
+        model,
+        {"bf16": LatentQuant(bits=None), "int2": SMALL},
+        cal,
+        "upproj",
+        contexts=(64,),
+        steps=2,
+        rounds=1,
+    )
     assert speed["int2"][64] > 0 and speed["bf16"][64] > 0
 
 
@@ -169,7 +196,7 @@ def test_sparse_decode_reads_only_the_selected_rows_and_matches_the_masked_path(
     for sparse in (True, False):
         mla_attention.SPARSE_DECODE = sparse
         try:
-            caches = make_caches(model, SMALL)
+            caches = caches_for(model, SMALL)
             run(model, caches, toks[:120], 60)
             outs[sparse] = run(model, caches, toks[120:], 1)
         finally:
@@ -178,7 +205,7 @@ def test_sparse_decode_reads_only_the_selected_rows_and_matches_the_masked_path(
 
     from macserve.engine.dsa_indexer import gather_selected, select_tokens
 
-    caches = make_caches(model, SMALL)
+    caches = caches_for(model, SMALL)
     run(model, caches, toks[:120], 60)
     attn = model.layers[0].self_attn
     x = mx.random.normal((1, 1, 64), key=mx.random.key(2))

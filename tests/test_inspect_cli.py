@@ -11,10 +11,10 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 
-from .conftest import REPO, SHARED_CONFIGS
+from .conftest import CONFIGS, REPO
 
-V3 = str(SHARED_CONFIGS / "deepseek-ai__DeepSeek-V3.json")
-LLAMA = str(SHARED_CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json")
+V3 = str(CONFIGS / "deepseek-ai__DeepSeek-V3.json")
+LLAMA = str(CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json")
 
 
 def run(*args):
@@ -29,8 +29,15 @@ def as_json(*args):
 
 def test_json_keys_keyed_by_engine_and_cache_type():
     d = as_json(V3, "--memory", "256GB")
-    for k in ("model_type", "layers", "kv_bytes_per_token", "state_bytes_per_sequence",
-              "max_context", "weights_bytes", "budget_bytes"):
+    for k in (
+        "model_type",
+        "layers",
+        "kv_bytes_per_token",
+        "state_bytes_per_sequence",
+        "max_context",
+        "weights_bytes",
+        "budget_bytes",
+    ):
         assert k in d
     assert d["model_type"] == "deepseek_v3"
     assert d["layers"] == {"mla": 61, "mtp": 1}
@@ -72,7 +79,7 @@ def test_human_output_has_the_table():
 
 
 def test_local_folder_counts_safetensors_as_weights(tmp_path):
-    (tmp_path / "config.json").write_text((SHARED_CONFIGS / "Qwen__Qwen3-30B-A3B.json").read_text())
+    (tmp_path / "config.json").write_text((CONFIGS / "Qwen__Qwen3-30B-A3B.json").read_text())
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 24)
     d = as_json(str(tmp_path))
@@ -139,13 +146,21 @@ def test_unreachable_hub_is_a_one_line_error_not_a_hang(monkeypatch, tmp_path):
 
 def _cold(*args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    code = ("import sys, time; t = time.perf_counter(); from macserve.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print('IMPORTED', sorted(m for m in ('mlx', 'mlx_lm', 'huggingface_hub', 'httpx')"
-            " if m in sys.modules), file=sys.stderr)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from macserve.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('IMPORTED', sorted(m for m in ('mlx', 'mlx_lm', 'huggingface_hub', 'httpx')"
+        " if m in sys.modules), file=sys.stderr)"
+    )
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                       env=env, cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     return p, time.perf_counter() - t
 
 

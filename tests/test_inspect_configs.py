@@ -1,6 +1,6 @@
-"""Every real config in ../shared/configs against EXPECTED.md (the spec), per engine.
+"""Every real config in tests/configs against the figures engines allocate, per engine.
 
-EXPECTED is transcribed from ../shared/configs/EXPECTED.md. DERIVED holds figures that
+EXPECTED is transcribed from the project's reference table (EXPECTED.md). DERIVED holds figures that
 EXPECTED.md leaves open ("—" or "derive it"), worked out by hand from the engines' code
 (docs/inspect.md shows the arithmetic); they are literals here so the library cannot
 agree with itself by construction.
@@ -10,12 +10,16 @@ import json
 
 import pytest
 
-from macserve.arch import MLA, Compressed, Linear, shape_from_config
 from macserve.errors import MacserveError
-from macserve.memory import (kv_bytes_per_token, layout, max_context,
-                             state_bytes_per_sequence)
+from macserve.sizing.arch import MLA, Compressed, Linear, shape_from_config
+from macserve.sizing.kv_layout import (
+    kv_bytes_per_token,
+    layout,
+    max_context,
+    state_bytes_per_sequence,
+)
 
-from .conftest import SHARED_CONFIGS
+from .conftest import CONFIGS
 
 KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
 _ = None  # "—" in EXPECTED.md: not pinned there
@@ -47,33 +51,46 @@ DERIVED = {
     "deepseek-ai__DeepSeek-V3.2": (_, 85888, 61 * 748, 61 * 396, 61 * 364),
     "zai-org__GLM-5": (_, 109824, 78 * 748, 78 * 396, 78 * 364),
     # llama.cpp honours indexer_types: 78 latent rows + 21 owned indexer rows.
-    "zai-org__GLM-5.2": (_, 78 * 1152 + 21 * 256, 78 * 612 + 21 * 136, 78 * 324 + 21 * 72,
-                         78 * 364),
+    "zai-org__GLM-5.2": (
+        _,
+        78 * 1152 + 21 * 256,
+        78 * 612 + 21 * 136,
+        78 * 324 + 21 * 72,
+        78 * 364,
+    ),
     # 9 full layers x 4 heads: K 768 values (24 blocks), V 512 (16 blocks).
     "XiaomiMiMo__MiMo-V2-Flash": (_, 23040, 9 * (816 + 544), 9 * (432 + 288), _),
     # 11 nope-only MLA layers: latent 512; llama.cpp's k-pool indexer row is key|gate|pooled
     # = 3 x 128 per token; mlx keeps a 128-wide bf16 key per token (the range's top).
     "zai-org__GLM-5.3-Flash.RECONSTRUCTED": (
-        11 * (1024 + 256), 11 * (1024 + 768), 11 * (544 + 408), 11 * (288 + 216),
-        11 * (160 + 136)),
+        11 * (1024 + 256),
+        11 * (1024 + 768),
+        11 * (544 + 408),
+        11 * (288 + 216),
+        11 * (160 + 136),
+    ),
     # 21 CSA layers (ratio 4): K 512 per 4 tokens + indexer 128 per 4 tokens; 20 HCA layers
     # (ratio 128): K 512 per 128 tokens. f16: 21 x (256 + 64) + 20 x 8.
     "deepseek-ai__DeepSeek-V4-Flash": (
-        6880, 6880, 21 * (544 / 4 + 136 / 4) + 20 * 544 / 128,
-        21 * (288 / 4 + 72 / 4) + 20 * 288 / 128, _),
+        6880,
+        6880,
+        21 * (544 / 4 + 136 / 4) + 20 * 544 / 128,
+        21 * (288 / 4 + 72 / 4) + 20 * 288 / 128,
+        _,
+    ),
 }
 
 
 def _cfg(name):
-    return json.loads((SHARED_CONFIGS / f"{name}.json").read_text())
+    return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
 def _shape(name):
     return shape_from_config(_cfg(name))
 
 
-def test_every_shared_config_is_covered():
-    names = {p.stem for p in SHARED_CONFIGS.glob("*.json")}
+def test_every_config_is_covered():
+    names = {p.stem for p in CONFIGS.glob("*.json")}
     assert names == set(EXPECTED) | set(DERIVED)
 
 
@@ -132,14 +149,17 @@ STATE = {  # bytes per sequence that do not grow with context
     ("openai__gpt-oss-120b", "llama.cpp/f16"): 18 * 768 * 8 * 128 * 2,
     ("XiaomiMiMo__MiMo-V2-Flash", "llama.cpp/f16"): 39 * 768 * 8 * 320 * 2,
     # Kimi Delta: 3 convs of 64 x 128 x 3 (bf16) + a 64 x 128 x 128 fp32 state.
-    ("zai-org__GLM-5.3-Flash.RECONSTRUCTED", "mlx/bf16"): 34 * (3 * 8192 * 3 * 2 + 64 * 128 * 128 * 4),
+    ("zai-org__GLM-5.3-Flash.RECONSTRUCTED", "mlx/bf16"): 34
+    * (3 * 8192 * 3 * 2 + 64 * 128 * 128 * 4),
     # INT2: the first 64 and last 256 tokens also in bf16 (576 x 2 B) on each MLA layer.
     ("deepseek-ai__DeepSeek-V3", "macserve/int2"): 61 * 320 * 1152,
     ("deepseek-ai__DeepSeek-V3", "llama.cpp/f16"): 0,
     # DeepSeek-V4 in llama.cpp: a 768-cell K window on all 43 layers, f32 compressor states
     # (CSA 2 x 8 x 1024, HCA 2 x 128 x 512, indexer 2 x 8 x 256 floats).
-    ("deepseek-ai__DeepSeek-V4-Flash", "llama.cpp/f16"): 43 * 768 * 1024 + 21 * 2 * 8 * 1024 * 4
-    + 20 * 2 * 128 * 512 * 4 + 21 * 2 * 8 * 256 * 4,
+    ("deepseek-ai__DeepSeek-V4-Flash", "llama.cpp/f16"): 43 * 768 * 1024
+    + 21 * 2 * 8 * 1024 * 4
+    + 20 * 2 * 128 * 512 * 4
+    + 21 * 2 * 8 * 256 * 4,
 }
 
 
@@ -157,9 +177,13 @@ def test_engine_padding_in_bytes_at_context():
     assert oss.bytes_at(300) == 512 * 36864 + 18 * 512 * 2048
     v4 = layout(_shape("deepseek-ai__DeepSeek-V4-Flash"), "llama.cpp/f16")
     # 1024 tokens: compressed caches hold at least 256 padded cells each.
-    assert v4.bytes_at(1024) == (43 * 768 * 1024 + 21 * 256 * 1024 + 21 * 256 * 256
-                                 + 20 * 256 * 1024 + (STATE[("deepseek-ai__DeepSeek-V4-Flash",
-                                                             "llama.cpp/f16")] - 43 * 768 * 1024))
+    assert v4.bytes_at(1024) == (
+        43 * 768 * 1024
+        + 21 * 256 * 1024
+        + 21 * 256 * 256
+        + 20 * 256 * 1024
+        + (STATE[("deepseek-ai__DeepSeek-V4-Flash", "llama.cpp/f16")] - 43 * 768 * 1024)
+    )
 
 
 def test_max_context_fills_the_budget_exactly():
@@ -192,23 +216,50 @@ def test_mlx_figures_follow_the_mlx_lm_module():
     assert kv_bytes_per_token(_shape("moonshotai__Kimi-K2-Instruct"), "mlx/bf16") == 70272
 
 
-@pytest.mark.parametrize("name,mutate,field", [
-    ("openai__gpt-oss-120b", lambda c: c.update(layer_types=["weird"] * 36), "layer_types"),
-    ("openai__gpt-oss-120b", lambda c: c.update(layer_types=["full_attention"] * 3),
-     "layer_types"),
-    ("meta-llama__Meta-Llama-3.1-8B", lambda c: c.update(model_type="frobnicator"), "frobnicator"),
-    ("meta-llama__Meta-Llama-3.1-8B", lambda c: c.pop("model_type"), "model_type"),
-    ("meta-llama__Meta-Llama-3.1-8B", lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
-    ("meta-llama__Meta-Llama-3.1-8B", lambda c: c.update(sliding_window=4096), "sliding_window"),
-    ("zai-org__GLM-4.7-Flash.ABRIDGED", lambda c: c.pop("kv_lora_rank"), "kv_lora_rank"),
-    ("zai-org__GLM-5.2", lambda c: c["indexer_types"].__setitem__(5, "half"), "indexer_types"),
-    ("Qwen__Qwen3-Next-80B-A3B-Thinking", lambda c: c.pop("linear_num_value_heads"),
-     "linear_attn_config"),
-    ("deepseek-ai__DeepSeek-V4-Flash", lambda c: c.update(compress_ratios=[4] * 3),
-     "compress_ratios"),
-    ("XiaomiMiMo__MiMo-V2-Flash", lambda c: c["hybrid_layer_pattern"].__setitem__(0, 7),
-     "hybrid_layer_pattern"),
-])
+@pytest.mark.parametrize(
+    "name,mutate,field",
+    [
+        ("openai__gpt-oss-120b", lambda c: c.update(layer_types=["weird"] * 36), "layer_types"),
+        (
+            "openai__gpt-oss-120b",
+            lambda c: c.update(layer_types=["full_attention"] * 3),
+            "layer_types",
+        ),
+        (
+            "meta-llama__Meta-Llama-3.1-8B",
+            lambda c: c.update(model_type="frobnicator"),
+            "frobnicator",
+        ),
+        ("meta-llama__Meta-Llama-3.1-8B", lambda c: c.pop("model_type"), "model_type"),
+        (
+            "meta-llama__Meta-Llama-3.1-8B",
+            lambda c: c.pop("num_hidden_layers"),
+            "num_hidden_layers",
+        ),
+        (
+            "meta-llama__Meta-Llama-3.1-8B",
+            lambda c: c.update(sliding_window=4096),
+            "sliding_window",
+        ),
+        ("zai-org__GLM-4.7-Flash.ABRIDGED", lambda c: c.pop("kv_lora_rank"), "kv_lora_rank"),
+        ("zai-org__GLM-5.2", lambda c: c["indexer_types"].__setitem__(5, "half"), "indexer_types"),
+        (
+            "Qwen__Qwen3-Next-80B-A3B-Thinking",
+            lambda c: c.pop("linear_num_value_heads"),
+            "linear_attn_config",
+        ),
+        (
+            "deepseek-ai__DeepSeek-V4-Flash",
+            lambda c: c.update(compress_ratios=[4] * 3),
+            "compress_ratios",
+        ),
+        (
+            "XiaomiMiMo__MiMo-V2-Flash",
+            lambda c: c["hybrid_layer_pattern"].__setitem__(0, 7),
+            "hybrid_layer_pattern",
+        ),
+    ],
+)
 def test_unclassifiable_is_an_error_naming_the_field(name, mutate, field):
     cfg = _cfg(name)
     mutate(cfg)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from macserve.arch import MLA, Compressed, Full, Linear, NoCache, Sliding, shape_from_gguf
 from macserve.cli import main
 from macserve.errors import MacserveError
-from macserve.memory import kv_bytes_per_token
-from macserve.sources import HttpRangeFile, read_gguf_file
+from macserve.sizing.arch import MLA, Compressed, Full, Linear, NoCache, Sliding, shape_from_gguf
+from macserve.sizing.kv_layout import kv_bytes_per_token
+from macserve.sizing.sources import HttpRangeFile, read_gguf_file
 
 BIG = 8 * 2**20  # a tensor this big: reading the whole file would cost over 1 MB
 
@@ -74,11 +74,16 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         if m:
             repo = self.root / m.group(1)
             if not repo.is_dir():
-                return self._send(404, b'{"error":"Repository not found"}',
-                                  [("X-Error-Code", "RepoNotFound"),
-                                   ("Content-Type", "application/json")])
-            sib = [{"rfilename": str(p.relative_to(repo)), "size": p.stat().st_size}
-                   for p in sorted(repo.rglob("*")) if p.is_file()]
+                return self._send(
+                    404,
+                    b'{"error":"Repository not found"}',
+                    [("X-Error-Code", "RepoNotFound"), ("Content-Type", "application/json")],
+                )
+            sib = [
+                {"rfilename": str(p.relative_to(repo)), "size": p.stat().st_size}
+                for p in sorted(repo.rglob("*"))
+                if p.is_file()
+            ]
             body = json.dumps({"id": m.group(1), "sha": "0" * 40, "siblings": sib}).encode()
             return self._send(200, body, [("Content-Type", "application/json")])
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/main/(.+)", path)
@@ -89,7 +94,7 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         if rng and self.honour_range:
             a = int(rng.group(1))
             b = min(int(rng.group(2) or len(data) - 1), len(data) - 1)
-            chunk = data[a: b + 1]
+            chunk = data[a : b + 1]
             headers = [("Content-Range", f"bytes {a}-{a + len(chunk) - 1}/{len(data)}")]
             code = 206
         else:
@@ -122,9 +127,18 @@ def hub(tmp_path, monkeypatch):
     (repo / "README.md").write_text("a model card")
     cfg_repo = root / "org" / "tiny-cfg"
     cfg_repo.mkdir(parents=True)
-    (cfg_repo / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}))
+    (cfg_repo / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
     (cfg_repo / "model.safetensors").write_bytes(b"\0" * 12345)
 
     handler = type("Hub", (FakeHub,), {"root": root, "served": {}})
@@ -157,15 +171,21 @@ def test_gguf_from_disk_and_over_http_agree_reading_under_1mb(hub):
     assert served["Q8_0/tiny-Q8_0-00001-of-00002.gguf"] < 2**20
     assert local["gguf_header_bytes_read"] < 2**20 and remote["gguf_header_bytes_read"] < 2**20
 
-    for k in ("model_type", "layers", "kv_bytes_per_token", "state_bytes_per_sequence",
-              "max_context", "mtp", "weights_bytes"):
+    for k in (
+        "model_type",
+        "layers",
+        "kv_bytes_per_token",
+        "state_bytes_per_sequence",
+        "max_context",
+        "mtp",
+        "weights_bytes",
+    ):
         assert local[k] == remote[k], k
     # 4 blocks of which 1 nextn: llama.cpp caches K only (128 + 32) on the 3 trunk layers.
     assert local["layers"] == {"mla": 3, "mtp": 1}
     assert local["kv_bytes_per_token"]["llama.cpp/f16"] == 3 * 160 * 2
     assert local["mtp"]["kv_bytes_per_token"]["llama.cpp/f16"] == 160 * 2
-    assert set(local["kv_bytes_per_token"]) == {"llama.cpp/f16", "llama.cpp/q8_0",
-                                                "llama.cpp/q4_0"}
+    assert set(local["kv_bytes_per_token"]) == {"llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0"}
     both = part1.stat().st_size + 3000  # every part counts as weights
     assert local["weights_bytes"] == remote["weights_bytes"] == both
 
@@ -178,11 +198,14 @@ def test_other_quant_and_config_repos(hub):
     assert d["kv_bytes_per_token"]["mlx/bf16"] == 2 * 2 * 16 * 2 * 2
 
 
-@pytest.mark.parametrize("source,msg", [
-    ("org/tiny-GGUF:Q2_K", "no GGUF file for quant"),
-    ("org/tiny-GGUF", "2 GGUF models match"),
-    ("org/missing", "no such repository"),
-])
+@pytest.mark.parametrize(
+    "source,msg",
+    [
+        ("org/tiny-GGUF:Q2_K", "no GGUF file for quant"),
+        ("org/tiny-GGUF", "2 GGUF models match"),
+        ("org/missing", "no such repository"),
+    ],
+)
 def test_hub_errors_are_one_line(hub, source, msg):
     r = CliRunner().invoke(main, ["inspect", source])
     assert r.exit_code == 2 and msg in r.output, r.output
@@ -206,7 +229,7 @@ def test_range_reader_seeks_without_fetching(hub):
         f.seek(BIG, 1)
         tail = f.read(10)
         assert f.bytes_fetched <= 2 * 4096
-    assert tail == (root / "org/tiny-GGUF/tiny-Q4_K_M.gguf").read_bytes()[4 + BIG: 14 + BIG]
+    assert tail == (root / "org/tiny-GGUF/tiny-Q4_K_M.gguf").read_bytes()[4 + BIG : 14 + BIG]
 
 
 def test_truncated_and_non_gguf_files_are_one_line_errors(tmp_path):
@@ -238,23 +261,44 @@ def _meta(arch, **kv):
 
 
 def test_pre_mla_deepseek2_gguf_caches_k_and_v_per_head():
-    m = _meta("deepseek2", block_count=2, embedding_length=512, **{
-        "attention.head_count": 16, "attention.head_count_kv": 16, "attention.kv_lora_rank": 512,
-        "attention.key_length": 192, "attention.value_length": 128, "rope.dimension_count": 64})
+    m = _meta(
+        "deepseek2",
+        block_count=2,
+        embedding_length=512,
+        **{
+            "attention.head_count": 16,
+            "attention.head_count_kv": 16,
+            "attention.kv_lora_rank": 512,
+            "attention.key_length": 192,
+            "attention.value_length": 128,
+            "rope.dimension_count": 64,
+        },
+    )
     s = shape_from_gguf(m)
     assert s.layers == [Full(16, 192, 128)] * 2
     assert kv_bytes_per_token(s, "llama.cpp/f16") == 2 * 16 * 320 * 2
 
 
 def test_dsa_gguf_with_indexer_types():
-    m = _meta("glm-dsa", block_count=5, nextn_predict_layers=1, embedding_length=512,
-              context_length=4096, **{
-                  "attention.head_count": 8, "attention.head_count_kv": 1,
-                  "attention.kv_lora_rank": 512, "attention.key_length": 576,
-                  "attention.value_length": 512, "attention.key_length_mla": 256,
-                  "attention.value_length_mla": 256, "rope.dimension_count": 64,
-                  "attention.indexer.key_length": 128,
-                  "attention.indexer.types": [True, False, False, True]})
+    m = _meta(
+        "glm-dsa",
+        block_count=5,
+        nextn_predict_layers=1,
+        embedding_length=512,
+        context_length=4096,
+        **{
+            "attention.head_count": 8,
+            "attention.head_count_kv": 1,
+            "attention.kv_lora_rank": 512,
+            "attention.key_length": 576,
+            "attention.value_length": 512,
+            "attention.key_length_mla": 256,
+            "attention.value_length_mla": 256,
+            "rope.dimension_count": 64,
+            "attention.indexer.key_length": 128,
+            "attention.indexer.types": [True, False, False, True],
+        },
+    )
     s = shape_from_gguf(m)
     assert [l.indexer_shared for l in s.layers] == [False, True, True, False]
     assert kv_bytes_per_token(s, "llama.cpp/f16") == 4 * 1152 + 2 * 256
@@ -262,49 +306,118 @@ def test_dsa_gguf_with_indexer_types():
 
 
 def test_hybrid_and_sliding_ggufs():
-    q = shape_from_gguf(_meta("qwen35moe", block_count=8, embedding_length=2048,
-                              full_attention_interval=4, **{
-                                  "attention.head_count": 16, "attention.head_count_kv": 2,
-                                  "attention.key_length": 256, "attention.value_length": 256,
-                                  "ssm.conv_kernel": 4, "ssm.inner_size": 4096,
-                                  "ssm.state_size": 128, "ssm.group_count": 16}))
+    q = shape_from_gguf(
+        _meta(
+            "qwen35moe",
+            block_count=8,
+            embedding_length=2048,
+            full_attention_interval=4,
+            **{
+                "attention.head_count": 16,
+                "attention.head_count_kv": 2,
+                "attention.key_length": 256,
+                "attention.value_length": 256,
+                "ssm.conv_kernel": 4,
+                "ssm.inner_size": 4096,
+                "ssm.state_size": 128,
+                "ssm.group_count": 16,
+            },
+        )
+    )
     assert [l.kind for l in q.layers] == ["linear"] * 3 + ["full"] + ["linear"] * 3 + ["full"]
     assert q.layers[0] == Linear("gated_deltanet", 3 * 8192, 128 * 4096)
-    g = shape_from_gguf(_meta("gpt-oss", block_count=4, embedding_length=2880, **{
-        "attention.head_count": 64, "attention.head_count_kv": 8, "attention.key_length": 64,
-        "attention.value_length": 64, "attention.sliding_window": 128}))
+    g = shape_from_gguf(
+        _meta(
+            "gpt-oss",
+            block_count=4,
+            embedding_length=2880,
+            **{
+                "attention.head_count": 64,
+                "attention.head_count_kv": 8,
+                "attention.key_length": 64,
+                "attention.value_length": 64,
+                "attention.sliding_window": 128,
+            },
+        )
+    )
     assert [type(l) for l in g.layers] == [Sliding, Full, Sliding, Full]
-    v4 = shape_from_gguf(_meta("deepseek4", block_count=3, embedding_length=4096, **{
-        "attention.head_count": 64, "attention.head_count_kv": 1, "attention.key_length": 512,
-        "attention.compress_ratios": [0, 4, 128], "attention.sliding_window": 128,
-        "attention.indexer.key_length": 128}))
-    assert v4.layers == [Compressed(0, 512, 128), Compressed(4, 512, 128, 128),
-                         Compressed(128, 512, 128)]
-    nc = shape_from_gguf(_meta("llama", block_count=2, embedding_length=64, **{
-        "attention.head_count": 4, "attention.head_count_kv": [2, 0]}))
+    v4 = shape_from_gguf(
+        _meta(
+            "deepseek4",
+            block_count=3,
+            embedding_length=4096,
+            **{
+                "attention.head_count": 64,
+                "attention.head_count_kv": 1,
+                "attention.key_length": 512,
+                "attention.compress_ratios": [0, 4, 128],
+                "attention.sliding_window": 128,
+                "attention.indexer.key_length": 128,
+            },
+        )
+    )
+    assert v4.layers == [
+        Compressed(0, 512, 128),
+        Compressed(4, 512, 128, 128),
+        Compressed(128, 512, 128),
+    ]
+    nc = shape_from_gguf(
+        _meta(
+            "llama",
+            block_count=2,
+            embedding_length=64,
+            **{"attention.head_count": 4, "attention.head_count_kv": [2, 0]},
+        )
+    )
     assert nc.layers == [Full(2, 16, 16), NoCache()]
 
 
-@pytest.mark.parametrize("meta,field", [
-    ({"general.architecture": "llama"}, "block_count"),
-    (_meta("mamba2", block_count=2, embedding_length=64, **{"attention.head_count": 1,
-                                                            "ssm.state_size": 16}), "ssm"),
-    (_meta("gemma9", block_count=2, embedding_length=64, **{"attention.head_count": 4,
-                                                            "attention.sliding_window": 512}),
-     "sliding_window_pattern"),
-    ({}, "general.architecture"),
-])
+@pytest.mark.parametrize(
+    "meta,field",
+    [
+        ({"general.architecture": "llama"}, "block_count"),
+        (
+            _meta(
+                "mamba2",
+                block_count=2,
+                embedding_length=64,
+                **{"attention.head_count": 1, "ssm.state_size": 16},
+            ),
+            "ssm",
+        ),
+        (
+            _meta(
+                "gemma9",
+                block_count=2,
+                embedding_length=64,
+                **{"attention.head_count": 4, "attention.sliding_window": 512},
+            ),
+            "sliding_window_pattern",
+        ),
+        ({}, "general.architecture"),
+    ],
+)
 def test_unclassifiable_gguf_names_the_key(meta, field):
     with pytest.raises(MacserveError, match=field):
         shape_from_gguf(meta)
 
 
 def test_mla_layer_from_gguf_dims():
-    m = _meta("deepseek2", block_count=1, embedding_length=64, **{
-        "attention.head_count": 4, "attention.head_count_kv": 1, "attention.kv_lora_rank": 512,
-        "attention.key_length": 576, "attention.value_length": 512,
-        "attention.key_length_mla": 192, "attention.value_length_mla": 128,
-        "rope.dimension_count": 64})
+    m = _meta(
+        "deepseek2",
+        block_count=1,
+        embedding_length=64,
+        **{
+            "attention.head_count": 4,
+            "attention.head_count_kv": 1,
+            "attention.kv_lora_rank": 512,
+            "attention.key_length": 576,
+            "attention.value_length": 512,
+            "attention.key_length_mla": 192,
+            "attention.value_length_mla": 128,
+            "rope.dimension_count": 64,
+        },
+    )
     assert shape_from_gguf(m).layers == [MLA(512, 64, 4, 192, 128)]
 
 
@@ -318,8 +431,8 @@ def test_llama_server_allocates_what_inspect_says(llama_server, tmp_path):
     import subprocess
     import time
 
-    from macserve.gguf_export import export_gguf
-    from macserve.inspect_model import inspect_source
+    from macserve.dev.gguf_export import export_gguf
+    from macserve.sizing.report import inspect_source
 
     from .conftest import TINY_MODEL
 
@@ -327,9 +440,30 @@ def test_llama_server_allocates_what_inspect_says(llama_server, tmp_path):
     lay = inspect_source(str(gguf)).layouts["llama.cpp/q8_0"]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
-        p = subprocess.Popen([llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port",
-                              "18477", "-t", "2", "-np", "2", "-c", "1000", "-ctk", "q8_0",
-                              "-ctv", "q8_0", "-v"], stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [
+                llama_server,
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "18477",
+                "-t",
+                "2",
+                "-np",
+                "2",
+                "-c",
+                "1000",
+                "-ctk",
+                "q8_0",
+                "-ctv",
+                "q8_0",
+                "-v",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and "llama_kv_cache: size" not in log_path.read_text():
@@ -349,15 +483,29 @@ def test_llama_server_allocates_what_inspect_says(llama_server, tmp_path):
 
 
 def test_glm5_next_gguf_kda_and_kpool_indexer():
-    m = _meta("glm5-next", block_count=5, nextn_predict_layers=1, embedding_length=6144, **{
-        "attention.head_count": 64, "attention.head_count_kv": [0, 0, 0, 1, 1],
-        "attention.kv_lora_rank": 512, "attention.key_length": 512,
-        "attention.value_length": 512, "attention.key_length_mla": 192,
-        "attention.value_length_mla": 256, "rope.dimension_count": 0, "kda.head_dim": 128,
-        "ssm.conv_kernel": 4, "attention.indexer.key_length": 128, "attention.indexer.kpool": 4})
+    m = _meta(
+        "glm5-next",
+        block_count=5,
+        nextn_predict_layers=1,
+        embedding_length=6144,
+        **{
+            "attention.head_count": 64,
+            "attention.head_count_kv": [0, 0, 0, 1, 1],
+            "attention.kv_lora_rank": 512,
+            "attention.key_length": 512,
+            "attention.value_length": 512,
+            "attention.key_length_mla": 192,
+            "attention.value_length_mla": 256,
+            "rope.dimension_count": 0,
+            "kda.head_dim": 128,
+            "ssm.conv_kernel": 4,
+            "attention.indexer.key_length": 128,
+            "attention.indexer.kpool": 4,
+        },
+    )
     s = shape_from_gguf(m)
     assert s.counts() == {"linear": 3, "mla": 1, "mtp": 1}
-    from macserve.memory import state_bytes_per_sequence
+    from macserve.sizing.kv_layout import state_bytes_per_sequence
 
     # llama.cpp: latent row 512 + indexer key|gate|pooled 3 x 128, f16.
     assert kv_bytes_per_token(s, "llama.cpp/f16") == 1024 + 768

@@ -6,10 +6,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from macserve.dev.tiny.data import training_text
 from macserve.engine import mla_attention
-from macserve.engine.calibrate import METHODS, Calibration, calibration_windows, collect, fit
-from macserve.engine.kv import load_model, make_caches
+from macserve.engine.calibration import (
+    METHODS,
+    Calibration,
+    caches_for,
+    calibration_windows,
+    collect,
+    fit,
+)
 from macserve.engine.latent_cache import LatentQuant, RotatedLatentCache
+from macserve.engine.model import load
 
 from .conftest import TINY_MODEL
 
@@ -20,18 +28,21 @@ SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(TINY_MODEL)
+    b = load(TINY_MODEL).require_mla()
+    return b.model, b.tokenizer
 
 
 @pytest.fixture(scope="module")
 def calibration(model):
     m, tok = model
-    ws = calibration_windows(tok, None, 1, 256)
+    ws = calibration_windows(tok, training_text(2), 1, 256)
     return fit(collect(m, ws), INT2)
 
 
 def prompt(tok, n):
-    text = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind " * 20
+    text = (
+        "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind " * 20
+    )
     ids = tok.encode(text, add_special_tokens=False)[:n]
     assert len(ids) == n
     return ids
@@ -44,7 +55,7 @@ def run(model, caches, ids, chunk):
 
 def test_calibration_is_deterministic_and_round_trips(model, calibration, tmp_path):
     m, tok = model
-    again = fit(collect(m, calibration_windows(tok, None, 1, 256)), INT2)
+    again = fit(collect(m, calibration_windows(tok, training_text(2), 1, 256)), INT2)
     for meth in METHODS:
         for a, b in zip(calibration.rotations[meth], again.rotations[meth]):
             np.testing.assert_array_equal(a, b)
@@ -52,7 +63,9 @@ def test_calibration_is_deterministic_and_round_trips(model, calibration, tmp_pa
     calibration.save(f)
     back = Calibration.load(f)
     assert back.meta["layers"] == 4 and back.meta["calibration_tokens"] == 256
-    np.testing.assert_allclose(back.rotations["eigen"][2], calibration.rotations["eigen"][2], atol=1e-6)
+    np.testing.assert_allclose(
+        back.rotations["eigen"][2], calibration.rotations["eigen"][2], atol=1e-6
+    )
 
 
 def test_bad_calibration_file_is_a_clear_error(tmp_path):
@@ -70,7 +83,7 @@ def test_rotations_are_orthogonal(calibration, method):
 
 def test_eigen_rotation_orders_variance_ascending(calibration, model):
     m, tok = model
-    st = collect(m, calibration_windows(tok, None, 1, 256))[1]
+    st = collect(m, calibration_windows(tok, training_text(2), 1, 256))[1]
     r = calibration.rotations["eigen"][1]
     var = np.einsum("rd,rs,sd->d", r, st.sigma_c, r)
     assert np.all(np.diff(var) >= -1e-6 * var.max())
@@ -99,14 +112,14 @@ def test_bytes_per_token_formula():
 
 def test_nbytes_equals_the_layout(model, calibration):
     m, tok = model
-    caches = make_caches(m, SMALL, calibration, "eigen")
+    caches = caches_for(m, SMALL, calibration, "eigen")
     run(m, caches, prompt(tok, 300), 50)
     c = caches[0]
     row = 2 * (128 + 32)
     rec = c._rec_lat.length
     assert c.quant.recent + c.quant.slack <= rec <= 300
     assert c.nbytes == 8 * row + (300 - 8) * SMALL.bytes_per_token(128, 32) + rec * row
-    bf = make_caches(m, LatentQuant(bits=None))
+    bf = caches_for(m, LatentQuant(bits=None))
     run(m, bf, prompt(tok, 300), 50)
     assert bf[0].nbytes == 300 * row
 
@@ -115,11 +128,11 @@ def test_absorbed_attention_on_codes_equals_attention_on_dequantized(model, cali
     m, tok = model
     ids = prompt(tok, 200)
     q = replace(INT2, sink=0, recent=0)
-    fast = run(m, make_caches(m, q, calibration, "eigen"), ids, 40)
+    fast = run(m, caches_for(m, q, calibration, "eigen"), ids, 40)
     mla_attention.uninstall(m)
     try:
         # mlx-lm's own attention, reading the dequantized latent through update_and_fetch
-        slow = run(m, make_caches(m, q, calibration, "eigen"), ids, 40)
+        slow = run(m, caches_for(m, q, calibration, "eigen"), ids, 40)
     finally:
         mla_attention.install(m)
     np.testing.assert_allclose(np.array(fast), np.array(slow), atol=2e-3, rtol=2e-3)
@@ -129,8 +142,8 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
     """Speculative verification feeds k+1 tokens at once; it must see what decode would."""
     m, tok = model
     ids = prompt(tok, 120)
-    a = make_caches(m, SMALL, calibration, "eigen")
-    b = make_caches(m, SMALL, calibration, "eigen")
+    a = caches_for(m, SMALL, calibration, "eigen")
+    b = caches_for(m, SMALL, calibration, "eigen")
     run(m, a, ids[:100], 25)
     run(m, b, ids[:100], 25)
     chunk = run(m, a, ids[100:104], 4)
@@ -145,8 +158,8 @@ def test_a_long_chunk_is_causal(model, calibration):
     ids = prompt(tok, 400)
     changed = list(ids)
     changed[300] = (changed[300] + 1) % 2048
-    a = run(m, make_caches(m, SMALL, calibration, "eigen"), ids, 400)
-    b = run(m, make_caches(m, SMALL, calibration, "eigen"), changed, 400)
+    a = run(m, caches_for(m, SMALL, calibration, "eigen"), ids, 400)
+    b = run(m, caches_for(m, SMALL, calibration, "eigen"), changed, 400)
     np.testing.assert_allclose(np.array(a[:300]), np.array(b[:300]), atol=1e-5)
     assert not np.allclose(np.array(a[300:]), np.array(b[300:]), atol=1e-3)
 
@@ -154,8 +167,8 @@ def test_a_long_chunk_is_causal(model, calibration):
 def test_trim_restores_exact_state(model, calibration):
     m, tok = model
     ids = prompt(tok, 140)
-    a = make_caches(m, SMALL, calibration, "eigen")
-    b = make_caches(m, SMALL, calibration, "eigen")
+    a = caches_for(m, SMALL, calibration, "eigen")
+    b = caches_for(m, SMALL, calibration, "eigen")
     run(m, a, ids[:130], 26)
     run(m, b, ids[:130], 26)
     run(m, b, ids[130:134], 4)  # four drafts, all rejected
@@ -166,13 +179,14 @@ def test_trim_restores_exact_state(model, calibration):
             assert (ka, sa) == (kb, sb)
             for x, y in zip(la, lb):
                 assert mx.array_equal(x, y)
-    np.testing.assert_array_equal(np.array(run(m, a, ids[130:131], 1)),
-                                  np.array(run(m, b, ids[130:131], 1)))
+    np.testing.assert_array_equal(
+        np.array(run(m, a, ids[130:131], 1)), np.array(run(m, b, ids[130:131], 1))
+    )
 
 
 def test_trim_never_goes_past_what_it_can_restore(model, calibration):
     m, tok = model
-    caches = make_caches(m, SMALL, calibration, "eigen")
+    caches = caches_for(m, SMALL, calibration, "eigen")
     run(m, caches, prompt(tok, 400), 50)
     c = caches[0]
     held = c._rec_lat.length
@@ -189,21 +203,25 @@ def test_the_cache_works_inside_mlx_lm_generate(model, calibration):
 
     m, tok = model
     text = "ROMEO.\nBut soft, what light through yonder window breaks?"
-    outs = [generate(m, tok, text, max_tokens=12,
-                     prompt_cache=make_caches(m, INT2, calibration, "eigen")) for _ in range(2)]
+    outs = [
+        generate(
+            m, tok, text, max_tokens=12, prompt_cache=caches_for(m, INT2, calibration, "eigen")
+        )
+        for _ in range(2)
+    ]
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
 def test_quantized_cache_stays_close_to_bf16(model, calibration):
     m, tok = model
     ids = prompt(tok, 256)
-    ref = run(m, make_caches(m, LatentQuant(bits=None)), ids, 64)
-    out = run(m, make_caches(m, SMALL, calibration, "eigen"), ids, 64)
+    ref = run(m, caches_for(m, LatentQuant(bits=None)), ids, 64)
+    out = run(m, caches_for(m, SMALL, calibration, "eigen"), ids, 64)
     lr = ref - mx.logsumexp(ref, -1, keepdims=True)
     lq = out - mx.logsumexp(out, -1, keepdims=True)
     kl = float((mx.exp(lr) * (lr - lq)).sum(-1).mean())
     assert kl < 0.05
-    plain = make_caches(m, SMALL)  # no calibration needed for the naive baseline
+    plain = caches_for(m, SMALL)  # no calibration needed for the naive baseline
     assert plain[0].rotation is None
     with pytest.raises(ValueError, match="needs a calibration"):
-        make_caches(m, SMALL, None, "eigen")
+        caches_for(m, SMALL, None, "eigen")

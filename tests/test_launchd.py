@@ -13,14 +13,14 @@ import textwrap
 
 import pytest
 
-from macserve.profiles import Profile, ProfileStore
-from macserve.service import log_path, spec_for
-from macserve.service.launchd import LaunchdBackend, parse_print, render_plist
+from macserve.services.profiles import Profile, ProfileStore
+from macserve.services.supervisors import log_path, spec_for
+from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
 UID = os.getuid()
 DOMAIN = f"gui/{UID}"
 
-STAND_IN = textwrap.dedent('''\
+STAND_IN = textwrap.dedent("""\
     #!{python}
     import json, os, plistlib, sys
     log, state_file = os.environ["FAKE_LAUNCHCTL_LOG"], os.environ["FAKE_LAUNCHCTL_STATE"]
@@ -64,7 +64,7 @@ STAND_IN = textwrap.dedent('''\
         pass
     else:
         sys.exit(64)
-''')
+""")
 
 
 @pytest.fixture
@@ -92,8 +92,9 @@ def launchctl(tmp_path, monkeypatch):
 
 
 def _profile(name="big", provider="llama.cpp", model="/models/big.gguf"):
-    return Profile(name, {"PROVIDER": provider, "MODEL": model, "PORT": "8080",
-                          "EXTRA_ARGS": "-c 8192"})
+    return Profile(
+        name, {"PROVIDER": provider, "MODEL": model, "PORT": "8080", "EXTRA_ARGS": "-c 8192"}
+    )
 
 
 def _spec(p, env=None):
@@ -101,7 +102,9 @@ def _spec(p, env=None):
 
 
 def test_plist_key_by_key(macserve_home, monkeypatch):
-    monkeypatch.setenv("MACSERVE_LLAMA_SERVER", "/opt/llama & co/llama-server")  # needs XML escaping
+    monkeypatch.setenv(
+        "MACSERVE_LLAMA_SERVER", "/opt/llama & co/llama-server"
+    )  # needs XML escaping
     spec = _spec(_profile())
     d = plistlib.loads(render_plist(spec).encode())
     assert d["Label"] == "dev.macserve.big"
@@ -109,7 +112,13 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     assert os.path.isabs(d["ProgramArguments"][0])
     env = d["EnvironmentVariables"]
     path = env["PATH"].split(":")
-    for p in ("/opt/homebrew/bin", "/usr/local/bin", "/usr/bin", "/bin", os.path.dirname(sys.executable)):
+    for p in (
+        "/opt/homebrew/bin",
+        "/usr/local/bin",
+        "/usr/bin",
+        "/bin",
+        os.path.dirname(sys.executable),
+    ):
         assert p in path
     assert env["MACSERVE_HOME"] == str(macserve_home)
     assert env["MACSERVE_LLAMA_SERVER"] == "/opt/llama & co/llama-server"
@@ -123,13 +132,24 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     assert os.path.isabs(d["StandardOutPath"])
     assert d["WorkingDirectory"] == str(macserve_home)
     assert d["SoftResourceLimits"] == {"NumberOfFiles": 4096}
-    assert set(d) == {"Label", "ProgramArguments", "EnvironmentVariables", "WorkingDirectory",
-                      "RunAtLoad", "KeepAlive", "ThrottleInterval", "ExitTimeOut", "ProcessType",
-                      "SoftResourceLimits", "StandardOutPath", "StandardErrorPath"}
+    assert set(d) == {
+        "Label",
+        "ProgramArguments",
+        "EnvironmentVariables",
+        "WorkingDirectory",
+        "RunAtLoad",
+        "KeepAlive",
+        "ThrottleInterval",
+        "ExitTimeOut",
+        "ProcessType",
+        "SoftResourceLimits",
+        "StandardOutPath",
+        "StandardErrorPath",
+    }
 
 
 def test_provider_env_lands_in_the_plist(macserve_home):
-    from macserve import providers
+    from macserve.services import providers
 
     p = _profile(provider="mlx", model="mlx-community/Foo-4bit")
     d = plistlib.loads(render_plist(_spec(p, providers.get("mlx").env(p))).encode())
@@ -137,10 +157,17 @@ def test_provider_env_lands_in_the_plist(macserve_home):
 
 
 def test_parse_print_takes_top_level_properties():
-    text = ("gui/501/dev.macserve.big = {\n\tstate = running\n\tpid = 77\n\truns = 3\n"
-            "\tlast exit code = 1: Operation not permitted\n\tendpoints = {\n\t\tstate = active\n\t}\n}\n")
-    assert parse_print(text) == {"state": "running", "pid": "77", "runs": "3",
-                                 "last exit code": "1: Operation not permitted", "endpoints": "{"}
+    text = (
+        "gui/501/dev.macserve.big = {\n\tstate = running\n\tpid = 77\n\truns = 3\n"
+        "\tlast exit code = 1: Operation not permitted\n\tendpoints = {\n\t\tstate = active\n\t}\n}\n"
+    )
+    assert parse_print(text) == {
+        "state": "running",
+        "pid": "77",
+        "runs": "3",
+        "last exit code": "1: Operation not permitted",
+        "endpoints": "{",
+    }
 
 
 def test_command_sequences(launchctl, macserve_home, tmp_path):
@@ -168,13 +195,22 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     before = plist.read_bytes()
     b.apply(_spec(p.updated({"PROVIDER": "mlx"}), {"PYTHONUNBUFFERED": "1"}))
     assert plist.read_bytes() != before
-    assert launchctl() == [["print", target], ["bootout", target], ["print", target],
-                           ["enable", target], ["bootstrap", DOMAIN, str(plist)]]
+    assert launchctl() == [
+        ["print", target],
+        ["bootout", target],
+        ["print", target],
+        ["enable", target],
+        ["bootstrap", DOMAIN, str(plist)],
+    ]
 
     # stop: bootout, wait, disable (so it does not come back at login)
     b.stop("big")
-    assert launchctl() == [["print", target], ["bootout", target], ["print", target],
-                           ["disable", target]]
+    assert launchctl() == [
+        ["print", target],
+        ["bootout", target],
+        ["print", target],
+        ["disable", target],
+    ]
     assert b.status("big").state == "stopped" and plist.exists()
     launchctl()
 

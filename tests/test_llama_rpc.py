@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from macserve.errors import MacserveError
-from macserve.profiles import parse
-from macserve.providers.llama_cpp import RPC_PORT, find_rpc_server, rpc_workers
+from macserve.services.profiles import parse
+from macserve.services.providers.llama_cpp import RPC_PORT, find_rpc_server, rpc_workers
 
 from .test_services_e2e import cli, free_port, model_gguf, poll, services, status  # noqa: F401
 
@@ -29,17 +29,20 @@ def test_hosts_become_rpc_workers_with_the_default_port():
     assert rpc_workers(profile()) == []
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("HOSTS=a\nBACKEND=ring\n", "BACKEND=ring does not apply to llama.cpp; use rpc"),
-    ("HOSTS=~/hosts.json\nBACKEND=rpc\n", "no hostfile"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("HOSTS=a\nBACKEND=ring\n", "BACKEND=ring does not apply to llama.cpp; use rpc"),
+        ("HOSTS=~/hosts.json\nBACKEND=rpc\n", "no hostfile"),
+    ],
+)
 def test_what_llama_cpp_cannot_do_is_refused(extra, message):
     with pytest.raises(MacserveError, match=message):
         rpc_workers(profile(extra))
 
 
 def test_a_worker_profile_needs_no_model_and_runs_rpc_server(monkeypatch, tmp_path):
-    from macserve.providers import llama_rpc
+    from macserve.services.providers import llama_rpc
 
     p = parse("PROVIDER=llama.cpp-rpc\nHOST=10.0.0.2\nPORT=50052\nEXTRA_ARGS=-c\n", "w")
     fake = tmp_path / "ggml-rpc-server"
@@ -58,20 +61,35 @@ def rpc_server_binary(llama_server, monkeypatch) -> str:
         return find_rpc_server()
     except MacserveError:
         if os.environ.get("CI"):
-            pytest.fail("CI must provide rpc-server beside llama-server (scripts/build-llama-server.sh)")
+            pytest.fail(
+                "CI must provide rpc-server beside llama-server (scripts/build-llama-server.sh)"
+            )
         pytest.skip("no rpc-server beside llama-server")
 
 
 def completion(port) -> list[int]:
-    r = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=120, json={
-        "prompt": "HAMLET.\nWho's there?\n", "n_predict": 32, "temperature": 0,
-        "return_tokens": True, "cache_prompt": False})
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/completion",
+        timeout=120,
+        json={
+            "prompt": "HAMLET.\nWho's there?\n",
+            "n_predict": 32,
+            "temperature": 0,
+            "return_tokens": True,
+            "cache_prompt": False,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
 
 
-def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_gguf, services,  # noqa: F811
-                                                         macserve_home, monkeypatch):
+def test_a_worker_over_rpc_serves_the_same_greedy_output(
+    llama_server,
+    model_gguf,  # noqa: F811
+    services,  # noqa: F811
+    macserve_home,
+    monkeypatch,
+):
     rpc_server_binary(llama_server, monkeypatch)
     port, wport, dead = free_port(), free_port(), free_port()
     # the worker: rpc-server as a supervised service of its own
@@ -83,7 +101,9 @@ def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_ggu
     services.append(w["pid"])
     assert "MODEL" not in (macserve_home / "profiles" / "w1.env").read_text()
 
-    r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1")
+    r = cli(
+        "new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1"
+    )
     assert r.returncode == 0, r.stderr
     services.append(status("tiny")["pid"])
     one_host = completion(port)
@@ -96,7 +116,8 @@ def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_ggu
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"error: rpc worker 127.0.0.1:{dead} not reachable: start `rpc-server -H 0.0.0.0 "
-        "-p PORT` there first"]
+        "-p PORT` there first"
+    ]
     assert prof.read_bytes() == before
 
     r = cli("set", "tiny", "--", f"HOSTS=127.0.0.1:{wport}", "BACKEND=rpc")
@@ -112,16 +133,23 @@ def test_a_worker_over_rpc_serves_the_same_greedy_output(llama_server, model_ggu
     # RPC server crashed"), its supervisor restarts it, and it reconnects to the new worker
     head = s["pid"]
     os.kill(w["pid"], signal.SIGKILL)
-    w2 = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != w["pid"] else None)(status("w1")),
-              "the worker to come back after kill -9", timeout=60)
+    w2 = poll(
+        lambda: (lambda x: x if x["healthy"] and x["pid"] != w["pid"] else None)(status("w1")),
+        "the worker to come back after kill -9",
+        timeout=60,
+    )
     services.append(w2["pid"])
     try:
-        httpx.post(f"http://127.0.0.1:{port}/completion", timeout=30,
-                   json={"prompt": "a", "n_predict": 1})
+        httpx.post(
+            f"http://127.0.0.1:{port}/completion", timeout=30, json={"prompt": "a", "n_predict": 1}
+        )
     except httpx.HTTPError:
         pass  # the request in flight when the head finds its worker gone
-    s2 = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != head else None)(status("tiny")),
-              "the head to restart against the new worker", timeout=90)
+    s2 = poll(
+        lambda: (lambda x: x if x["healthy"] and x["pid"] != head else None)(status("tiny")),
+        "the head to restart against the new worker",
+        timeout=90,
+    )
     services.append(s2["pid"])
     assert completion(port) == one_host
 

@@ -1,13 +1,14 @@
 """MTP speculative decoding on the project's own model: exactness and the sampling rule."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-import mlx.core as mx
-from macserve.engine.generate import load
+from macserve.dev.tiny.data import training_text
+from macserve.engine.calibration import caches_for
 from macserve.engine.latent_cache import LatentQuant
-from macserve.engine.kv import make_caches
+from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder, verify_sampled
 
 from .conftest import TINY_MODEL
@@ -27,8 +28,12 @@ def bundle():
 
 
 def plain_greedy(b, ids, n, cache):
-    return [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), b.model, max_tokens=n,
-                                                      prompt_cache=cache), range(n))]
+    return [
+        int(t)
+        for (t, _), _ in zip(
+            generate_step(mx.array(ids), b.model, max_tokens=n, prompt_cache=cache), range(n)
+        )
+    ]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -36,8 +41,8 @@ def test_greedy_with_mtp_is_token_identical(bundle, k):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=k, probe_rounds=10**9)
     for text in PROMPTS:
         ids = bundle.tokenizer.encode(text, add_special_tokens=False)
-        ref = plain_greedy(bundle, ids, 40, bundle.caches("bf16", None))
-        assert list(dec.generate(ids, 40, caches=bundle.caches("bf16", None))) == ref
+        ref = plain_greedy(bundle, ids, 40, bundle.caches())
+        assert list(dec.generate(ids, 40, caches=bundle.caches())) == ref
         st = dec.stats
         assert st.proposed[0] == st.rounds and st.accepted_tokens <= st.draft_tokens
         assert all(p is None or 0 <= p <= 1 for p in st.per_position())
@@ -45,26 +50,28 @@ def test_greedy_with_mtp_is_token_identical(bundle, k):
 
 @pytest.mark.parametrize("k", [1, 3])  # k = 1 runs the pipelined loop, k = 3 the chained one
 def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, k):
-    from macserve.engine.calibrate import calibration_windows, collect, fit
+    from macserve.engine.calibration import calibration_windows, collect, fit
 
-    cal = fit(collect(bundle.model, calibration_windows(bundle.tokenizer, None, 1, 256)),
-              LatentQuant(bits=2))
+    cal = fit(
+        collect(bundle.model, calibration_windows(bundle.tokenizer, training_text(2), 1, 256)),
+        LatentQuant(bits=2),
+    )
     # small windows: the rollback has to cross the bf16/INT2 boundary
     q = LatentQuant(bits=2, sink=4, recent=16, slack=4)
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=k, probe_rounds=10**9)
     for text in PROMPTS[:3]:
         ids = bundle.tokenizer.encode(text, add_special_tokens=False)
-        ref = plain_greedy(bundle, ids, 40, make_caches(bundle.model, q, cal, "eigen"))
-        out = list(dec.generate(ids, 40, caches=make_caches(bundle.model, q, cal, "eigen")))
+        ref = plain_greedy(bundle, ids, 40, caches_for(bundle.model, q, cal, "eigen"))
+        out = list(dec.generate(ids, 40, caches=caches_for(bundle.model, q, cal, "eigen")))
         assert out == ref
 
 
 def test_drafting_switches_itself_off_below_break_even(bundle):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, min_accept_per_round=1.01, probe_rounds=4)
     ids = bundle.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-    out = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None)))
+    out = list(dec.generate(ids, 30, caches=bundle.caches()))
     assert dec.stats.disabled_after == 4 and dec.stats.rounds == 4
-    assert out == plain_greedy(bundle, ids, 30, bundle.caches("bf16", None))
+    assert out == plain_greedy(bundle, ids, 30, bundle.caches())
 
 
 def _tv(counts, p):
@@ -100,8 +107,8 @@ def test_speculative_sampling_matches_the_target_distribution():
 def test_sampled_generation_runs_and_counts(bundle):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=2, probe_rounds=10**9)
     ids = bundle.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
-    a = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None), temperature=1.0, seed=7))
-    b = list(dec.generate(ids, 30, caches=bundle.caches("bf16", None), temperature=1.0, seed=7))
+    a = list(dec.generate(ids, 30, caches=bundle.caches(), temperature=1.0, seed=7))
+    b = list(dec.generate(ids, 30, caches=bundle.caches(), temperature=1.0, seed=7))
     assert a == b and len(a) == 30  # seeded: reproducible
     assert dec.stats.draft_tokens >= dec.stats.rounds
 

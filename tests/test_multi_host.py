@@ -10,13 +10,13 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 
-from .conftest import REPO, SHARED_CONFIGS
+from .conftest import CONFIGS, REPO
 
 GB = 2**30
-V3 = SHARED_CONFIGS / "deepseek-ai__DeepSeek-V3.json"
-GLM5 = SHARED_CONFIGS / "zai-org__GLM-5.json"
-LLAMA = SHARED_CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json"
-QWEN_MOE = SHARED_CONFIGS / "Qwen__Qwen3-30B-A3B.json"
+V3 = CONFIGS / "deepseek-ai__DeepSeek-V3.json"
+GLM5 = CONFIGS / "zai-org__GLM-5.json"
+LLAMA = CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json"
+QWEN_MOE = CONFIGS / "Qwen__Qwen3-30B-A3B.json"
 TINY = REPO / "macserve" / "models" / "tiny-mla"
 
 
@@ -67,7 +67,9 @@ def test_unequal_budgets_get_proportional_layers():
         assert abs((z - a) - n * m / sum(mems)) < 1
         assert h["budget_bytes"] == budget(m * GB)
     counts = ",".join(str(z - a) for a, z in (h["layers"] for h in hosts))
-    assert any(f"set SPLIT={counts} in the profile" in note for note in split(mh, "pipeline")["notes"])
+    assert any(
+        f"set SPLIT={counts} in the profile" in note for note in split(mh, "pipeline")["notes"]
+    )
 
 
 def test_group_context_is_the_minimum_over_hosts():
@@ -154,8 +156,9 @@ def test_too_big_for_one_host_says_split_needed():
     assert r.exit_code == 0, r.output
     assert "split needed" in r.output and "no split needed" not in r.output
     # 4.5 bits x 671B does not fit one 256 GB Mac's budget: the premise of the split
-    assert plan(V3, "--hosts", 2, "--memory", "256GB", "--weights", "4bit")["weights_bytes"] \
-        > budget(256 * GB)
+    assert plan(V3, "--hosts", 2, "--memory", "256GB", "--weights", "4bit")[
+        "weights_bytes"
+    ] > budget(256 * GB)
 
 
 def test_bad_memory_list_is_a_one_line_error():

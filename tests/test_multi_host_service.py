@@ -17,15 +17,27 @@ from .test_services_e2e import cli, free_port, poll, services, status, tiny_mlx_
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("mlx.launch") is None
-    and not os.access(os.path.join(os.path.dirname(__import__("sys").executable), "mlx.launch"), os.X_OK),
-    reason="mlx.launch not installed")
+    and not os.access(
+        os.path.join(os.path.dirname(__import__("sys").executable), "mlx.launch"), os.X_OK
+    ),
+    reason="mlx.launch not installed",
+)
 
 PROMPT = [{"role": "user", "content": "What country, friends, is this?"}]
 
 
 def greedy(port) -> list[tuple[int, float]]:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
-        "messages": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 1})
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        timeout=120,
+        json={
+            "messages": PROMPT,
+            "max_tokens": 16,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    )
     assert r.status_code == 200, r.text
     return [(t["id"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]["content"]]
 
@@ -33,29 +45,59 @@ def greedy(port) -> list[tuple[int, float]]:
 def ranks(pid) -> list[psutil.Process]:
     """The mlx_lm.server processes under the supervised mlx.launch (plain, or under the
     SPLIT shim, which runs mlx-lm's server in-process)."""
-    return [c for c in psutil.Process(pid).children(recursive=True)
-            if ("mlx_lm" in c.cmdline() and "server" in c.cmdline())
-            or "macserve.providers.mlx_split" in c.cmdline()]
+    return [
+        c
+        for c in psutil.Process(pid).children(recursive=True)
+        if ("mlx_lm" in c.cmdline() and "server" in c.cmdline())
+        or "macserve.engine.pipeline" in c.cmdline()
+    ]
 
 
 def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # noqa: F811
     single, multi = free_port(), free_port()
-    r = cli("new", str(tiny_mlx_f32), "--provider", "mlx", "--name", "one", "--port", str(single),
-            "--timeout", "120")
+    r = cli(
+        "new",
+        str(tiny_mlx_f32),
+        "--provider",
+        "mlx",
+        "--name",
+        "one",
+        "--port",
+        str(single),
+        "--timeout",
+        "120",
+    )
     assert r.returncode == 0, r.stderr
     services.append(status("one")["pid"])
     want = greedy(single)
     assert len(want) == 16
 
-    r = cli("new", str(tiny_mlx_f32), "--provider", "mlx", "--name", "two", "--port", str(multi),
-            "--timeout", "120")
+    r = cli(
+        "new",
+        str(tiny_mlx_f32),
+        "--provider",
+        "mlx",
+        "--name",
+        "two",
+        "--port",
+        str(multi),
+        "--timeout",
+        "120",
+    )
     assert r.returncode == 0, r.stderr
     services.append(status("two")["pid"])
     # a bad multi-host edit is refused in one line before any restart
     r = cli("set", "two", "--", "HOSTS=127.0.0.1:5000,127.0.0.1")
     assert r.returncode != 0 and "mlx takes no port" in r.stderr.strip().splitlines()[-1]
-    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1", "BACKEND=ring", "SHARDING=pipeline",
-            timeout=300)
+    r = cli(
+        "set",
+        "two",
+        "--",
+        "HOSTS=127.0.0.1,127.0.0.1",
+        "BACKEND=ring",
+        "SHARDING=pipeline",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     text = (macserve_home / "profiles" / "two.env").read_text()
     assert "HOSTS=127.0.0.1,127.0.0.1" in text and "SHARDING=pipeline" in text
@@ -64,7 +106,9 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
     services.append(s["pid"])
     # the supervised process runs mlx.launch; under it one mlx_lm.server per host, pipelined
     cmd = psutil.Process(s["pid"]).cmdline()
-    assert cmd[1:3] == ["-m", "macserve.providers.mlx_launch"] and cmd[3].endswith("mlx.launch")
+    assert cmd[1:3] == ["-m", "macserve.services.providers.mlx_launch"] and cmd[3].endswith(
+        "mlx.launch"
+    )
     assert "--pipeline" in cmd
     group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(ranks(s["pid"])), "two ranks")
     services.extend(p.pid for p in group)
@@ -78,12 +122,23 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
     assert r.stdout and " tokens, " in r.stderr  # the tiny model's chat reply is newlines
 
     # kill -9 one rank: mlx.launch takes the group down, the supervisor starts it again
-    rank1 = next(p for p in group if "MLX_RANK=1" in open(f"/proc/{p.pid}/environ").read().split("\0"))
+    rank1 = next(
+        p for p in group if "MLX_RANK=1" in open(f"/proc/{p.pid}/environ").read().split("\0")
+    )
     os.kill(rank1.pid, signal.SIGKILL)
-    poll(lambda: not psutil.pid_exists(s["pid"]) or psutil.Process(s["pid"]).status() == psutil.STATUS_ZOMBIE,
-         "mlx.launch to exit after a rank died", timeout=60)
-    back = poll(lambda: (lambda x: x if x["healthy"] and x["pid"] != s["pid"] else None)(status("two")),
-                "the service to come back healthy", timeout=180)
+    poll(
+        lambda: (
+            not psutil.pid_exists(s["pid"])
+            or psutil.Process(s["pid"]).status() == psutil.STATUS_ZOMBIE
+        ),
+        "mlx.launch to exit after a rank died",
+        timeout=60,
+    )
+    back = poll(
+        lambda: (lambda x: x if x["healthy"] and x["pid"] != s["pid"] else None)(status("two")),
+        "the service to come back healthy",
+        timeout=180,
+    )
     services.append(back["pid"])
     services.extend(p.pid for p in poll(lambda: ranks(back["pid"]) or None, "new ranks"))
     assert [t for t, _ in greedy(multi)] == [t for t, _ in want]
@@ -96,7 +151,9 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
     assert r.returncode == 0, r.stderr
     uneven = status("two")
     services.append(uneven["pid"])
-    group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(ranks(uneven["pid"])), "two ranks")
+    group = poll(
+        lambda: (lambda rs: rs if len(rs) == 2 else None)(ranks(uneven["pid"])), "two ranks"
+    )
     services.extend(p.pid for p in group)
     assert [t for t, _ in greedy(multi)] == [t for t, _ in want]
     log = cli("logs", "two", "-n", "400").stdout
@@ -110,8 +167,11 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
 
 
 def completion(port, **body) -> str:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-        "prompt": "HAMLET.\nWho's there?\n", "max_tokens": 24, **body})
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        timeout=120,
+        json={"prompt": "HAMLET.\nWho's there?\n", "max_tokens": 24, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -122,8 +182,14 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     from .test_services_e2e import TINY_MODEL
 
     single, multi = free_port(), free_port()
-    engine = ["--provider", "macserve", "--timeout", "120",
-              "--extra-args", "--ctx 1024 --kv int2 --mtp-k 1"]
+    engine = [
+        "--provider",
+        "macserve",
+        "--timeout",
+        "120",
+        "--extra-args",
+        "--ctx 1024 --kv int2 --mtp-k 1",
+    ]
     r = cli("new", str(TINY_MODEL), "--name", "one", "--port", str(single), *engine)
     assert r.returncode == 0, r.stderr
     services.append(status("one")["pid"])
@@ -135,9 +201,16 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     s = status("two")
     assert s["healthy"]
     services.append(s["pid"])
-    group = poll(lambda: (lambda rs: rs if len(rs) == 2 else None)(
-        [c for c in psutil.Process(s["pid"]).children(recursive=True)
-         if c.cmdline()[1:4] == ["-m", "macserve", "serve"]]), "two engine ranks")
+    group = poll(
+        lambda: (lambda rs: rs if len(rs) == 2 else None)(
+            [
+                c
+                for c in psutil.Process(s["pid"]).children(recursive=True)
+                if c.cmdline()[1:4] == ["-m", "macserve", "serve"]
+            ]
+        ),
+        "two engine ranks",
+    )
     services.extend(p.pid for p in group)
 
     # greedy, and sampled with a seed: the same text as the one-process engine
@@ -147,8 +220,12 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     assert sampled.strip() and len(set(sampled)) > 3  # sampling really produced text
 
     # a client that leaves mid-stream: every rank stops, and the next request is served
-    with httpx.stream("POST", f"http://127.0.0.1:{multi}/v1/completions", timeout=60, json={
-            "prompt": "HAMLET.\n", "max_tokens": 900, "temperature": 1.0, "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        f"http://127.0.0.1:{multi}/v1/completions",
+        timeout=60,
+        json={"prompt": "HAMLET.\n", "max_tokens": 900, "temperature": 1.0, "stream": True},
+    ) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i > 5:
                 break
@@ -176,37 +253,78 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
 # ---- the command line and the one-line errors, without starting anything ----------------------
 
 from macserve.errors import MacserveError  # noqa: E402
-from macserve.profiles import parse  # noqa: E402
-from macserve.providers import mlx_lm  # noqa: E402
+from macserve.services.profiles import parse  # noqa: E402
+from macserve.services.providers import mlx_lm  # noqa: E402
 
 BASE = "PROVIDER=mlx\nMODEL=/m\nPORT=8080\n"
 
 
 def test_argv_wraps_mlx_launch():
     argv = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nBACKEND=jaccl\n", "x"))
-    assert argv[1:3] == ["-m", "macserve.providers.mlx_launch"] and argv[3].endswith("mlx.launch")
+    assert argv[1:3] == ["-m", "macserve.services.providers.mlx_launch"] and argv[3].endswith(
+        "mlx.launch"
+    )
     i = argv.index("--")
-    assert argv[4:i] == ["--backend", "jaccl", "--hosts", "10.0.0.1,10.0.0.2",
-                         "--starting-port", "8081", "--python", argv[i - 1]]
-    assert argv[i + 1:] == ["-m", "mlx_lm", "server", "--model", "/m", "--host", "127.0.0.1",
-                            "--port", "8080", "--pipeline"]
+    assert argv[4:i] == [
+        "--backend",
+        "jaccl",
+        "--hosts",
+        "10.0.0.1,10.0.0.2",
+        "--starting-port",
+        "8081",
+        "--python",
+        argv[i - 1],
+    ]
+    assert argv[i + 1 :] == [
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8080",
+        "--pipeline",
+    ]
     tensor = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=/etc/hosts.json\nSHARDING=tensor\n", "x"))
-    assert "--pipeline" not in tensor and ["--backend", "ring", "--hostfile", "/etc/hosts.json"] == tensor[4:8]
+    assert "--pipeline" not in tensor and tensor[4:8] == [
+        "--backend",
+        "ring",
+        "--hostfile",
+        "/etc/hosts.json",
+    ]
     # SPLIT: mlx-lm's server under the split shim, same arguments
     split = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\n", "x"))
     i = split.index("--")
-    assert split[i + 1:] == ["-m", "macserve.providers.mlx_split", "41,20", "--model", "/m",
-                             "--host", "127.0.0.1", "--port", "8080", "--pipeline"]
+    assert split[i + 1 :] == [
+        "-m",
+        "macserve.engine.pipeline",
+        "41,20",
+        "--model",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8080",
+        "--pipeline",
+    ]
     # no HOSTS: the plain single-process server, as before
     assert mlx_lm.PROVIDER.argv(parse(BASE, "x"))[1:4] == ["-m", "mlx_lm", "server"]
 
 
-@pytest.mark.parametrize("extra, msg", [
-    ("SHARDING=rows\n", "unknown SHARDING 'rows' (known: pipeline, tensor)"),
-    ("SPLIT=4\n", "bad SPLIT '4': expected layer counts n1,n2,..."),
-    ("SPLIT=3,0\n", "bad SPLIT '3,0'"),
-    ("HOSTS=a/b,c\n", None),  # a hostfile path: accepted by the profile, checked by the provider
-])
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        ("SHARDING=rows\n", "unknown SHARDING 'rows' (known: pipeline, tensor)"),
+        ("SPLIT=4\n", "bad SPLIT '4': expected layer counts n1,n2,..."),
+        ("SPLIT=3,0\n", "bad SPLIT '3,0'"),
+        (
+            "HOSTS=a/b,c\n",
+            None,
+        ),  # a hostfile path: accepted by the profile, checked by the provider
+    ],
+)
 def test_profile_keys(extra, msg):
     if msg is None:
         assert parse(BASE + extra, "x").values["HOSTS"] == "a/b,c"
@@ -215,14 +333,20 @@ def test_profile_keys(extra, msg):
             parse(BASE + extra, "x")
 
 
-@pytest.mark.parametrize("extra, msg", [
-    ("HOSTS=10.0.0.1:5000\n", "HOSTS entry '10.0.0.1:5000': mlx takes no port"),
-    ("HOSTS=studio1,studio2\n", "HOSTS entry 'studio1': the ring backend needs IP addresses"),
-    ("HOSTS=10.0.0.1\nBACKEND=rpc\n", "BACKEND=rpc does not apply to mlx"),
-    ("HOSTS=/nonexistent/hosts.json\n", "HOSTS hostfile /nonexistent/hosts.json not found"),
-    ("HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2,3\n", "SPLIT has 3 entries for 2 hosts"),
-    ("HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2\nSHARDING=tensor\n", "SPLIT applies to SHARDING=pipeline only"),
-])
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        ("HOSTS=10.0.0.1:5000\n", "HOSTS entry '10.0.0.1:5000': mlx takes no port"),
+        ("HOSTS=studio1,studio2\n", "HOSTS entry 'studio1': the ring backend needs IP addresses"),
+        ("HOSTS=10.0.0.1\nBACKEND=rpc\n", "BACKEND=rpc does not apply to mlx"),
+        ("HOSTS=/nonexistent/hosts.json\n", "HOSTS hostfile /nonexistent/hosts.json not found"),
+        ("HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2,3\n", "SPLIT has 3 entries for 2 hosts"),
+        (
+            "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=1,2\nSHARDING=tensor\n",
+            "SPLIT applies to SHARDING=pipeline only",
+        ),
+    ],
+)
 def test_check_hosts_one_line_errors(extra, msg):
     with pytest.raises(MacserveError, match=re.escape(msg)) as e:
         mlx_lm.check_hosts(parse(BASE + extra, "x"))

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from macserve import preflight
 from macserve.errors import MacserveError
-from macserve.profiles import parse
+from macserve.services import preflight
+from macserve.services.profiles import parse
 
 from .conftest import REPO, TINY_MODEL
 
@@ -59,7 +59,9 @@ def profile(hosts="127.0.0.1,10.0.0.2,10.0.0.3", model=TINY_MODEL, extra=""):
 
 
 def override(monkeypatch, **hosts):
-    monkeypatch.setenv("FAKE_SSH_OVERRIDE", json.dumps({h.replace("_", "."): v for h, v in hosts.items()}))
+    monkeypatch.setenv(
+        "FAKE_SSH_OVERRIDE", json.dumps({h.replace("_", "."): v for h, v in hosts.items()})
+    )
 
 
 def one_line(p) -> str:
@@ -98,7 +100,9 @@ def test_only_local_hosts_skip_ssh(ssh):
 def test_unreachable(ssh, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_DOWN", "10.0.0.3")
     msg = one_line(profile())
-    assert msg.startswith("pre-flight: host 10.0.0.3: not reachable over ssh (ssh: connect to host 10.0.0.3")
+    assert msg.startswith(
+        "pre-flight: host 10.0.0.3: not reachable over ssh (ssh: connect to host 10.0.0.3"
+    )
     assert "10.0.0.2" not in msg
 
 
@@ -106,7 +110,10 @@ def test_version_mismatch(ssh, monkeypatch):
     here = preflight.head_versions()
     override(monkeypatch, **{"10_0_0_2": {"mlx": "0.0.1", "mlx_lm": here["mlx_lm"] + ".9"}})
     msg = one_line(profile())
-    assert msg == f"pre-flight: host 10.0.0.2: mlx 0.0.1 there, {here['mlx']} here (major.minor must match)"
+    assert (
+        msg
+        == f"pre-flight: host 10.0.0.2: mlx 0.0.1 there, {here['mlx']} here (major.minor must match)"
+    )
     override(monkeypatch, **{"10_0_0_3": {"python": "2.7.18", "mlx_lm": None}})
     msg = one_line(profile())
     assert f"host 10.0.0.3: Python 2.7.18 there, {here['python']} here" in msg
@@ -115,8 +122,10 @@ def test_version_mismatch(ssh, monkeypatch):
 
 def test_model_missing(ssh, monkeypatch, tmp_path):
     override(monkeypatch, **{"10_0_0_2": {"model": False}})
-    assert one_line(profile()) == (f"pre-flight: host 10.0.0.2: model {TINY_MODEL} not found there "
-                                   f"(copy it to the same path, e.g. rsync -a {TINY_MODEL}/ 10.0.0.2:{TINY_MODEL}/)")
+    assert one_line(profile()) == (
+        f"pre-flight: host 10.0.0.2: model {TINY_MODEL} not found there "
+        f"(copy it to the same path, e.g. rsync -a {TINY_MODEL}/ 10.0.0.2:{TINY_MODEL}/)"
+    )
     # really absent (on every host, this one included): memory is skipped with a note
     monkeypatch.delenv("FAKE_SSH_OVERRIDE")
     gone = tmp_path / "gone"
@@ -128,8 +137,11 @@ def test_model_missing(ssh, monkeypatch, tmp_path):
 def test_too_little_memory(ssh, monkeypatch):
     override(monkeypatch, **{"10_0_0_3": {"memory_bytes": 2**20}})
     msg = one_line(profile())
-    assert re.fullmatch(r"pre-flight: host 10\.0\.0\.3: needs [\d.]+ GB for its share \(layers 0-\d+\) "
-                        r"but has a 0\.0 GB GPU budget \(0\.0 GB RAM\)", msg), msg
+    assert re.fullmatch(
+        r"pre-flight: host 10\.0\.0\.3: needs [\d.]+ GB for its share \(layers 0-\d+\) "
+        r"but has a 0\.0 GB GPU budget \(0\.0 GB RAM\)",
+        msg,
+    ), msg
     # tensor sharding: every rank needs the same share
     r = preflight.run(profile(extra="SHARDING=tensor\n"))
     assert len({h.need_bytes for h in r.hosts}) == 1 and not r.hosts[2].ok
@@ -137,7 +149,9 @@ def test_too_little_memory(ssh, monkeypatch):
 
 def test_hostfile(ssh, tmp_path):
     hf = tmp_path / "hosts.json"
-    hf.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": []}, {"ssh": "studio2", "ips": ["10.0.0.2"]}]))
+    hf.write_text(
+        json.dumps([{"ssh": "127.0.0.1", "ips": []}, {"ssh": "studio2", "ips": ["10.0.0.2"]}])
+    )
     p = profile(str(hf))
     assert preflight.hosts_of(p) == ["127.0.0.1", "studio2"]
     assert preflight.run(p).ok
@@ -145,7 +159,7 @@ def test_hostfile(ssh, tmp_path):
 
 def test_provider_check_args_runs_preflight(ssh, monkeypatch):
     pytest.importorskip("mlx_lm")
-    from macserve.providers import mlx_lm
+    from macserve.services.providers import mlx_lm
 
     monkeypatch.setenv("FAKE_SSH_DOWN", "10.0.0.2")
     with pytest.raises(MacserveError, match=r"host 10\.0\.0\.2: not reachable over ssh"):
@@ -157,18 +171,28 @@ def test_provider_check_args_runs_preflight(ssh, monkeypatch):
 def test_cli(ssh, macserve_home, monkeypatch):
     (macserve_home / "profiles").mkdir(exist_ok=True)
     (macserve_home / "profiles" / "g.env").write_text(
-        f"PROVIDER=mlx\nMODEL={TINY_MODEL}\nPORT=8080\nHOSTS=127.0.0.1,10.0.0.2,10.0.0.3\n")
+        f"PROVIDER=mlx\nMODEL={TINY_MODEL}\nPORT=8080\nHOSTS=127.0.0.1,10.0.0.2,10.0.0.3\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
 
     def cli():
-        return subprocess.run([sys.executable, "-m", "macserve", "preflight", "g"], env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "macserve", "preflight", "g"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = cli()
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("rank 0  127.0.0.1") and "local" in lines[0]
-    assert lines[1].startswith("rank 1  10.0.0.2") and " ok: Python " in lines[1] and "model present" in lines[1]
+    assert (
+        lines[1].startswith("rank 1  10.0.0.2")
+        and " ok: Python " in lines[1]
+        and "model present" in lines[1]
+    )
     assert lines[2].startswith("rank 2  10.0.0.3") and " ok: " in lines[2]
     env["FAKE_SSH_DOWN"] = "10.0.0.3"
     r = cli()
@@ -185,5 +209,6 @@ def test_split_sets_the_shares_and_needs_macserve_on_every_host(ssh, monkeypatch
     override(monkeypatch, **{"10_0_0_2": {"macserve": None}})
     assert one_line(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n")) == (
         "pre-flight: host 10.0.0.2: macserve not installed there (every rank runs macserve's "
-        "engine or its SPLIT shim: pip install macserve there)")
+        "engine or its SPLIT shim: pip install macserve there)"
+    )
     preflight.check(profile("127.0.0.1,10.0.0.2"))  # without SPLIT macserve is not needed there

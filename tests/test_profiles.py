@@ -9,10 +9,11 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from macserve import profiles
+from macserve import fileio
 from macserve.cli import main
 from macserve.errors import MacserveError
-from macserve.profiles import Profile, ProfileStore, parse
+from macserve.services import profiles
+from macserve.services.profiles import Profile, ProfileStore, parse
 
 BASE = {"PROVIDER": "llama.cpp", "MODEL": "/models/a.gguf", "PORT": "8080"}
 
@@ -29,16 +30,32 @@ def snapshot(root):
 
 
 def test_round_trip_keeps_awkward_values():
-    values = dict(BASE, EXTRA_ARGS="-c 8192 --chat-template-kwargs '{\"a\": \"b c\"}' --alias \"it's\"",
-                  MODEL="/Volumes/My Models/$HOME/a&b.gguf", HOST="0.0.0.0")
+    values = dict(
+        BASE,
+        EXTRA_ARGS='-c 8192 --chat-template-kwargs \'{"a": "b c"}\' --alias "it\'s"',
+        MODEL="/Volumes/My Models/$HOME/a&b.gguf",
+        HOST="0.0.0.0",
+    )
     p = Profile("x", values)
     text = p.to_text()
     back = parse(text, "x")
     assert back.values == values
-    assert back.extra_args == ["-c", "8192", "--chat-template-kwargs", '{"a": "b c"}', "--alias", "it's"]
+    assert back.extra_args == (
+        "-c",
+        "8192",
+        "--chat-template-kwargs",
+        '{"a": "b c"}',
+        "--alias",
+        "it's",
+    )
     # the file is shell-compatible: a shell sourcing it sees the same values
-    out = subprocess.run(["sh", "-c", 'set -a; . "$0"; printf "%s\\n" "$MODEL" "$EXTRA_ARGS"', "/dev/stdin"],
-                         input=text, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sh", "-c", 'set -a; . "$0"; printf "%s\\n" "$MODEL" "$EXTRA_ARGS"', "/dev/stdin"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.splitlines() == [values["MODEL"], values["EXTRA_ARGS"]]
 
 
@@ -54,33 +71,53 @@ def test_comments_and_order_survive_an_update():
     """)
     p = parse(text, "x").updated({"EXTRA_ARGS": "-c 8192 -t 8", "HOST": "0.0.0.0"})
     out = p.to_text()
-    assert out.splitlines() == ["# my big model", "MODEL=/m.gguf", "PROVIDER=llama.cpp", "PORT=8080",
-                                "", "# tuned by hand", "EXTRA_ARGS='-c 8192 -t 8'", "HOST=0.0.0.0"]
+    assert out.splitlines() == [
+        "# my big model",
+        "MODEL=/m.gguf",
+        "PROVIDER=llama.cpp",
+        "PORT=8080",
+        "",
+        "# tuned by hand",
+        "EXTRA_ARGS='-c 8192 -t 8'",
+        "HOST=0.0.0.0",
+    ]
     # an empty value removes an optional key
     assert "HOST" not in parse(out, "x").updated({"HOST": ""}).values
 
 
 def test_defaults():
     p = parse("PROVIDER=mlx\nMODEL=org/repo\nPORT=9000\n", "x")
-    assert p.host == "127.0.0.1" and p.port == 9000 and p.extra_args == []
+    assert p.host == "127.0.0.1" and p.port == 9000 and p.extra_args == ()
 
 
-@pytest.mark.parametrize("text, msg", [
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nCOLOUR=red\n", "unknown key COLOUR"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=0\n", "bad PORT '0'"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=65536\n", "bad PORT '65536'"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=80a\n", "bad PORT '80a'"),
-    ("PROVIDER=vllm\nMODEL=a\nPORT=8080\n", "unknown provider 'vllm'"),
-    ("PROVIDER=llama.cpp\nPORT=8080\n", "MODEL is required"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nEXTRA_ARGS='-c 1\n", "line 4: EXTRA_ARGS: No closing quotation"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nEXTRA_ARGS=-c 1\n", "line 4: EXTRA_ARGS has several words"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nthis is not a pair\n", "line 4: expected KEY=VALUE"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS='a:1,b c'\n", "bad HOSTS entry 'b c'"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=a:99999\n", "bad HOSTS '99999'"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nBACKEND=carrier-pigeon\n", "unknown BACKEND"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nPARALLEL=0\n", "bad PARALLEL '0'"),
-    ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOST='a b'\n", "bad HOST 'a b'"),
-])
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nCOLOUR=red\n", "unknown key COLOUR"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=0\n", "bad PORT '0'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=65536\n", "bad PORT '65536'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=80a\n", "bad PORT '80a'"),
+        ("PROVIDER=vllm\nMODEL=a\nPORT=8080\n", "unknown provider 'vllm'"),
+        ("PROVIDER=llama.cpp\nPORT=8080\n", "MODEL is required"),
+        (
+            "PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nEXTRA_ARGS='-c 1\n",
+            "line 4: EXTRA_ARGS: No closing quotation",
+        ),
+        (
+            "PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nEXTRA_ARGS=-c 1\n",
+            "line 4: EXTRA_ARGS has several words",
+        ),
+        (
+            "PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nthis is not a pair\n",
+            "line 4: expected KEY=VALUE",
+        ),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS='a:1,b c'\n", "bad HOSTS entry 'b c'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=a:99999\n", "bad HOSTS '99999'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nBACKEND=carrier-pigeon\n", "unknown BACKEND"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nPARALLEL=0\n", "bad PARALLEL '0'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOST='a b'\n", "bad HOST 'a b'"),
+    ],
+)
 def test_validation_errors_are_one_line(text, msg):
     with pytest.raises(MacserveError) as e:
         parse(text, "x")
@@ -94,7 +131,10 @@ def test_bad_names(name):
 
 
 def test_reserved_multi_mac_keys_validate():
-    p = parse("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=studio1:50052,studio2\nBACKEND=rpc\nPARALLEL=4\n", "x")
+    p = parse(
+        "PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=studio1:50052,studio2\nBACKEND=rpc\nPARALLEL=4\n",
+        "x",
+    )
     assert p.values["HOSTS"] == "studio1:50052,studio2"
 
 
@@ -106,7 +146,7 @@ def test_atomic_write_keeps_old_file_when_the_write_fails(monkeypatch, macserve_
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(profiles.os, "replace", boom)
+    monkeypatch.setattr(fileio.os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
         st.save(Profile("a", dict(BASE, PORT="9090")))
     assert snapshot(macserve_home) == before  # old content, and no temp file left behind
@@ -127,7 +167,7 @@ def test_lock_serializes_concurrent_read_modify_write(macserve_home):
     st = ProfileStore()
     st.save(Profile("c", dict(BASE, PARALLEL="1")))
     code = textwrap.dedent("""
-        from macserve.profiles import ProfileStore
+        from macserve.services.profiles import ProfileStore
         st = ProfileStore()
         for _ in range(15):
             with st.lock("c"):
@@ -144,38 +184,40 @@ def test_lock_blocks_a_second_holder(macserve_home):
     import fcntl
 
     st = ProfileStore()
-    with st.lock("z"):
-        with open(st.dir / ".z.lock", "a") as f:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with st.lock("z"), open(st.dir / ".z.lock", "a") as f, pytest.raises(BlockingIOError):
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(st.dir / ".z.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
 
 
 # ---- the CLI: bad input gives one line and changes nothing ----------------------------------
 
+
 def _cli(*args):
     r = CliRunner().invoke(main, list(args))
     return r.exit_code, r.stdout, r.stderr
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["set", "a", "--", "PORT=0"], "bad PORT '0'"),
-    (["set", "a", "--", "COLOUR=red"], "unknown key COLOUR"),
-    (["set", "a", "--", "PROVIDER=vllm"], "unknown provider 'vllm'"),
-    (["set", "a", "--", "EXTRA_ARGS=-c '8192"], "EXTRA_ARGS does not parse"),
-    (["set", "a", "--", "MODEL="], "MODEL is required"),
-    (["set", "a", "PORT"], "expected KEY=VALUE ... or KEY VALUE"),
-    (["set", "a"], "nothing to set"),
-    (["set", "nope", "PORT", "9000"], "no profile 'nope'"),
-    (["set", "../etc", "PORT", "9000"], "bad profile name"),
-    (["show", "nope"], "no profile 'nope'"),
-    (["start", "nope"], "no profile 'nope'"),
-    (["stop", "a"], "service a is not installed"),
-    (["rm", "nope"], "no profile 'nope'"),
-    (["logs", "a"], "no log yet for a"),
-    (["new", "/nonexistent/model.gguf", "--no-start"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["set", "a", "--", "PORT=0"], "bad PORT '0'"),
+        (["set", "a", "--", "COLOUR=red"], "unknown key COLOUR"),
+        (["set", "a", "--", "PROVIDER=vllm"], "unknown provider 'vllm'"),
+        (["set", "a", "--", "EXTRA_ARGS=-c '8192"], "EXTRA_ARGS does not parse"),
+        (["set", "a", "--", "MODEL="], "MODEL is required"),
+        (["set", "a", "PORT"], "expected KEY=VALUE ... or KEY VALUE"),
+        (["set", "a"], "nothing to set"),
+        (["set", "nope", "PORT", "9000"], "no profile 'nope'"),
+        (["set", "../etc", "PORT", "9000"], "bad profile name"),
+        (["show", "nope"], "no profile 'nope'"),
+        (["start", "nope"], "no profile 'nope'"),
+        (["stop", "a"], "service a is not installed"),
+        (["rm", "nope"], "no profile 'nope'"),
+        (["logs", "a"], "no log yet for a"),
+        (["new", "/nonexistent/model.gguf", "--no-start"], "no such file"),
+    ],
+)
 def test_cli_bad_input_one_line_nothing_changes(args, msg, macserve_home):
     ProfileStore().save(Profile("a", dict(BASE)))
     before = snapshot(macserve_home)
@@ -195,12 +237,14 @@ def test_cli_set_no_restart_writes(macserve_home, llama_server, tmp_path):
     assert ProfileStore().load("a").port == 9001
     code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-c 2048 --alias 'my model'")
     assert code == 0, err
-    assert ProfileStore().load("a").extra_args == ["-c", "2048", "--alias", "my model"]
+    assert ProfileStore().load("a").extra_args == ("-c", "2048", "--alias", "my model")
     before = snapshot(macserve_home / "profiles")
-    for bad, msg in [("EXTRA_ARGS=-c 2048 --no-such-flag", "llama-server does not accept --no-such-flag"),
-                     ("EXTRA_ARGS=-c", "-c expects a value"),
-                     ("EXTRA_ARGS=--port 9", "--port is set by macserve from the profile; use the PORT key"),
-                     (f"MODEL={tmp_path}/missing.gguf", "not found")]:
+    for bad, msg in [
+        ("EXTRA_ARGS=-c 2048 --no-such-flag", "llama-server does not accept --no-such-flag"),
+        ("EXTRA_ARGS=-c", "-c expects a value"),
+        ("EXTRA_ARGS=--port 9", "--port is set by macserve from the profile; use the PORT key"),
+        (f"MODEL={tmp_path}/missing.gguf", "not found"),
+    ]:
         code, out, err = _cli("set", "a", "--no-restart", "--", bad)
         assert code == 2 and len(err.strip().splitlines()) == 1 and msg in err, err
     assert snapshot(macserve_home / "profiles") == before

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from macserve import providers
 from macserve.errors import MacserveError
-from macserve.profiles import Profile
-from macserve.providers import check_flags, flags_from_help
-from macserve.service import logs
+from macserve.services import providers
+from macserve.services.profiles import Profile
+from macserve.services.providers.base import check_flags, flags_from_help
+from macserve.services.supervisors import logs
 
 ARGPARSE_HELP = """usage: server.py [-h] [--model MODEL] [--port PORT] [--trust-remote-code]
 
@@ -34,19 +34,37 @@ LLAMA_HELP = """-c,    --ctx-size N                     size of the prompt conte
 
 def test_flags_from_help_argparse_and_llama_styles():
     a = flags_from_help(ARGPARSE_HELP)
-    assert a == {"-h": False, "--help": False, "--model": True, "--port": True,
-                 "--trust-remote-code": False, "--log-level": True}
+    assert a == {
+        "-h": False,
+        "--help": False,
+        "--model": True,
+        "--port": True,
+        "--trust-remote-code": False,
+        "--log-level": True,
+    }
     b = flags_from_help(LLAMA_HELP)
-    assert b == {"-c": True, "--ctx-size": True, "-hf": True, "-hfr": True, "--hf-repo": True,
-                 "--jinja": False, "--no-jinja": False, "-sm": True, "--split-mode": True}
+    assert b == {
+        "-c": True,
+        "--ctx-size": True,
+        "-hf": True,
+        "-hfr": True,
+        "--hf-repo": True,
+        "--jinja": False,
+        "--no-jinja": False,
+        "-sm": True,
+        "--split-mode": True,
+    }
     assert "-" not in b and "- none:" not in b  # description bullets are not flags
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--nope"], "x does not accept --nope"),
-    (["-c"], "-c expects a value"),
-    (["--port", "1"], "--port is set by macserve from the profile; use the PORT key"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--nope"], "x does not accept --nope"),
+        (["-c"], "-c expects a value"),
+        (["--port", "1"], "--port is set by macserve from the profile; use the PORT key"),
+    ],
+)
 def test_check_flags_refuses(args, msg):
     flags = flags_from_help(LLAMA_HELP + ARGPARSE_HELP)
     with pytest.raises(MacserveError, match=msg):
@@ -62,11 +80,29 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
     m = tmp_path / "m.gguf"
     m.write_bytes(b"GGUF")
-    p = Profile("a", {"PROVIDER": "llama.cpp", "MODEL": str(m), "PORT": "9000",
-                      "EXTRA_ARGS": "-c 4096 --alias 'my model'"})
+    p = Profile(
+        "a",
+        {
+            "PROVIDER": "llama.cpp",
+            "MODEL": str(m),
+            "PORT": "9000",
+            "EXTRA_ARGS": "-c 4096 --alias 'my model'",
+        },
+    )
     prov = providers.for_profile(p)
-    assert prov.argv(p) == [llama_server, "-m", str(m), "--host", "127.0.0.1", "--port", "9000",
-                            "-c", "4096", "--alias", "my model"]
+    assert prov.argv(p) == [
+        llama_server,
+        "-m",
+        str(m),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
+        "-c",
+        "4096",
+        "--alias",
+        "my model",
+    ]
     assert prov.health_url(p) == "http://127.0.0.1:9000/health"
     prov.check_args(p)
     hf = p.updated({"MODEL": "unsloth/Some-Model-GGUF:Q4_K_M"})
@@ -74,15 +110,20 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
     assert prov.draft_args(1) == ["--spec-type", "draft-mtp"]  # this build lists draft-mtp
     assert prov.draft_args(0) == []
     # llama.cpp lists renamed flags in --help and exits 1 on them: refused, with its hint
-    with pytest.raises(MacserveError, match="llama-server: --draft-max: the argument has been "
-                                            "removed. use --spec-draft-n-max or --spec-ngram-mod-n-max$"):
+    with pytest.raises(
+        MacserveError,
+        match="llama-server: --draft-max: the argument has been "
+        "removed. use --spec-draft-n-max or --spec-ngram-mod-n-max$",
+    ):
         prov.check_args(p.updated({"EXTRA_ARGS": "--draft-max 4"}))
-    with pytest.raises(MacserveError, match="-m is set by macserve from the profile; use the MODEL key"):
+    with pytest.raises(
+        MacserveError, match="-m is set by macserve from the profile; use the MODEL key"
+    ):
         prov.check_args(p.updated({"EXTRA_ARGS": "-m /other.gguf"}))
 
 
 def test_llama_server_not_found(monkeypatch):
-    from macserve.providers import llama_cpp
+    from macserve.services.providers import llama_cpp
 
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", "/nonexistent/llama-server")
     with pytest.raises(MacserveError, match="is not an executable file"):
@@ -95,11 +136,31 @@ def test_llama_server_not_found(monkeypatch):
 
 
 def test_mlx_argv_and_env():
-    p = Profile("a", {"PROVIDER": "mlx", "MODEL": "mlx-community/X-4bit", "PORT": "9001",
-                      "HOST": "0.0.0.0", "EXTRA_ARGS": "--max-tokens 64"})
+    p = Profile(
+        "a",
+        {
+            "PROVIDER": "mlx",
+            "MODEL": "mlx-community/X-4bit",
+            "PORT": "9001",
+            "HOST": "0.0.0.0",
+            "EXTRA_ARGS": "--max-tokens 64",
+        },
+    )
     prov = providers.for_profile(p)
-    assert prov.argv(p) == [sys.executable, "-m", "mlx_lm", "server", "--model", "mlx-community/X-4bit",
-                            "--host", "0.0.0.0", "--port", "9001", "--max-tokens", "64"]
+    assert prov.argv(p) == [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        "mlx-community/X-4bit",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9001",
+        "--max-tokens",
+        "64",
+    ]
     assert prov.env(p) == {"PYTHONUNBUFFERED": "1"}
     assert prov.context_args(4096) is None
     assert prov.health_url(p) == "http://127.0.0.1:9001/health"  # 0.0.0.0 is reached via loopback
@@ -108,7 +169,7 @@ def test_mlx_argv_and_env():
 def test_registry():
     with pytest.raises(MacserveError, match="unknown provider 'vllm'"):
         providers.get("vllm")
-    if importlib.util.find_spec("macserve.providers.engine") is None:
+    if importlib.util.find_spec("macserve.services.providers.engine") is None:
         with pytest.raises(MacserveError, match="provider 'macserve' is not available"):
             providers.get("macserve")
 
@@ -127,7 +188,9 @@ def test_rotate_copy_truncates(tmp_path):
     assert log.read_bytes() == b"z"  # O_APPEND writer continues at the new end
     log.write_bytes(b"w" * 200)
     logs.rotate(log, max_bytes=100, backups=2)
-    assert (tmp_path / "a.log.2").stat().st_size == 101 and (tmp_path / "a.log.1").stat().st_size == 200
+    assert (tmp_path / "a.log.2").stat().st_size == 101 and (
+        tmp_path / "a.log.1"
+    ).stat().st_size == 200
 
 
 def test_tail_since_offset(tmp_path):
@@ -154,8 +217,12 @@ def test_follow_prints_new_lines_and_survives_truncation(tmp_path):
         if line == "four":
             done.set()
 
-    t = threading.Thread(target=logs.follow, args=(log, 1, out),
-                         kwargs={"poll": 0.05, "stop": done.is_set}, daemon=True)
+    t = threading.Thread(
+        target=logs.follow,
+        args=(log, 1, out),
+        kwargs={"poll": 0.05, "stop": done.is_set},
+        daemon=True,
+    )
     t.start()
     deadline = time.monotonic() + 10
     while "two" not in got and time.monotonic() < deadline:

@@ -13,10 +13,10 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from macserve import providers
 from macserve.cli import main
 from macserve.errors import MacserveError
-from macserve.profiles import Profile
+from macserve.services import providers
+from macserve.services.profiles import Profile
 
 from .conftest import TINY_MODEL
 from .serverproc import free_port, serve
@@ -42,16 +42,40 @@ def post(server, path, body=None, content=None, key=KEY):
     return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=60)
 
 
-def test_health_is_503_while_loading_then_ready(server, client):
-    assert 503 in server.health_codes and server.health_codes[-1] == 200
+def test_health_is_503_while_loading_then_ready(monkeypatch):
+    """In process, with the real loader held at a gate: the wait a big model's load takes on
+    a Mac, made deterministic (the demo model loads in a fraction of a second)."""
+    from starlette.testclient import TestClient
+
+    from macserve.server import worker
+    from macserve.server.app import Settings, create_app
+
+    gate, real = threading.Event(), worker.load
+    monkeypatch.setattr(worker, "load", lambda *a: (gate.wait(60), real(*a))[1])
+    with TestClient(create_app(Settings(str(TINY_MODEL), ctx=CTX))) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert c.post("/v1/completions", json={"prompt": "a"}).status_code == 503
+        gate.set()
+        deadline = time.monotonic() + 60
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "not ready within 60 s"
+            time.sleep(0.05)
+
+
+def test_health_and_models(server, client):
     h = server.health()
     assert h["status"] == "ok" and h["n_ctx"] == CTX
     assert [m.id for m in client.models.list().data] == ["tiny-mla"]
 
 
 def test_chat_streaming_matches_non_streaming_and_greedy_is_deterministic(client):
-    a = client.chat.completions.create(model="tiny-mla", messages=HELLO, max_tokens=6, temperature=0)
-    b = client.chat.completions.create(model="tiny-mla", messages=HELLO, max_tokens=6, temperature=0)
+    a = client.chat.completions.create(
+        model="tiny-mla", messages=HELLO, max_tokens=6, temperature=0
+    )
+    b = client.chat.completions.create(
+        model="tiny-mla", messages=HELLO, max_tokens=6, temperature=0
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.choices[0].finish_reason in ("stop", "length")
     assert a.object == "chat.completion" and a.choices[0].message.role == "assistant"
@@ -60,52 +84,81 @@ def test_chat_streaming_matches_non_streaming_and_greedy_is_deterministic(client
     assert t["predicted_n"] == a.usage.completion_tokens <= 6
     assert t["predicted_per_second"] > 0 and t["draft_n"] == 0 and t["draft_n_accepted"] == 0
 
-    chunks = list(client.chat.completions.create(model="tiny-mla", messages=HELLO, max_tokens=6,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-mla",
+            messages=HELLO,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == a.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == a.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == a.choices[
+        0
+    ].finish_reason
+    assert (
+        chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    )
 
 
 def test_completions_streaming_and_not(client):
-    r = client.completions.create(model="tiny-mla", prompt="ROMEO.\nBut soft", max_tokens=5, temperature=0)
+    r = client.completions.create(
+        model="tiny-mla", prompt="ROMEO.\nBut soft", max_tokens=5, temperature=0
+    )
     assert r.object == "text_completion" and r.usage.completion_tokens <= 5
-    s = list(client.completions.create(model="tiny-mla", prompt="ROMEO.\nBut soft", max_tokens=5,
-                                       temperature=0, stream=True))
+    s = list(
+        client.completions.create(
+            model="tiny-mla", prompt="ROMEO.\nBut soft", max_tokens=5, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
     assert s[-1].model_extra["timings"]["predicted_n"] == r.usage.completion_tokens
 
 
 def test_stop_string_cuts_the_answer(client):
     prompt = "ROMEO.\nBut soft, what light"
-    full = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    full = (
+        client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     assert len(full) >= 4
     cut = full[2:4]
     for stream in (False, True):
-        r = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
-                                      stop=["@@never", cut], stream=stream)
+        r = client.completions.create(
+            model="m",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stop=["@@never", cut],
+            stream=stream,
+        )
         chunks = list(r) if stream else [r]
-        assert "".join(c.choices[0].text for c in chunks) == full[:full.index(cut)]
+        assert "".join(c.choices[0].text for c in chunks) == full[: full.index(cut)]
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("path,body,want", [
-    ("/v1/chat/completions", b"{not json", "not valid JSON"),
-    ("/v1/chat/completions", b"[1, 2]", "JSON object"),
-    ("/v1/chat/completions", {}, "messages is required"),
-    ("/v1/chat/completions", {"messages": "hi"}, "non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "content"),
-    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": "ten"}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": HELLO, "temperature": 5}, "temperature"),
-    ("/v1/chat/completions", {"messages": HELLO, "stream": "yes"}, "stream"),
-    ("/v1/chat/completions", {"messages": HELLO, "n": 2}, "n=1"),
-    ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
-    ("/v1/completions", {"prompt": [1, 99999]}, "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "path,body,want",
+    [
+        ("/v1/chat/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b"[1, 2]", "JSON object"),
+        ("/v1/chat/completions", {}, "messages is required"),
+        ("/v1/chat/completions", {"messages": "hi"}, "non-empty list"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "content"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": "ten"}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": HELLO, "temperature": 5}, "temperature"),
+        ("/v1/chat/completions", {"messages": HELLO, "stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"messages": HELLO, "n": 2}, "n=1"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt is required"),
+        ("/v1/completions", {"prompt": [1, 99999]}, "vocabulary"),
+    ],
+)
 def test_bad_requests_get_400_with_a_reason(server, path, body, want):
     r = post(server, path, content=body) if isinstance(body, bytes) else post(server, path, body)
     assert r.status_code == 400, r.text
@@ -150,11 +203,14 @@ def test_concurrent_clients_all_get_answers(client):
     def ask(i):
         try:
             if i % 2:
-                s = client.chat.completions.create(model="m", messages=HELLO, max_tokens=4,
-                                                   temperature=0, stream=True)
+                s = client.chat.completions.create(
+                    model="m", messages=HELLO, max_tokens=4, temperature=0, stream=True
+                )
                 results[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
             else:
-                r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=4, temperature=0)
+                r = client.chat.completions.create(
+                    model="m", messages=HELLO, max_tokens=4, temperature=0
+                )
                 results[i] = r.choices[0].message.content
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
@@ -172,11 +228,17 @@ def test_client_disconnect_mid_stream_cancels_and_server_keeps_serving(server, c
     before = server.health()
     body = {"messages": HELLO, "max_tokens": CTX - 20, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as h:
-        with h.stream("POST", server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with h.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
-                if line.startswith("data:") and json.loads(line[5:])["choices"][0]["delta"].get("content"):
+                if line.startswith("data:") and json.loads(line[5:])["choices"][0]["delta"].get(
+                    "content"
+                ):
                     break  # one real token, then hang up
     r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=3, temperature=0)
     assert r.choices[0].message.content is not None
@@ -207,11 +269,17 @@ def test_non_streaming_and_queued_requests_are_cancelled_when_their_client_leave
     auth = {"Authorization": f"Bearer {KEY}"}
     long = {"messages": HELLO, "max_tokens": CTX - 20, "temperature": 0}
     with httpx.Client(timeout=30, headers=auth) as a, httpx.Client(timeout=30, headers=auth) as b:
-        with a.stream("POST", server.url + "/v1/chat/completions", json={**long, "stream": True}) as r:
+        with a.stream(
+            "POST", server.url + "/v1/chat/completions", json={**long, "stream": True}
+        ) as r:
             next(r.iter_lines())  # A holds the worker
             # B waits behind A; it hangs up (a read timeout closes the connection) while queued.
             with pytest.raises(httpx.ReadTimeout):
-                b.post(server.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(30, read=0.3))
+                b.post(
+                    server.url + "/v1/chat/completions",
+                    json=long,
+                    timeout=httpx.Timeout(30, read=0.3),
+                )
     deadline = time.monotonic() + 20
     while server.health()["disconnected"] < before["disconnected"] + 2:
         assert time.monotonic() < deadline, server.health()
@@ -222,16 +290,39 @@ def test_non_streaming_and_queued_requests_are_cancelled_when_their_client_leave
 
 
 def test_engine_provider_argv_flags_and_checks():
-    p = Profile("t", {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": "9002",
-                      "EXTRA_ARGS": "--ctx 256 --mtp-k 1"})
+    p = Profile(
+        "t",
+        {
+            "PROVIDER": "macserve",
+            "MODEL": str(TINY_MODEL),
+            "PORT": "9002",
+            "EXTRA_ARGS": "--ctx 256 --mtp-k 1",
+        },
+    )
     prov = providers.for_profile(p)
-    assert prov.argv(p) == [sys.executable, "-m", "macserve", "serve", str(TINY_MODEL),
-                            "--host", "127.0.0.1", "--port", "9002", "--ctx", "256", "--mtp-k", "1"]
+    assert prov.argv(p) == [
+        sys.executable,
+        "-m",
+        "macserve",
+        "serve",
+        str(TINY_MODEL),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9002",
+        "--ctx",
+        "256",
+        "--mtp-k",
+        "1",
+    ]
     assert prov.context_args(512) == ["--ctx", "512"]
     assert prov.draft_args(1) == ["--mtp-k", "1"] and prov.draft_args(0) == []
     prov.check_args(p)  # against the real `macserve serve --help`
-    for extra, why in (("--bogus 1", "does not accept --bogus"), ("--port 1", "set by macserve"),
-                       ("--ctx", "expects a value")):
+    for extra, why in (
+        ("--bogus 1", "does not accept --bogus"),
+        ("--port 1", "set by macserve"),
+        ("--ctx", "expects a value"),
+    ):
         with pytest.raises(MacserveError, match=why):
             prov.check_args(p.updated({"EXTRA_ARGS": extra}))
     with pytest.raises(MacserveError, match="local model folder"):

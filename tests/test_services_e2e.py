@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from macserve.service.supervisor import SupervisorBackend
+from macserve.services.supervisors.supervisord import SupervisorBackend
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
@@ -32,10 +32,16 @@ def free_port() -> int:
 
 def cli(*args, timeout=300):
     # The CLI under test, as a user runs it; PYTHONPATH pins this checkout (the services it
-    # installs inherit the same pin, see macserve.service.package_root).
+    # installs inherit the same pin, see macserve.services.supervisors.package_root).
     env = dict(os.environ, PYTHONPATH=str(REPO), MACSERVE_SERVICE_BACKEND="supervisor")
-    return subprocess.run([sys.executable, "-m", "macserve", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "macserve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def status(name) -> dict:
@@ -55,7 +61,9 @@ def poll(fn, what, timeout=90.0):
 
 
 def n_ctx(port) -> int:
-    return httpx.get(f"http://127.0.0.1:{port}/props", timeout=10).json()["default_generation_settings"]["n_ctx"]
+    return httpx.get(f"http://127.0.0.1:{port}/props", timeout=10).json()[
+        "default_generation_settings"
+    ]["n_ctx"]
 
 
 @pytest.fixture
@@ -65,7 +73,11 @@ def services(macserve_home, monkeypatch):
     seen: list[int] = []
     yield seen
     SupervisorBackend(macserve_home).shutdown()
-    leaked = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    leaked = [
+        p
+        for p in seen
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     for p in leaked:
         os.kill(p, signal.SIGKILL)
     assert not leaked, f"server processes outlived supervisord: {leaked}"
@@ -78,7 +90,7 @@ def model_gguf(request, tmp_path_factory):
     try:
         return Path(request.getfixturevalue("tiny_gguf"))
     except pytest.FixtureLookupError:
-        from macserve.gguf_export import export_gguf
+        from macserve.dev.gguf_export import export_gguf
 
         return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
 
@@ -90,7 +102,9 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
 
     # new: inspect sizes the context (the model's own 1024 limit fits), MTP drafting is added
     # because the model has an MTP layer and this llama-server lists draft-mtp in --help
-    r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1")
+    r = cli(
+        "new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1"
+    )
     assert r.returncode == 0, r.stderr
     assert f"tiny: healthy at {url}/v1" in r.stdout
     assert "EXTRA_ARGS='-c 1024 --spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
@@ -103,8 +117,11 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     assert n_ctx(port) == 1024
 
     # a chat completion answers
-    resp = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 8})
+    resp = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 8},
+    )
     assert resp.status_code == 200
     body = resp.json()
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -125,8 +142,12 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
 
     # kill -9: supervisord brings it back, nobody asks
     os.kill(pid2, signal.SIGKILL)
-    s = poll(lambda: (lambda s: s if s["healthy"] and s["pid"] not in (None, pid2) else None)(status("tiny")),
-             "the service to come back after kill -9")
+    s = poll(
+        lambda: (lambda s: s if s["healthy"] and s["pid"] not in (None, pid2) else None)(
+            status("tiny")
+        ),
+        "the service to come back after kill -9",
+    )
     pid3 = s["pid"]
     services.append(pid3)
     assert n_ctx(port) == 512
@@ -136,7 +157,8 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     r = cli("set", "tiny", "--", "EXTRA_ARGS=-c 512 --no-such-flag")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "error: llama-server does not accept --no-such-flag (checked against its --help)"]
+        "error: llama-server does not accept --no-such-flag (checked against its --help)"
+    ]
     assert profile.read_bytes() == before
     assert status("tiny")["pid"] == pid3
 
@@ -192,7 +214,9 @@ def tiny_mlx_f32(tmp_path):
     out.mkdir()
     for f in TINY_MODEL.iterdir():
         if f.suffix == ".safetensors":
-            mx.save_safetensors(str(out / f.name), {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()})
+            mx.save_safetensors(
+                str(out / f.name), {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()}
+            )
         elif f.is_file():
             shutil.copy(f, out / f.name)
     cfg = json.loads((out / "config.json").read_text())
@@ -214,8 +238,11 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
     # readiness was a real one-token completion, visible in the server's log
     log = cli("logs", "tiny-mlx", "-n", "500").stdout
     assert '"POST /v1/completions HTTP/1.1" 200' in log
-    resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 4})
+    resp = httpx.post(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 4},
+    )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
     assert cli("rm", "tiny-mlx").returncode == 0
 
@@ -223,8 +250,18 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
 def test_engine_service_new_set_chat(services, macserve_home):
     """The README demo's path: the project's model on macserve's own engine, supervised."""
     port = free_port()
-    r = cli("new", str(TINY_MODEL), "--provider", "macserve", "--name", "tiny-engine",
-            "--port", str(port), "--timeout", "120")
+    r = cli(
+        "new",
+        str(TINY_MODEL),
+        "--provider",
+        "macserve",
+        "--name",
+        "tiny-engine",
+        "--port",
+        str(port),
+        "--timeout",
+        "120",
+    )
     assert r.returncode == 0, r.stderr
     profile = (macserve_home / "profiles" / "tiny-engine.env").read_text()
     assert "PROVIDER=macserve" in profile and "--mtp-k 1" in profile

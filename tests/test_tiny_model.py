@@ -26,7 +26,9 @@ def _greedy(model, prompt_ids, n):
     from mlx_lm.sample_utils import make_sampler
 
     out = []
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n, sampler=make_sampler(0.0)):
+    for tok, _ in generate_step(
+        mx.array(prompt_ids), model, max_tokens=n, sampler=make_sampler(0.0)
+    ):
         out.append(int(tok))
     return out
 
@@ -51,8 +53,15 @@ def test_mtp_weights_load_by_name(tiny):
     model, _ = tiny
     (mtp,) = load_mtp_layers(TINY_MODEL, trunk=model)
     names = set(json.loads((TINY_MODEL / "model.safetensors.index.json").read_text())["weight_map"])
-    for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-              "shared_head.head.weight", "mlp.gate.weight", "self_attn.kv_b_proj.weight"):
+    for n in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "mlp.gate.weight",
+        "self_attn.kv_b_proj.weight",
+    ):
         assert f"model.layers.4.{n}" in names
     mtp.set_dtype(mx.float32)
     h = model.model(mx.array([[1, 2, 3]]))
@@ -62,7 +71,7 @@ def test_mtp_weights_load_by_name(tiny):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from macserve.gguf_export import export_gguf
+    from macserve.dev.gguf_export import export_gguf
 
     return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
 
@@ -70,9 +79,25 @@ def tiny_gguf(tmp_path_factory):
 def _serve(binary, gguf, port, *extra):
     # The log goes to a file: a verbose llama-server blocks on a full pipe nobody reads.
     log = open(gguf.parent / f"llama-server-{port}.log", "w+")
-    p = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                          "-t", "2", "-np", "1", *extra],
-                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            binary,
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            "2",
+            "-np",
+            "1",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     p.log_path = log.name
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -89,7 +114,7 @@ def _serve(binary, gguf, port, *extra):
 
 
 def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
-    from macserve.inspect_model import report
+    from macserve.sizing.report import report
 
     per = report(str(tiny_gguf))["kv_bytes_per_token"]["llama.cpp/f16"]
     p = _serve(llama_server, tiny_gguf, 18431, "-c", "1024", "-v")
@@ -103,16 +128,27 @@ def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
 
 def test_llama_server_greedy_matches_mlx(llama_server, tiny_gguf, tiny):
     model, tok = tiny
-    prompts = ["HORATIO.\nWhat, has this thing appear'd again to-night?\n",
-               "FERDINAND.\nThere be some sports are painful, and their labour\n"]
+    prompts = [
+        "HORATIO.\nWhat, has this thing appear'd again to-night?\n",
+        "FERDINAND.\nThere be some sports are painful, and their labour\n",
+    ]
     p = _serve(llama_server, tiny_gguf, 18432, "-c", "512")
     try:
         for text in prompts:
             ids = tok.encode(text, add_special_tokens=False)
             want = _greedy(model, ids, 32)
-            r = httpx.post("http://127.0.0.1:18432/completion", timeout=60, json={
-                "prompt": ids, "n_predict": 32, "temperature": 0, "top_k": 1,
-                "return_tokens": True, "cache_prompt": False})
+            r = httpx.post(
+                "http://127.0.0.1:18432/completion",
+                timeout=60,
+                json={
+                    "prompt": ids,
+                    "n_predict": 32,
+                    "temperature": 0,
+                    "top_k": 1,
+                    "return_tokens": True,
+                    "cache_prompt": False,
+                },
+            )
             got = r.json()["tokens"]
             assert got == want, (text, got, want)
     finally:
@@ -126,7 +162,7 @@ def test_training_runs_every_expert_yet_computes_mlx_lm_moe():
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from macserve.tiny.train import AllExpertsGLU
+    from macserve.dev.tiny.train import AllExpertsGLU
 
     mx.random.seed(1)
     m = SwitchGLU(16, 24, 4)
@@ -150,8 +186,10 @@ def test_llama_server_next_token_matches_mlx_along_held_out_text(llama_server, t
     next token equals mlx-lm's. Unlike free greedy decoding (which this undertrained model
     collapses into line breaks), the predictions here vary with the text."""
     model, tok = tiny
-    text = ("HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the "
-            "mind to suffer\nThe slings and arrows of outrageous fortune,\n")
+    text = (
+        "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the "
+        "mind to suffer\nThe slings and arrows of outrageous fortune,\n"
+    )
     ids = tok.encode(text, add_special_tokens=False)[:49]
     logits = model(mx.array([ids]))[0].astype(mx.float32)
     want = mx.argmax(logits, axis=-1).tolist()
@@ -162,9 +200,18 @@ def test_llama_server_next_token_matches_mlx_along_held_out_text(llama_server, t
     p = _serve(llama_server, tiny_gguf, 18433, "-c", "512")
     try:
         for i in range(1, len(ids)):
-            r = httpx.post("http://127.0.0.1:18433/completion", timeout=60, json={
-                "prompt": ids[:i], "n_predict": 1, "temperature": 0, "top_k": 1,
-                "return_tokens": True, "cache_prompt": True})
+            r = httpx.post(
+                "http://127.0.0.1:18433/completion",
+                timeout=60,
+                json={
+                    "prompt": ids[:i],
+                    "n_predict": 1,
+                    "temperature": 0,
+                    "top_k": 1,
+                    "return_tokens": True,
+                    "cache_prompt": True,
+                },
+            )
             got = r.json()["tokens"][0]
             # f32 on both sides: only a near tie may go either way
             assert got == want[i - 1] or gap[i - 1] < 1e-3, (i, got, want[i - 1], gap[i - 1])

@@ -1,5 +1,14 @@
-"""The `macserve` command group. Each sub-module registers its own commands; no logic here."""
+"""The `macserve` command group: parse and print only; the work is in the wings.
 
+Every command is registered here, by name, as "module:function". A command's module is
+imported when that command runs (or when --help lists them all), so `macserve inspect`
+never imports mlx, httpx or the service machinery: its cold start stays well under a second.
+Each cli module imports its wing at the top.
+"""
+
+from __future__ import annotations
+
+import importlib
 import sys
 
 import click
@@ -7,7 +16,24 @@ import click
 from ..errors import MacserveError
 
 
-class _Group(click.Group):
+class LazyGroup(click.Group):
+    """A click group whose subcommands are named "module:attr" and imported on use."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, _, attr = self.lazy[name].partition(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+class _Main(LazyGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -17,28 +43,49 @@ class _Group(click.Group):
             sys.exit(2)
 
 
-@click.group(cls=_Group)
+_S = "macserve.cli.services:"
+COMMANDS = {
+    "inspect": "macserve.cli.inspect:inspect",
+    "new": _S + "new",
+    "worker": _S + "worker",
+    "set": _S + "set_",
+    "run": _S + "run",
+    "ls": _S + "ls",
+    "status": _S + "status",
+    "show": _S + "show",
+    "start": _S + "start",
+    "stop": _S + "stop",
+    "restart": _S + "restart",
+    "logs": _S + "logs",
+    "rm": _S + "rm",
+    "preflight": "macserve.cli.preflight:preflight",
+    "serve": "macserve.cli.serve:serve",
+    "chat": "macserve.cli.chat:chat",
+    "calibrate": "macserve.cli.engine:calibrate",
+    "generate": "macserve.cli.engine:generate",
+}
+BENCH = {
+    "kv": "macserve.cli.engine:bench_kv",
+    "mtp": "macserve.cli.engine:bench_mtp",
+    "dsa": "macserve.cli.engine:bench_dsa",
+}
+DEV = {
+    "train-tiny": "macserve.cli.dev:train_tiny",
+    "export-gguf": "macserve.cli.dev:export_gguf_cmd",
+}
+
+
+@click.group(cls=_Main, lazy=COMMANDS)
 @click.version_option(package_name="macserve")
 def main():
     """Serve large local models on a Mac: size, supervise, chat."""
 
 
-@main.group()
+@main.group(cls=LazyGroup, lazy=BENCH)
 def bench():
     """Benchmarks to run on your own Mac (ratios against a baseline in the same run)."""
 
 
-@main.group()
+@main.group(cls=LazyGroup, lazy=DEV)
 def dev():
     """Developer commands: train the demo model, export GGUF twins."""
-
-
-def _register():
-    import importlib
-    import pkgutil
-
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
-
-
-_register()

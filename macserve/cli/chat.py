@@ -4,27 +4,41 @@ import sys
 
 import click
 
-from . import main
+from .. import chat as c
+from .. import env
+from ..services import manager
 
 
-@main.command()
+@click.command()
 @click.argument("target", required=False)
 @click.argument("prompt", required=False)
 @click.option("--system", help="System prompt.")
 @click.option("--model", help="Model id to send [default: the server's first /v1/models entry].")
-@click.option("--max-tokens", type=click.IntRange(1), help="Answer length limit [default: the server's].")
+@click.option(
+    "--max-tokens", type=click.IntRange(1), help="Answer length limit [default: the server's]."
+)
 @click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
-@click.option("--api-key", envvar="MACSERVE_API_KEY", show_envvar=True,
-              help="Bearer key [default: --api-key from the profile's EXTRA_ARGS].")
-@click.option("--timeout", type=click.FloatRange(1), default=600, show_default=True,
-              help="Seconds to wait for the server between bytes.")
+@click.option(
+    "--api-key",
+    envvar=env.API_KEY,
+    show_envvar=True,
+    help="Bearer key [default: --api-key from the profile's EXTRA_ARGS].",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=600,
+    show_default=True,
+    help="Seconds to wait for the server between bytes.",
+)
 def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
     """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
     one profile, it is the default. With PROMPT ('-' reads stdin), print one answer and a
     stats line on stderr, then exit. Inside: /clear /system /stats /save /exit /help."""
-    from .. import chat as c
-
-    url, profile_key = c.resolve(target)
+    url = c.url_of(target) if target else None
+    profile_key = None
+    if url is None:
+        url, profile_key = manager.endpoint(target)
     client = c.Client(url, api_key or profile_key, timeout=timeout)
     session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)
 
@@ -39,7 +53,9 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
         return
     tty = sys.stdin.isatty()
     if tty:
-        click.echo(f"chatting with {session.model or 'the model'} at {url} (/help for commands)", err=True)
+        click.echo(
+            f"chatting with {session.model or 'the model'} at {url} (/help for commands)", err=True
+        )
 
     def read():
         if tty:

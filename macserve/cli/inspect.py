@@ -1,41 +1,43 @@
 """`macserve inspect`: how much context fits, per engine and cache type. Parse and print only."""
 
+from __future__ import annotations
+
 import json
 
 import click
 
-from . import main
+from ..sizing.budget import parse_size
+from ..sizing.hosts import apply_weights, parse_hosts, plan_hosts
+from ..sizing.report import inspect_source, report_of
+from .fmt import context as _ctx
+from .fmt import number as _num
+from .fmt import size as _gib
+from .fmt import tokens_k as _k
 
 
-def _gib(b):
-    if b is None:
-        return "n/a"
-    if b == 0:
-        return "0"
-    if b < 2**30:
-        return f"{b / 2**20:,.1f} MB"
-    return f"{b / 2**30:,.1f} GB"
-
-
-def _k(n):
-    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
-
-
-def _num(x):
-    return f"{x:,}" if isinstance(x, int) else f"{x:,.2f}"
-
-
-@main.command()
+@click.command()
 @click.argument("source")
 @click.option("--quant", help="GGUF quant to pick from a repo or folder (or write REPO:QUANT).")
-@click.option("--memory", help="Plan for a Mac with this much RAM, e.g. 256GB; a comma list "
-              "(256GB,256GB,192GB) plans one host per entry.")
-@click.option("--hosts", type=int, help="Plan a split over N equal hosts (each --memory, or "
-              "this machine's).")
-@click.option("--weights", help="Weights' size when inspect cannot know it (a bare config): "
-              "380GB, or 4bit to count the config's parameters under MLX 4-bit quantization.")
-@click.option("--parallel", type=click.IntRange(1, 4096), default=1, show_default=True,
-              help="Sequences served at once (llama-server -np).")
+@click.option(
+    "--memory",
+    help="Plan for a Mac with this much RAM, e.g. 256GB; a comma list "
+    "(256GB,256GB,192GB) plans one host per entry.",
+)
+@click.option(
+    "--hosts", type=int, help="Plan a split over N equal hosts (each --memory, or this machine's)."
+)
+@click.option(
+    "--weights",
+    help="Weights' size when inspect cannot know it (a bare config): "
+    "380GB, or 4bit to count the config's parameters under MLX 4-bit quantization.",
+)
+@click.option(
+    "--parallel",
+    type=click.IntRange(1, 4096),
+    default=1,
+    show_default=True,
+    help="Sequences served at once (llama-server -np).",
+)
 @click.option("--ctx", type=click.IntRange(1), help="Check this context length per sequence.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
@@ -45,10 +47,6 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
     SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
     config.json, or a .gguf file.
     """
-    from ..inspect_model import inspect_source, report_of
-    from ..memory import parse_size
-    from ..multi_host import apply_weights, parse_hosts, plan_hosts
-
     if hosts is not None or (memory and "," in memory):
         machines = parse_hosts(memory, hosts)
         rep = inspect_source(source, quant)
@@ -70,10 +68,14 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
         _print(r)
     for k in r["over_budget"]:
         total = r["memory_at_context"][k][str(ctx)]
-        click.secho(f"WARNING: {k} at --ctx {ctx:,} x {parallel} needs {_gib(total)}, over the "
-                    f"{_gib(r['budget_bytes'])} GPU wired limit: expect swapping or a kernel "
-                    "panic; lower --ctx or --parallel, or raise iogpu.wired_limit_mb",
-                    fg="red", bold=True, err=True)
+        click.secho(
+            f"WARNING: {k} at --ctx {ctx:,} x {parallel} needs {_gib(total)}, over the "
+            f"{_gib(r['budget_bytes'])} GPU wired limit: expect swapping or a kernel "
+            "panic; lower --ctx or --parallel, or raise iogpu.wired_limit_mb",
+            fg="red",
+            bold=True,
+            err=True,
+        )
 
 
 def _print(r):
@@ -99,27 +101,32 @@ def _print(r):
         at = r["memory_at_context"][k]
         row = f"{k:16} {_num(per):>11} {_gib(r['state_bytes_per_sequence'][k]):>10} {mc:>10,}"
         limit = r["model_max_context"] or float("inf")
-        row += "".join(f" {_gib(at[c]) if int(c) <= limit or c == str(r['ctx']) else '>limit':>9}"
-                       for c in cols)
+        row += "".join(
+            f" {_gib(at[c]) if int(c) <= limit or c == str(r['ctx']) else '>limit':>9}"
+            for c in cols
+        )
         row += f" {_gib(at[str(mc)]):>9}"
         click.echo(row)
-    click.echo(f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
-               f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else '?'})")
+    click.echo(
+        f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
+        f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else '?'})"
+    )
     mtp = r["mtp"]
     if mtp["layers"]:
-        extra = ", ".join(f"{k} +{_num(v)}" for k, v in mtp["kv_bytes_per_token"].items()
-                          if v is not None)
-        click.echo(f"MTP: {mtp['layers']} layer(s), not counted above; drafting with them adds "
-                   f"B/token: {extra or 'n/a'}")
+        extra = ", ".join(
+            f"{k} +{_num(v)}" for k, v in mtp["kv_bytes_per_token"].items() if v is not None
+        )
+        click.echo(
+            f"MTP: {mtp['layers']} layer(s), not counted above; drafting with them adds "
+            f"B/token: {extra or 'n/a'}"
+        )
     for n in r["notes"]:
         click.echo(f"note: {n}")
     if r["ctx"] and r["model_max_context"] and r["ctx"] > r["model_max_context"]:
-        click.echo(f"note: --ctx {r['ctx']:,} is beyond the model's trained limit "
-                   f"({r['model_max_context']:,})")
-
-
-def _ctx(n):
-    return "n/a" if n is None else ("none" if n == 0 else f"{n:,}")
+        click.echo(
+            f"note: --ctx {r['ctx']:,} is beyond the model's trained limit "
+            f"({r['model_max_context']:,})"
+        )
 
 
 def _print_hosts(rep, mh):
@@ -128,41 +135,60 @@ def _print_hosts(rep, mh):
     click.echo(f"{rep.source.name}  ({shape.model_type}, {rep.source.kind}): {layers}")
     mems = ", ".join("this Mac" if m is None else _gib(m) for m in mh["memory_bytes"])
     seqs = f"{mh['parallel']} sequence" + ("s" if mh["parallel"] > 1 else "")
-    click.echo(f"weights {_gib(mh['weights_bytes'])} ({mh['weights_how']}); "
-               f"{mh['hosts']} host(s): {mems}; {seqs}")
+    click.echo(
+        f"weights {_gib(mh['weights_bytes'])} ({mh['weights_how']}); "
+        f"{mh['hosts']} host(s): {mems}; {seqs}"
+    )
     one, key = mh["one_host"], mh["main_cache"]
     c1 = one["max_context"].get(key) if key else None
     if one["enough"]:
-        click.echo(f"fits on one Mac: no split needed (budget {_gib(one['budget_bytes'])}, "
-                   f"max ctx {_ctx(c1)} with {key}, >= {mh['target_context']:,})")
+        click.echo(
+            f"fits on one Mac: no split needed (budget {_gib(one['budget_bytes'])}, "
+            f"max ctx {_ctx(c1)} with {key}, >= {mh['target_context']:,})"
+        )
     elif c1:
-        click.echo(f"one Mac (budget {_gib(one['budget_bytes'])}): max ctx {c1:,} with {key}, "
-                   f"under {mh['target_context']:,}: a split gives more context")
+        click.echo(
+            f"one Mac (budget {_gib(one['budget_bytes'])}): max ctx {c1:,} with {key}, "
+            f"under {mh['target_context']:,}: a split gives more context"
+        )
     else:
-        click.echo(f"one Mac (budget {_gib(one['budget_bytes'])}): the weights alone do not "
-                   "fit: split needed")
+        click.echo(
+            f"one Mac (budget {_gib(one['budget_bytes'])}): the weights alone do not "
+            "fit: split needed"
+        )
     for s in mh["splits"]:
         keys = list(s["group_context"])
-        title = ("pipeline: contiguous layers in proportion to each host's budget"
-                 if s["mode"] == "pipeline" else "tensor: every host holds 1/N of each layer")
+        title = (
+            "pipeline: contiguous layers in proportion to each host's budget"
+            if s["mode"] == "pipeline"
+            else "tensor: every host holds 1/N of each layer"
+        )
         click.echo("")
         if not s["possible"]:
             click.echo(f"{title}: not possible, {s['reason']}")
             continue
         click.echo(f"{title}; max ctx per cache type:")
-        head = (f"{'host':5} {'budget':>9} {'layers':>11} {'weights':>9} {key + ' B/tok':>15}"
-                + "".join(f" {k:>{len(k)}}" for k in keys))
+        head = (
+            f"{'host':5} {'budget':>9} {'layers':>11} {'weights':>9} {key + ' B/tok':>15}"
+            + "".join(f" {k:>{len(k)}}" for k in keys)
+        )
         click.echo(head)
         for i, h in enumerate(s["hosts"], 1):
             a, z = h["layers"]
             per = h["kv_bytes_per_token"].get(key)
-            click.echo(f"{i:<5} {_gib(h['budget_bytes']):>9} {f'{a}-{z - 1} ({z - a})':>11} "
-                       f"{_gib(h['weights_bytes']):>9} {_num(per) if per is not None else 'n/a':>15}"
-                       + "".join(f" {_ctx(h['max_context'][k]):>{len(k)}}" for k in keys))
-        click.echo(f"{'group':5} {'':>9} {'':>11} {'':>9} {'':>15}"
-                   + "".join(f" {_ctx(s['group_context'][k]):>{len(k)}}" for k in keys))
+            click.echo(
+                f"{i:<5} {_gib(h['budget_bytes']):>9} {f'{a}-{z - 1} ({z - a})':>11} "
+                f"{_gib(h['weights_bytes']):>9} {_num(per) if per is not None else 'n/a':>15}"
+                + "".join(f" {_ctx(h['max_context'][k]):>{len(k)}}" for k in keys)
+            )
+        click.echo(
+            f"{'group':5} {'':>9} {'':>11} {'':>9} {'':>15}"
+            + "".join(f" {_ctx(s['group_context'][k]):>{len(k)}}" for k in keys)
+        )
         if s["group_context"].get(key) == 0:
-            click.echo("(none: a host's weights share alone is over its budget; this split "
-                       "does not fit these hosts)")
+            click.echo(
+                "(none: a host's weights share alone is over its budget; this split "
+                "does not fit these hosts)"
+            )
         for n in s["notes"]:
             click.echo(f"note: {n}")

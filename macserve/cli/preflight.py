@@ -1,26 +1,22 @@
 """`macserve preflight NAME`: the multi-host checks run before a start, per host. Printing only;
-the checks are in macserve.preflight."""
+the checks are in services/preflight.py."""
 
 from __future__ import annotations
 
 import click
 
-from . import main
 from ..errors import MacserveError
+from ..services import manager
+from ..services import preflight as pf
+from .fmt import gb as _gb
 
 
-def _gb(b):
-    return f"{b / 2**30:,.1f} GB"
-
-
-@main.command()
+@click.command()
 @click.argument("name")
 def preflight(name):
     """Check a multi-host profile's hosts: ssh, Python/mlx/mlx-lm versions, model, memory."""
-    from .. import lifecycle, preflight as pf
-
-    profile = lifecycle.store().load(name)
-    if not profile.values.get("HOSTS"):
+    profile = manager.store().load(name)
+    if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")
     result = pf.run(profile)
     for c in result.hosts:
@@ -31,11 +27,16 @@ def preflight(name):
             if c.budget_bytes is not None:
                 share += f" of a {_gb(c.budget_bytes)} budget"
         if c.local:
-            what = "local (mlx.launch runs it on this host): not checked" + (f"; {share}" if share else "")
+            what = "local (mlx.launch runs it on this host): not checked" + (
+                f"; {share}" if share else ""
+            )
         elif c.ok:
             f = c.facts
-            what = (f"ok: Python {f['python']}, mlx {f['mlx']}, mlx-lm {f['mlx_lm']}"
-                    + (", model present" if f.get("model") else "") + (f", {share}" if share else ""))
+            what = (
+                f"ok: Python {f['python']}, mlx {f['mlx']}, mlx-lm {f['mlx_lm']}"
+                + (", model present" if f.get("model") else "")
+                + (f", {share}" if share else "")
+            )
         else:
             what = "error: " + "; ".join(c.problems)
         click.echo(f"rank {c.rank}  {c.host:<15} {what}")

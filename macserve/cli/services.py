@@ -1,21 +1,33 @@
 """Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs, rm.
 
-Parsing and printing only; the work is in macserve.lifecycle.
+Parsing and printing only; the work is in services/manager.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import shlex
 import sys
 
 import click
 
-from . import main
 from ..errors import MacserveError
+from ..services import manager
+from ..services.run import exec_profile
+from ..services.supervisors import backend_name, log_path
+from ..services.supervisors import logs as service_logs
+from .fmt import age as _age
+from .fmt import short_size as _mem
 
-TIMEOUT = click.option("--timeout", type=click.FloatRange(1), default=300.0, show_default=True,
-                       help="Seconds to wait for the service to become healthy.")
+TIMEOUT = click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the service to become healthy.",
+)
 
 
 class _Waiting:
@@ -29,8 +41,12 @@ class _Waiting:
 
     def __call__(self, elapsed: float, status) -> None:
         if self.tty:
-            click.echo(f"\r{next(self.spin)} waiting for {self.name} to become healthy "
-                       f"({status.state}, {elapsed:.0f}s) ", nl=False, err=True)
+            click.echo(
+                f"\r{next(self.spin)} waiting for {self.name} to become healthy "
+                f"({status.state}, {elapsed:.0f}s) ",
+                nl=False,
+                err=True,
+            )
         elif not self.said:
             click.echo(f"waiting for {self.name} to become healthy ...", err=True)
             self.said = True
@@ -41,12 +57,10 @@ class _Waiting:
 
 
 def _run_waiting(label, fn, *args, **kw):
-    from ..lifecycle import SetFailed
-
     w = _Waiting(label)
     try:
         return fn(*args, tick=w, **kw)
-    except SetFailed as e:
+    except manager.SetFailed as e:
         w.done()
         if e.log_tail:
             click.echo(f"--- last lines of {label}'s log with the failed settings ---", err=True)
@@ -66,14 +80,21 @@ def _ctx(value):
     return int(value)
 
 
-@main.command()
+@click.command()
 @click.argument("source")
 @click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
 @click.option("--name", help="Profile name (default: from the model).")
-@click.option("--provider", type=click.Choice(["llama.cpp", "mlx", "macserve"]),
-              help="Default: llama.cpp for GGUF, mlx for MLX/safetensors.")
-@click.option("--ctx", default="auto", show_default=True,
-              help="Context tokens, or auto: the most that fits the memory budget.")
+@click.option(
+    "--provider",
+    type=click.Choice(["llama.cpp", "mlx", "macserve"]),
+    help="Default: llama.cpp for GGUF, mlx for MLX/safetensors.",
+)
+@click.option(
+    "--ctx",
+    default="auto",
+    show_default=True,
+    help="Context tokens, or auto: the most that fits the memory budget.",
+)
 @click.option("--port", type=click.IntRange(1, 65535), help="Default: the first free from 8080.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--extra-args", default="", help="More server flags, e.g. '--threads 8'.")
@@ -81,13 +102,22 @@ def _ctx(value):
 @TIMEOUT
 def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, timeout):
     """Write a profile for SOURCE sized to this Mac, install the service and start it."""
-    from .. import lifecycle
-
     ctx = _ctx(ctx)
-    nm = name or lifecycle.default_name(source, quant)
-    out = _run_waiting(nm, lifecycle.new, source, quant=quant, name=name, provider=provider,
-                       ctx=ctx, port=port, host=host, extra_args=extra_args,
-                       start=not no_start, timeout=timeout)
+    nm = name or manager.default_name(source, quant)
+    out = _run_waiting(
+        nm,
+        manager.new,
+        source,
+        quant=quant,
+        name=name,
+        provider=provider,
+        ctx=ctx,
+        port=port,
+        host=host,
+        extra_args=extra_args,
+        start=not no_start,
+        timeout=timeout,
+    )
     for n in out.notes:
         click.echo(f"note: {n}", err=True)
     if no_start:
@@ -96,31 +126,51 @@ def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, ti
         click.echo(f"{out.name}: healthy at {out.url}/v1 (pid {out.pid})")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
-@click.option("--host", required=True, help="Address to bind: the one the head Mac reaches this "
-              "Mac on (a Thunderbolt bridge or private LAN IP). RPC has no authentication.")
+@click.option(
+    "--host",
+    required=True,
+    help="Address to bind: the one the head Mac reaches this "
+    "Mac on (a Thunderbolt bridge or private LAN IP). RPC has no authentication.",
+)
 @click.option("--port", type=click.IntRange(1, 65535), help="Default: 50052 (rpc-server's).")
-@click.option("--extra-args", default="", help="More rpc-server flags, e.g. '-c' (cache received "
-              "weights on disk) or '-t 8'.")
+@click.option(
+    "--extra-args",
+    default="",
+    help="More rpc-server flags, e.g. '-c' (cache received weights on disk) or '-t 8'.",
+)
 @click.option("--no-start", is_flag=True, help="Write the profile only.")
-@click.option("--timeout", type=click.FloatRange(1), default=60.0, show_default=True,
-              help="Seconds to wait for the worker to listen.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the worker to listen.",
+)
 def worker(name, host, port, extra_args, no_start, timeout):
     """Run llama.cpp's rpc-server here as a supervised service: an RPC worker that another
     Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
-    from .. import lifecycle
-
-    out = _run_waiting(name, lifecycle.new_worker, name, host, port=port, extra_args=extra_args,
-                       start=not no_start, timeout=timeout)
+    out = _run_waiting(
+        name,
+        manager.new_worker,
+        name,
+        host,
+        port=port,
+        extra_args=extra_args,
+        start=not no_start,
+        timeout=timeout,
+    )
     if no_start:
         click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
     else:
-        click.echo(f"{out.name}: rpc worker listening on {out.url} (pid {out.pid}); on the head: "
-                   f"macserve set PROFILE -- HOSTS={out.url} BACKEND=rpc")
+        click.echo(
+            f"{out.name}: rpc worker listening on {out.url} (pid {out.pid}); on the head: "
+            f"macserve set PROFILE -- HOSTS={out.url} BACKEND=rpc"
+        )
 
 
-@main.command(name="set", context_settings={"ignore_unknown_options": True})
+@click.command(name="set", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.argument("items", nargs=-1, type=click.UNPROCESSED)
 @click.option("--no-restart", is_flag=True, help="Only write the profile (batch edits).")
@@ -133,45 +183,41 @@ def set_(name, items, no_restart, timeout):
     back, restarted and checked, the failed run's log is shown and the exit code is 2.
     An empty value (KEY=) removes an optional key.
     """
-    from .. import lifecycle
-
-    changes = lifecycle.parse_assignments(items)
-    out = _run_waiting(name, lifecycle.set_values, name, changes, restart=not no_restart,
-                       timeout=timeout)
+    changes = manager.parse_assignments(items)
+    out = _run_waiting(
+        name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
+    )
     for n in out.notes:
         click.echo(f"{name}: {n}")
     if not out.notes:
         click.echo(f"{name}: restarted, healthy at {out.url}/v1 (pid {out.pid})")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 def run(name):
     """Run a profile's server in the foreground (what the service runs)."""
-    from ..run import exec_profile
-
     exec_profile(name)
 
 
-def _age(s):
-    if s is None:
-        return "-"
-    s = int(s)
-    return f"{s // 86400}d{s % 86400 // 3600}h" if s >= 86400 else (
-        f"{s // 3600}h{s % 3600 // 60}m" if s >= 3600 else f"{s // 60}m{s % 60}s")
-
-
-def _mem(b):
-    return "-" if b is None else f"{b / 2**30:.1f}G" if b >= 2**30 else f"{b / 2**20:.0f}M"
-
-
 def _table(rows, health=False):
-    head = ["NAME", "PROVIDER", "STATE", "PID", "PORT", "UPTIME", "MEM"] + (["HEALTHY"] if health else []) + ["MODEL"]
+    head = (
+        ["NAME", "PROVIDER", "STATE", "PID", "PORT", "UPTIME", "MEM"]
+        + (["HEALTHY"] if health else [])
+        + ["MODEL"]
+    )
     lines = [head]
     for r in rows:
         state = r["state"] if not r.get("error") else "invalid"
-        line = [r["name"], r["provider"] or "-", state, str(r["pid"] or "-"), str(r["port"] or "-"),
-                _age(r["uptime_s"]), _mem(r["rss_bytes"])]
+        line = [
+            r["name"],
+            r["provider"] or "-",
+            state,
+            str(r["pid"] or "-"),
+            str(r["port"] or "-"),
+            _age(r["uptime_s"]),
+            _mem(r["rss_bytes"]),
+        ]
         if health:
             line.append("yes" if r.get("healthy") else "no")
         line.append(r["model"] or (r.get("error") or "-"))
@@ -181,13 +227,11 @@ def _table(rows, health=False):
         click.echo("  ".join(c.ljust(w) for c, w in zip(l, widths)) + "  " + l[-1])
 
 
-@main.command(name="ls")
+@click.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def ls(as_json):
     """Profiles with their service state, pid, port, uptime and memory."""
-    from .. import lifecycle
-
-    rows = lifecycle.rows()
+    rows = manager.rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif not rows:
@@ -196,17 +240,14 @@ def ls(as_json):
         _table(rows)
 
 
-@main.command()
+@click.command()
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
     """Service state plus a live health probe, for one profile or all."""
-    from .. import lifecycle
-    from ..service import backend_name
-
     if name:
-        lifecycle.store().load(name)  # unknown name: one-line error
-    rows = [lifecycle.row(name, health=True)] if name else lifecycle.rows(health=True)
+        manager.store().load(name)  # unknown name: one-line error
+    rows = [manager.row(name, health=True)] if name else manager.rows(health=True)
     if as_json:
         click.echo(json.dumps({"backend": backend_name(), "services": rows}, indent=2))
         return
@@ -215,16 +256,12 @@ def status(name, as_json):
         _table(rows, health=True)
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(name, as_json):
     """A profile: its file, the exact server command, and its service."""
-    import shlex
-
-    from .. import lifecycle
-
-    r = lifecycle.show(name)
+    r = manager.show(name)
     if as_json:
         click.echo(json.dumps(r, indent=2))
         return
@@ -232,74 +269,62 @@ def show(name, as_json):
     click.echo(r["text"].rstrip("\n"))
     click.echo(f"# command: {shlex.join(r['argv'])}")
     click.echo(f"# health:  {r['health_url']}")
-    click.echo(f"# service: {r['backend']}: {r['state']}" + (f", pid {r['pid']}" if r["pid"] else ""))
+    click.echo(
+        f"# service: {r['backend']}: {r['state']}" + (f", pid {r['pid']}" if r["pid"] else "")
+    )
     click.echo(f"# log:     {r['log']}")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 @click.option("--no-wait", is_flag=True, help="Do not wait for health.")
 @TIMEOUT
 def start(name, no_wait, timeout):
     """Install (if needed) and start a profile's service."""
-    from .. import lifecycle
-
-    out = _run_waiting(name, lifecycle.start, name, timeout=timeout, wait=not no_wait)
+    out = _run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
     extra = f" ({', '.join(out.notes)})" if out.notes else ""
     click.echo(f"{name}: started at {out.url}/v1{extra}")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 def stop(name):
     """Stop a profile's service (it stays stopped until start)."""
-    from .. import lifecycle
-
-    lifecycle.stop(name)
+    manager.stop(name)
     click.echo(f"{name}: stopped")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 @click.option("--no-wait", is_flag=True, help="Do not wait for health.")
 @TIMEOUT
 def restart(name, no_wait, timeout):
     """Restart a profile's service (reloading its unit if that changed)."""
-    from .. import lifecycle
-
-    out = _run_waiting(name, lifecycle.restart, name, timeout=timeout, wait=not no_wait)
+    out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
     click.echo(f"{name}: restarted at {out.url}/v1 (pid {out.pid})")
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option("-n", "lines", type=click.IntRange(0), default=50, show_default=True)
 def logs(name, follow, lines):
     """A service's log (server output, plus one line per start)."""
-    from .. import lifecycle
-    from ..service import log_path
-    from ..service import logs as L
-
-    lifecycle.store().load(name)
+    manager.store().load(name)
     path = log_path(name)
     if not path.exists():
         raise MacserveError(f"no log yet for {name} ({path})")
     if follow:
-        try:
-            L.follow(path, lines, click.echo)
-        except KeyboardInterrupt:
-            pass
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a follow ends
+            service_logs.follow(path, lines, click.echo)
         return
-    for line in L.tail(path, lines):
+    for line in service_logs.tail(path, lines):
         click.echo(line)
 
 
-@main.command()
+@click.command()
 @click.argument("name")
 def rm(name):
     """Stop and uninstall a profile's service, then delete the profile (logs are kept)."""
-    from .. import lifecycle
-
-    lifecycle.remove(name)
+    manager.remove(name)
     click.echo(f"{name}: removed")

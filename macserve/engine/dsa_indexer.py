@@ -38,8 +38,9 @@ class IndexerKeyCache(_BaseCache):
         st = self._keys
         if st.bits is None:
             return q @ self.parts()[0].astype(q.dtype).swapaxes(-1, -2)
-        return mx.quantized_matmul(q, *self.parts(), transpose=True,
-                                   group_size=st.group(self.dims), bits=st.bits)
+        return mx.quantized_matmul(
+            q, *self.parts(), transpose=True, group_size=st.group(self.dims), bits=st.bits
+        )
 
     def dequantized(self) -> mx.array:
         return self._keys.decode(self.parts(), self.dims).astype(mx.float32)
@@ -94,7 +95,7 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
     k = indexer.rope(k, offset=offset)
     cache.append(k)
     T = cache.offset
-    if T <= indexer.index_topk:
+    if indexer.index_topk >= T:
         return None
     s = cache.scores(q.reshape(b, 1, H * L, D)).reshape(b, H, L, T)
     s = mx.maximum(s, 0)
@@ -105,7 +106,7 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
     s = sum(s[:, h : h + 1] for h in range(H)) if L > 1 else s.sum(axis=1, keepdims=True)
     causal = mx.arange(T)[None, :] <= mx.arange(offset, T)[:, None]
     s = mx.where(causal, s, -float("inf"))
-    top = mx.argpartition(s, kth=-indexer.index_topk, axis=-1)[..., -indexer.index_topk:]
+    top = mx.argpartition(s, kth=-indexer.index_topk, axis=-1)[..., -indexer.index_topk :]
     chosen = mx.put_along_axis(mx.zeros(s.shape, dtype=mx.bool_), top, mx.array(True), axis=-1)
     return chosen & causal, top
 
@@ -129,11 +130,14 @@ def gather_selected(segments, visible: mx.array, top: mx.array, keep: int):
         local = mx.clip(local, 0, n - 1)
         rows = local.reshape(*local.shape[:2], -1, 1)  # (B, 1, k, 1)
 
-        def take(parts):
-            return tuple(mx.take_along_axis(p, mx.broadcast_to(rows, (*rows.shape[:3], p.shape[-1])),
-                                            axis=2) for p in parts)
+        def take(parts, rows=rows):
+            return tuple(
+                mx.take_along_axis(p, mx.broadcast_to(rows, (*rows.shape[:3], p.shape[-1])), axis=2)
+                for p in parts
+            )
 
         out.append((kind, start, take(lat), take(pe)))
-        cols.append(mx.take_along_axis(mx.broadcast_to(vis, (*local.shape[:3], n)), local, axis=-1)
-                    & inside)
+        cols.append(
+            mx.take_along_axis(mx.broadcast_to(vis, (*local.shape[:3], n)), local, axis=-1) & inside
+        )
     return out, mx.concatenate(cols, axis=-1)

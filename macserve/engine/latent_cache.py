@@ -3,7 +3,8 @@
 Per layer and token an MLA model caches one latent c (kv_lora_rank dims) and one rotary key
 k_pe (qk_rope_head_dim dims). This cache stores u = c @ R (R orthogonal, fitted by
 `calibrate.py`), clipped per rotated dimension, quantized with `mx.quantize`, and k_pe at
-8 bits. Attention reads it without dequantizing (see `mla_attention.py`).
+8 bits, in the layout `int2_format.LatentQuant` defines. Attention reads it without
+dequantizing (see `mla_attention.py`).
 
 Token layout, in token order, which is also the order of the score columns:
 
@@ -19,36 +20,14 @@ the state the cache had before them, bf16 window included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from ..int2_format import LatentQuant
+
+__all__ = ["LatentQuant", "RotatedLatentCache"]  # LatentQuant: the format, int2_format.py
+
 STEP = 256  # buffer growth, as mlx-lm's own caches
-
-
-@dataclass(frozen=True)
-class LatentQuant:
-    """How one layer's latent is stored. bits=None stores bf16 everywhere (the baseline)."""
-
-    bits: int | None = 2
-    group_size: int = 64
-    rope_bits: int | None = 8
-    sink: int = 64
-    recent: int = 256
-    slack: int = 16
-    row_quantile: float | None = None  # clip each row at this quantile of |u| instead of `clip`
-    index_bits: int | None = 8  # DSA models' indexer key (dsa_indexer.py); bf16 when bits is None
-
-    def bytes_per_token(self, latent_dims: int, rope_dims: int) -> float:
-        """Bytes of one quantized token: packed codes plus a bf16 scale and bias per group."""
-        if self.bits is None:
-            return 2.0 * (latent_dims + rope_dims)
-        lat = latent_dims * self.bits / 8 + 4 * latent_dims / self.group_size
-        if self.rope_bits is None:
-            return lat + 2.0 * rope_dims
-        g = min(self.group_size, rope_dims)
-        return lat + rope_dims * self.rope_bits / 8 + 4 * rope_dims / g
 
 
 class _Store:
@@ -74,8 +53,13 @@ class _Store:
             return parts[0]
         # In float32: a bf16 result would round the levels themselves.
         w, scales, biases = parts
-        return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
-                             group_size=self.group(dims), bits=self.bits)
+        return mx.dequantize(
+            w,
+            scales.astype(mx.float32),
+            biases.astype(mx.float32),
+            group_size=self.group(dims),
+            bits=self.bits,
+        )
 
     def append(self, x: mx.array) -> None:
         new = self._encode(x)
@@ -113,8 +97,9 @@ class _Store:
 class RotatedLatentCache(_BaseCache):
     """One MLA layer's cache. `rotation` (r x r) and `clip` (r,) come from calibration."""
 
-    def __init__(self, quant: LatentQuant, rotation: mx.array | None = None,
-                 clip: mx.array | None = None):
+    def __init__(
+        self, quant: LatentQuant, rotation: mx.array | None = None, clip: mx.array | None = None
+    ):
         self.quant = quant
         self.rotation = rotation
         self.clip = clip
@@ -151,8 +136,14 @@ class RotatedLatentCache(_BaseCache):
 
     def arrays(self) -> list[mx.array]:
         """Every buffer the cache holds (to evaluate, or to count)."""
-        stores = (self._sink_lat, self._sink_pe, self._int_lat, self._int_pe,
-                  self._rec_lat, self._rec_pe)
+        stores = (
+            self._sink_lat,
+            self._sink_pe,
+            self._int_lat,
+            self._int_pe,
+            self._rec_lat,
+            self._rec_pe,
+        )
         return [p for st in stores if st.parts for p in st.parts]
 
     def stores(self):
@@ -215,7 +206,9 @@ class RotatedLatentCache(_BaseCache):
         """
         q = self.quant
         if q.bits is None:
-            return [("all", 0, self._int_lat.view(0, self.offset), self._int_pe.view(0, self.offset))]
+            return [
+                ("all", 0, self._int_lat.view(0, self.offset), self._int_pe.view(0, self.offset))
+            ]
         out = []
         s = self._sink_lat.length
         if s:
@@ -228,8 +221,14 @@ class RotatedLatentCache(_BaseCache):
         n_rec = min(L, past, q.recent + new - 1) if n_int else past
         n_rec = max(n_rec, past - n_int)
         if n_rec:
-            out.append(("recent", self.offset - n_rec, self._rec_lat.view(L - n_rec, L),
-                        self._rec_pe.view(L - n_rec, L)))
+            out.append(
+                (
+                    "recent",
+                    self.offset - n_rec,
+                    self._rec_lat.view(L - n_rec, L),
+                    self._rec_pe.view(L - n_rec, L),
+                )
+            )
         return out
 
     def mask(self, segments, new: int) -> mx.array:
@@ -307,8 +306,14 @@ class RotatedLatentCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        stores = (self._sink_lat, self._sink_pe, self._int_lat, self._int_pe,
-                  self._rec_lat, self._rec_pe)
+        stores = (
+            self._sink_lat,
+            self._sink_pe,
+            self._int_lat,
+            self._int_pe,
+            self._rec_lat,
+            self._rec_pe,
+        )
         return sum(s.nbytes() for s in stores)
 
     @property

@@ -18,8 +18,10 @@ mlx-lm's model code, weights and `generate` are used unchanged.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList
 
+from . import dsa_indexer
 from .latent_cache import RotatedLatentCache
 
 
@@ -45,16 +47,18 @@ def _scores(x, kind, parts, store, dims):
     """x (B, 1, H*L, D) against one segment's keys -> (B, 1, H*L, T)."""
     if kind != "int" or store.bits is None:
         return x @ parts[0].astype(x.dtype).swapaxes(-1, -2)
-    return mx.quantized_matmul(x, *parts, transpose=True, group_size=store.group(dims),
-                               bits=store.bits)
+    return mx.quantized_matmul(
+        x, *parts, transpose=True, group_size=store.group(dims), bits=store.bits
+    )
 
 
 def _attend(p, kind, parts, store, dims):
     """Attention weights p (B, 1, H*L, T) times one segment's latents -> (B, 1, H*L, r)."""
     if kind != "int" or store.bits is None:
         return p @ parts[0].astype(p.dtype)
-    return mx.quantized_matmul(p, *parts, transpose=False, group_size=store.group(dims),
-                               bits=store.bits)
+    return mx.quantized_matmul(
+        p, *parts, transpose=False, group_size=store.group(dims), bits=store.bits
+    )
 
 
 # DSA decode scores only the selected rows of the quantized segment (False: all rows, masked;
@@ -62,7 +66,9 @@ def _attend(p, kind, parts, store, dims):
 SPARSE_DECODE = True
 
 
-def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None, indexer_cache=None):
+def quantized_attention(
+    attn, x, mask, cache: RotatedLatentCache, observer=None, indexer_cache=None
+):
     """Attention of x's tokens through `cache`. With `indexer_cache` (a DSA model) each query
     attends only to the tokens its lightning indexer selects, as mlx-lm's deepseek_v32 does."""
     B, L, _ = x.shape
@@ -76,8 +82,6 @@ def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None,
     cache.append(latent, k_pe)
     selected = None
     if indexer_cache is not None:
-        from . import dsa_indexer
-
         selected = dsa_indexer.select_tokens(attn.indexer, x, qr, indexer_cache)
     q_rot = cache.rotate(q_lat) * attn.scale
     q_rot = q_rot.reshape(B, 1, H * L, -1)
@@ -90,7 +94,8 @@ def quantized_attention(attn, x, mask, cache: RotatedLatentCache, observer=None,
         chosen, top = selected
         # Selection is per token; map it onto the score columns, segment by segment.
         visible = visible & mx.concatenate(
-            [chosen[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1)
+            [chosen[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1
+        )
         if L == 1 and SPARSE_DECODE:
             segs, visible = dsa_indexer.gather_selected(segs, visible, top, top.shape[-1])
     scores = []
@@ -123,8 +128,6 @@ ABSORBED_MAX_QUERIES = 16
 
 def absorbed_attention(attn, x, mask, cache):
     """mlx-lm's own L == 1 path (absorbed MLA), for a few queries at once."""
-    from mlx_lm.models.base import scaled_dot_product_attention
-
     B, L, _ = x.shape
     q_nope, q_pe, latent, k_pe, _ = _project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
@@ -132,9 +135,12 @@ def absorbed_attention(attn, x, mask, cache):
     latent, k_pe = cache.update_and_fetch(latent, k_pe)
     pe_scores = (q_pe * attn.scale) @ k_pe.swapaxes(-1, -2)
     if mask is not None:
-        pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
-    out = scaled_dot_product_attention(attn.embed_q(q_nope), latent, latent, cache=cache,
-                                       scale=attn.scale, mask=pe_scores)
+        pe_scores = mx.where(
+            mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype)
+        )
+    out = scaled_dot_product_attention(
+        attn.embed_q(q_nope), latent, latent, cache=cache, scale=attn.scale, mask=pe_scores
+    )
     out = attn.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1)
     return attn.o_proj(out)
 
@@ -149,11 +155,21 @@ def _patched_class(base: type) -> type:
             if isinstance(cache, RotatedLatentCache):
                 return quantized_attention(self, x, mask, cache, getattr(self, "_observer", None))
             if isinstance(cache, CacheList) and isinstance(cache[0], RotatedLatentCache):
-                return quantized_attention(self, x, mask, cache[0], getattr(self, "_observer", None),
-                                           indexer_cache=cache[1])
-            if (cache is not None and 1 < x.shape[1] <= ABSORBED_MAX_QUERIES
-                    and hasattr(cache, "update_and_fetch") and mask is not None
-                    and not isinstance(mask, str)):
+                return quantized_attention(
+                    self,
+                    x,
+                    mask,
+                    cache[0],
+                    getattr(self, "_observer", None),
+                    indexer_cache=cache[1],
+                )
+            if (
+                cache is not None
+                and 1 < x.shape[1] <= ABSORBED_MAX_QUERIES
+                and hasattr(cache, "update_and_fetch")
+                and mask is not None
+                and not isinstance(mask, str)
+            ):
                 return absorbed_attention(self, x, mask, cache)
             return base.__call__(self, x, mask=mask, cache=cache)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 
@@ -57,8 +58,13 @@ def _probs(logits: mx.array, temperature: float) -> np.ndarray:
     return x / x.sum(axis=-1, keepdims=True)
 
 
-def verify_sampled(p_rows: list[np.ndarray], q_rows: list[np.ndarray], drafts: list[int],
-                   p_next: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+def verify_sampled(
+    p_rows: list[np.ndarray],
+    q_rows: list[np.ndarray],
+    drafts: list[int],
+    p_next: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
     """Lossless speculative sampling (Leviathan et al., Chen et al.): returns (accepted, token).
 
     Draft j, drawn from q_j, is kept with probability min(1, p_j/q_j); the first refusal is
@@ -88,18 +94,20 @@ class _Round:
         self.target = mx.argmax(dec.model.lm_head(self.h)[0], axis=-1)
         mx.async_eval(self.seq, self.target)
 
-    def speculate(self, dec, caches, mtp_cache) -> "_Round":
+    def speculate(self, dec, caches, mtp_cache) -> _Round:
         """The next round, as if the draft is accepted: built while this one computes."""
         bonus = self.target[1:2]
-        return _Round(dec, bonus, self.h, mx.concatenate([self.seq[1:], bonus])[None],
-                      caches, mtp_cache)
+        return _Round(
+            dec, bonus, self.h, mx.concatenate([self.seq[1:], bonus])[None], caches, mtp_cache
+        )
 
 
 class MTPDecoder:
     """Generates with trunk `model` (mlx-lm) and `mtp` (an MTPLayer) sharing one tokenizer."""
 
-    def __init__(self, model, mtp, k: int = 1, min_accept_per_round: float = 0.25,
-                 probe_rounds: int = 16):
+    def __init__(
+        self, model, mtp, k: int = 1, min_accept_per_round: float = 0.25, probe_rounds: int = 16
+    ):
         if not 1 <= k <= 3:
             raise ValueError(f"draft length k must be 1..3, not {k}")
         self.model, self.mtp, self.k = model, mtp, k
@@ -111,8 +119,6 @@ class MTPDecoder:
         return h, self.model.lm_head(h)
 
     def _mtp(self, h: mx.array, tokens, cache):
-        from mlx_lm.models.base import create_attention_mask
-
         mask = create_attention_mask(h, cache, return_array=True)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array([tokens])
         return self.mtp(h, tokens, mask, cache)
@@ -156,8 +162,10 @@ class MTPDecoder:
             else:
                 b = emitted[0]
                 cur = _Round(self, mx.array([b]), cur.h[:, :1], mx.array([[b]]), caches, mtp_cache)
-            if (stats.rounds >= self.probe_rounds and
-                    stats.accepted_tokens / stats.rounds < self.min_accept):
+            if (
+                stats.rounds >= self.probe_rounds
+                and stats.accepted_tokens / stats.rounds < self.min_accept
+            ):
                 stats.disabled_after = stats.rounds
                 # The round in flight is dropped; plain decoding continues from its first token.
                 nxt_t = int(np.array(cur.seq)[0])
@@ -172,8 +180,16 @@ class MTPDecoder:
                         self.timings["decode_s"] = time.perf_counter() - t0
                         return
 
-    def generate(self, prompt: list[int], max_tokens: int, caches=None, temperature: float = 0.0,
-                 eos: set[int] | frozenset = frozenset(), seed: int = 0, draft: bool = True):
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        caches=None,
+        temperature: float = 0.0,
+        eos: set[int] | frozenset = frozenset(),
+        seed: int = 0,
+        draft: bool = True,
+    ):
         """Yield tokens; `self.stats` holds the draft statistics of the current generation."""
         rng = np.random.default_rng(seed)
         greedy = temperature <= 0
@@ -262,7 +278,10 @@ class MTPDecoder:
                     self.timings["decode_s"] = time.perf_counter() - t0
                     return
             t = bonus
-            if (stats.rounds >= self.probe_rounds and stats.disabled_after is None
-                    and stats.accepted_tokens / stats.rounds < self.min_accept):
+            if (
+                stats.rounds >= self.probe_rounds
+                and stats.disabled_after is None
+                and stats.accepted_tokens / stats.rounds < self.min_accept
+            ):
                 stats.disabled_after = stats.rounds
         self.timings["decode_s"] = time.perf_counter() - t0

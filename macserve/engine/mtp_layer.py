@@ -60,7 +60,7 @@ def mtp_prefix(config: dict, k: int = 0) -> str:
 def sanitize_mtp_weights(weights: dict, args: ModelArgs, prefix: str) -> dict:
     """Checkpoint names (kv_b_proj, experts.{e}.*) -> the module's (embed_q/unembed_out,
     switch_mlp), the same transformation mlx-lm applies to trunk layers."""
-    w = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    w = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     if "mlp.experts.0.gate_proj.weight" in w:
         for m in ("gate_proj", "down_proj", "up_proj"):
             w[f"mlp.switch_mlp.{m}.weight"] = mx.stack(
@@ -91,7 +91,9 @@ def load_mtp_layers(model_dir: str | Path, trunk=None) -> list[MTPLayer]:
     weights = {}
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted(
+            {model_dir / f for f in json.loads(index.read_text())["weight_map"].values()}
+        )
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     for f in files:

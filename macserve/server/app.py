@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -22,8 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine.caches import EngineOptions
+from ..engine.model import read_config
 from ..errors import MacserveError
 from . import protocol as P
+from .ranks import Ranks, follow
 from .worker import END, Job, Worker
 
 log = logging.getLogger("macserve.server")
@@ -32,20 +36,15 @@ MAX_BODY = 8 * 2**20  # far above any prompt that fits a context; stops a runawa
 MAX_QUEUE = 64  # beyond this a client gets 503 + Retry-After instead of an unbounded wait
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     model: str
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
     ctx: int | None = None  # None: the model's max_position_embeddings
-    kv: str = "bf16"
-    rotation: str | None = None
-    mtp_k: int = 0
-    split: list | None = None  # under mlx.launch: pipeline layers per rank (None: even)
-    # What reaches generate.stream as keyword options: only non-defaults, so an engine build
-    # without a feature still serves when the feature is not asked for. Set by check_settings.
-    engine_opts: dict = field(default_factory=dict)
+    options: EngineOptions = field(default_factory=EngineOptions)  # cache + MTP, resolved
+    split: tuple[int, ...] | None = None  # under mlx.launch: pipeline layers per rank (None: even)
 
     @property
     def model_id(self) -> str:
@@ -64,10 +63,17 @@ class ApiKeyGate:
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
-            body = P.error_body("invalid or missing API key (send Authorization: Bearer KEY)",
-                                "authentication_error", code="invalid_api_key")
-            return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.key.encode()
+        ):
+            body = P.error_body(
+                "invalid or missing API key (send Authorization: Bearer KEY)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+            return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(
+                scope, receive, send
+            )
         return await self.app(scope, receive, send)
 
 
@@ -80,10 +86,11 @@ class _SSEResponse(StreamingResponse):
 
 # ---- the engine state shared by the handlers ------------------------------------------------
 
+
 class Engine:
     def __init__(self, settings: Settings, on_load_failed):
         self.settings = settings
-        self.worker = Worker(settings.model, settings.engine_opts, on_load_failed, settings.split)
+        self.worker = Worker(settings.model, settings.options, on_load_failed, settings.split)
 
     @property
     def ctx(self) -> int:
@@ -92,7 +99,9 @@ class Engine:
 
     def bundle(self):
         if self.worker.error:
-            raise P.ApiError(503, f"the model failed to load: {self.worker.error}", type_="unavailable_error")
+            raise P.ApiError(
+                503, f"the model failed to load: {self.worker.error}", type_="unavailable_error"
+            )
         if not self.worker.ready:
             raise P.ApiError(503, "the model is still loading", type_="unavailable_error")
         return self.worker.bundle
@@ -106,7 +115,9 @@ def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
         try:
             ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
-            raise P.ApiError(400, f"the chat template rejected these messages: {e}", "messages") from None
+            raise P.ApiError(
+                400, f"the chat template rejected these messages: {e}", "messages"
+            ) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -128,13 +139,22 @@ def _budget(req: P.GenRequest, n_prompt: int, ctx: int) -> int:
     if n_prompt == 0:
         raise P.ApiError(400, "the prompt is empty after tokenization", "prompt")
     if n_prompt >= ctx:
-        raise P.ApiError(400, f"the prompt is {_n(n_prompt)}; the context is {ctx}",
-                         "messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")
+        raise P.ApiError(
+            400,
+            f"the prompt is {_n(n_prompt)}; the context is {ctx}",
+            "messages" if req.kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        )
     if req.max_tokens is None:
         return ctx - n_prompt
     if n_prompt + req.max_tokens > ctx:
-        raise P.ApiError(400, f"prompt ({_n(n_prompt)}) + max_tokens ({req.max_tokens}) is more "
-                         f"than the context ({ctx})", "max_tokens", code="context_length_exceeded")
+        raise P.ApiError(
+            400,
+            f"prompt ({_n(n_prompt)}) + max_tokens ({req.max_tokens}) is more "
+            f"than the context ({ctx})",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
     return req.max_tokens
 
 
@@ -152,10 +172,16 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _log_done(req: P.GenRequest, finish: str, stats: dict) -> None:
-    log.info("%s: %d prompt + %d completion tokens, %.1f tok/s, draft %d/%d accepted, %s",
-             req.kind, stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0),
-             stats.get("generation_tps", 0.0), stats.get("accepted_tokens", 0),
-             stats.get("draft_tokens", 0), finish)
+    log.info(
+        "%s: %d prompt + %d completion tokens, %.1f tok/s, draft %d/%d accepted, %s",
+        req.kind,
+        stats.get("prompt_tokens", 0),
+        stats.get("completion_tokens", 0),
+        stats.get("generation_tps", 0.0),
+        stats.get("accepted_tokens", 0),
+        stats.get("draft_tokens", 0),
+        finish,
+    )
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -228,11 +254,16 @@ async def _generate(request: Request, kind: str) -> Response:
         bundle = eng.bundle()
         body = P.parse_json(await _read_body(request))
         req = P.parse_chat(body) if kind == "chat" else P.parse_completion(body)
-        ids = await run_in_threadpool(_prompt_ids, bundle, req)  # a long prompt must not stall other streams
+        ids = await run_in_threadpool(
+            _prompt_ids, bundle, req
+        )  # a long prompt must not stall other streams
         max_tokens = _budget(req, len(ids), eng.ctx)
         if eng.worker.queued() >= MAX_QUEUE:
-            raise P.ApiError(503, f"{MAX_QUEUE} requests are already waiting; retry later",
-                             type_="unavailable_error")
+            raise P.ApiError(
+                503,
+                f"{MAX_QUEUE} requests are already waiting; retry later",
+                type_="unavailable_error",
+            )
         job = Job(ids, max_tokens, req.temperature, req.top_p, req.seed, asyncio.get_running_loop())
         eng.worker.submit(job)
         rid = P.new_id(kind)
@@ -245,7 +276,9 @@ async def _generate(request: Request, kind: str) -> Response:
         return JSONResponse(e.body(), e.status, headers=headers)
     except Exception as e:  # noqa: BLE001 - one request's bug must not become a dead server
         log.exception("request failed")
-        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+        return JSONResponse(
+            P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500
+        )
 
 
 async def chat_completions(request: Request) -> Response:
@@ -271,15 +304,25 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "error", "error": w.error}, 503)
     if not w.ready:
         return JSONResponse({"status": "loading", "model": eng.settings.model_id}, 503)
-    return JSONResponse({"status": "ok", "model": eng.settings.model_id, "n_ctx": eng.ctx,
-                         "busy": w.busy, "queued": w.queued(), "served": w.served,
-                         "disconnected": w.disconnected, "failed": w.failed})
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": eng.settings.model_id,
+            "n_ctx": eng.ctx,
+            "busy": w.busy,
+            "queued": w.queued(),
+            "served": w.served,
+            "disconnected": w.disconnected,
+            "failed": w.failed,
+        }
+    )
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(P.error_body(exc.detail, kind), exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        P.error_body(exc.detail, kind), exc.status_code, headers=getattr(exc, "headers", None)
+    )
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
@@ -321,43 +364,26 @@ def _bind(host: str, port: int) -> socket.socket:
     return s
 
 
-def check_settings(settings: Settings) -> list[str]:
+def check_settings(settings: Settings) -> None:
     """Refuse what would only fail after the server is up: a missing folder, a --ctx the model
-    cannot reach, an INT2 cache without its calibration. Returns notes to print."""
-    from ..engine import generate
-
-    notes = []
-    limit = generate.read_config(settings.model).get("max_position_embeddings")
+    cannot reach. (The cache spec refused a missing calibration when it was resolved.)"""
+    limit = read_config(settings.model).get("max_position_embeddings")
     if settings.ctx and limit and settings.ctx > limit:
         raise MacserveError(f"--ctx {settings.ctx} is more than the model's limit {limit}")
     if not settings.ctx and not limit:
-        raise MacserveError(f"{settings.model}: config.json has no max_position_embeddings; pass --ctx")
-    if settings.rotation and settings.kv != "int2":
-        raise MacserveError("--rotation applies to the int2 cache; add --kv int2")
-    if settings.mtp_k < 0 or settings.mtp_k > 3:
-        raise MacserveError("--mtp-k must be 0..3")
-    if (settings.kv == "int2" and not settings.rotation
-            and not (Path(settings.model) / generate.SHIPPED_ROTATION).exists()):
-        # Caught here, not per request: every request would fail the same way.
-        raise MacserveError(f"--kv int2 needs --rotation FILE: {settings.model} ships no "
-                            f"{generate.SHIPPED_ROTATION} (make one with macserve calibrate)")
-    opts = {"kv": settings.kv, "rotation": settings.rotation, "mtp_k": settings.mtp_k}
-    settings.engine_opts = opts
-    return notes
+        raise MacserveError(
+            f"{settings.model}: config.json has no max_position_embeddings; pass --ctx"
+        )
 
 
 def run(settings: Settings) -> None:
-    import uvicorn
-
-    from .ranks import Ranks, follow
-
-    notes = check_settings(settings)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for n in notes:
-        log.warning("%s", n)
+    check_settings(settings)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     ranks = Ranks()
     if ranks.rank > 0:  # under mlx.launch: only rank 0 answers HTTP
-        follow(settings.model, settings.engine_opts, ranks, settings.split)
+        follow(settings.model, settings.options, ranks, settings.split)
         return
     sock = _bind(settings.host, settings.port)
     failure: list[str] = []
@@ -370,7 +396,12 @@ def run(settings: Settings) -> None:
 
     app = create_app(settings, on_load_failed)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3))
-    log.info("listening on http://%s:%d (model %s, loading)", settings.host, settings.port, settings.model)
+    log.info(
+        "listening on http://%s:%d (model %s, loading)",
+        settings.host,
+        settings.port,
+        settings.model,
+    )
     server.run(sockets=[sock])
     if failure:
         raise MacserveError(f"could not load {settings.model}: {failure[0]}")

@@ -15,15 +15,33 @@ from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
 # Fields we would otherwise silently ignore, with the values that mean "not asked for".
-_REFUSED = {"tools": (None, []), "functions": (None, []), "logprobs": (None, False),
-            "top_logprobs": (None,), "echo": (None, False), "best_of": (None, 1)}
+_REFUSED = {
+    "tools": (None, []),
+    "functions": (None, []),
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.status, self.message, self.param, self.type, self.code = (
+            status,
+            message,
+            param,
+            type_,
+            code,
+        )
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -97,10 +115,12 @@ def _common(body: dict, req: GenRequest) -> GenRequest:
         if not _is_int(mt) or mt < 1:
             raise ApiError(400, f"{key} must be a positive integer, got {json.dumps(mt)[:60]}", key)
         req.max_tokens = mt
-    req.temperature = float(_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2,
-                                 "a number from 0 to 2", 1.0))
-    req.top_p = float(_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1,
-                           "a number in (0, 1]", 1.0))
+    req.temperature = float(
+        _opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2, "a number from 0 to 2", 1.0)
+    )
+    req.top_p = float(
+        _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+    )
     req.stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     req.include_usage = bool(so.get("include_usage"))
@@ -108,8 +128,9 @@ def _common(body: dict, req: GenRequest) -> GenRequest:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and len(stop) <= 4
-                                 and all(isinstance(s, str) and s for s in stop)):
+    if stop is not None and not (
+        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
+    ):
         raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
     req.stop = stop or []
     if _opt(body, "n", _is_int, "an integer", 1) != 1:
@@ -147,7 +168,9 @@ def parse_completion(body: dict) -> GenRequest:
         p = p[0]  # the one-prompt batch form clients send
     if isinstance(p, list):
         if not p or not all(_is_int(t) and t >= 0 for t in p):
-            raise ApiError(400, "prompt must be a string, or a non-empty list of token ids", "prompt")
+            raise ApiError(
+                400, "prompt must be a string, or a non-empty list of token ids", "prompt"
+            )
     elif not isinstance(p, str) or not p:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     return _common(body, GenRequest("completion", prompt=p))
@@ -169,15 +192,15 @@ class StopMatcher:
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[:min(hits)], True
+            return buf[: min(hits)], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), 0, -1):
                 if buf.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -185,6 +208,7 @@ class StopMatcher:
 
 
 # ---- responses --------------------------------------------------------------------------------
+
 
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -210,20 +234,40 @@ def timings(stats: dict) -> dict:
     }
 
 
-def full_response(req: GenRequest, rid: str, model: str, text: str, finish: str, stats: dict) -> dict:
+def full_response(
+    req: GenRequest, rid: str, model: str, text: str, finish: str, stats: dict
+) -> dict:
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage(stats), "timings": timings(stats)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(stats),
+        "timings": timings(stats),
+    }
 
 
-def chunk(req: GenRequest, rid: str, model: str, text: str | None, finish: str | None = None,
-          stats: dict | None = None, role: bool = False) -> dict:
+def chunk(
+    req: GenRequest,
+    rid: str,
+    model: str,
+    text: str | None,
+    finish: str | None = None,
+    stats: dict | None = None,
+    role: bool = False,
+) -> dict:
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
@@ -233,7 +277,13 @@ def chunk(req: GenRequest, rid: str, model: str, text: str | None, finish: str |
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
-    out = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+    out = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     if stats is not None:
         out["usage"] = usage(stats)
         out["timings"] = timings(stats)
@@ -243,8 +293,15 @@ def chunk(req: GenRequest, rid: str, model: str, text: str | None, finish: str |
 def usage_chunk(req: GenRequest, rid: str, model: str, stats: dict) -> dict:
     """OpenAI's stream_options.include_usage: a last chunk with no choices."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(stats), "timings": timings(stats)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(stats),
+        "timings": timings(stats),
+    }
 
 
 def sse(obj) -> bytes:

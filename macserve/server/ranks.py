@@ -11,9 +11,18 @@ stop every rank at the same token, so the stop callback is a collective too (`sy
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import random
-from typing import Callable
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..engine import generate
+from ..engine.caches import EngineOptions
+from ..engine.model import load
 
 log = logging.getLogger("macserve.server")
 
@@ -23,8 +32,6 @@ STOP_EVERY = 8  # tokens between collective stop checks: a cancelled job runs at
 
 class Ranks:
     def __init__(self):
-        import mlx.core as mx
-
         self.group = mx.distributed.init()
         self.rank, self.size = self.group.rank(), self.group.size()
 
@@ -35,17 +42,12 @@ class Ranks:
     def abort(self) -> None:
         """A rank that failed mid-generation leaves the group out of step: exit at once
         (mlx.launch then stops the other ranks and the service's supervisor restarts all)."""
-        import os
-        import time
-
         log.error("rank %d: leaving the group after a failed generation", self.rank)
         time.sleep(0.5)  # let rank 0's error response reach its client
         os._exit(1)
 
     def share(self, obj):
         """Rank 0's `obj` on every rank (the others pass anything)."""
-        import mlx.core as mx
-
         if not self.distributed:
             return obj
         if self.rank == 0:
@@ -65,9 +67,6 @@ class Ranks:
         step's forward (whose pipeline sends are collectives too), and collectives must be
         issued in the same order on every rank.
         """
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
-
         if not self.distributed:
             return flag
         calls = 0
@@ -89,18 +88,19 @@ def job_params(job) -> dict:
     """What every rank needs to run the same generation. A job without a seed gets one here:
     sampling must draw the same numbers on every rank."""
     seed = job.seed if job.seed is not None else random.randrange(2**31)
-    return {"prompt_ids": list(job.prompt_ids), "max_tokens": job.max_tokens,
-            "temperature": job.temperature, "top_p": job.top_p, "seed": seed}
+    return {
+        "prompt_ids": list(job.prompt_ids),
+        "max_tokens": job.max_tokens,
+        "temperature": job.temperature,
+        "top_p": job.top_p,
+        "seed": seed,
+    }
 
 
-def follow(model: str, engine_opts: dict, ranks: Ranks, split: list[int] | None = None) -> None:
+def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None:
     """Ranks other than 0: load the model's share, then run whatever rank 0 runs, forever."""
-    import mlx.core as mx
-
-    from ..engine import generate
-
     log.info("rank %d of %d: loading %s", ranks.rank, ranks.size, model)
-    bundle = generate.load(model, split)
+    bundle = load(model, split)
     log.info("rank %d: loaded; following rank 0", ranks.rank)
     while True:
         req = ranks.share(None)
@@ -108,9 +108,15 @@ def follow(model: str, engine_opts: dict, ranks: Ranks, split: list[int] | None 
             continue
         mx.random.seed(req["seed"])
         try:
-            for _ in generate.stream(bundle, req["prompt_ids"], req["max_tokens"],
-                                     temperature=req["temperature"], top_p=req["top_p"],
-                                     stop=ranks.synced_stop(lambda: False), **engine_opts):
+            for _ in generate.stream(
+                bundle,
+                req["prompt_ids"],
+                req["max_tokens"],
+                temperature=req["temperature"],
+                top_p=req["top_p"],
+                stop=ranks.synced_stop(lambda: False),
+                options=options,
+            ):
                 pass
         except Exception as e:  # noqa: BLE001 - see Ranks.abort
             log.error("rank %d: generation failed: %s", ranks.rank, e)

@@ -13,8 +13,17 @@ import logging
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+import mlx.core as mx
+
+from ..engine import generate
+from ..engine.caches import EngineOptions
+from ..engine.model import load
+from . import ranks
+from .ranks import Ranks
 
 log = logging.getLogger("macserve.server")
 
@@ -48,11 +57,12 @@ class Job:
 
 
 class Worker(threading.Thread):
-    def __init__(self, model: str, engine_opts: dict, on_load_failed: Callable[[str], None],
-                 split: list[int] | None = None):
+    def __init__(
+        self, model: str, options: EngineOptions, on_load_failed: Callable[[str], None], split=None
+    ):
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
-        self.engine_opts = engine_opts
+        self.options = options
         self.split = split
         self.on_load_failed = on_load_failed
         self.bundle = None
@@ -62,8 +72,6 @@ class Worker(threading.Thread):
         self.served = 0
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
-        from .ranks import Ranks
-
         self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
 
     @property
@@ -77,12 +85,9 @@ class Worker(threading.Thread):
         self.jobs.put(job)
 
     def run(self) -> None:
-        from ..engine import generate
-        from . import ranks
-
         try:
             log.info("loading %s", self.model)
-            self.bundle = generate.load(self.model, self.split)
+            self.bundle = load(self.model, self.split)
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
             self.error = f"{type(e).__name__}: {e}"
@@ -107,20 +112,24 @@ class Worker(threading.Thread):
                     job.seed = params["seed"]
                     self.ranks.share(params)
                     stop = self.ranks.synced_stop(stop)
-                self._run(job, generate, stop)
+                self._run(job, stop)
             finally:
                 self.busy = False
                 job.deliver(END)
 
-    def _run(self, job: Job, generate, stop) -> None:
-        import mlx.core as mx
-
+    def _run(self, job: Job, stop) -> None:
         try:
             if job.seed is not None:
                 mx.random.seed(job.seed)
-            for step in generate.stream(self.bundle, job.prompt_ids, job.max_tokens,
-                                        temperature=job.temperature, top_p=job.top_p,
-                                        stop=stop, **self.engine_opts):
+            for step in generate.stream(
+                self.bundle,
+                job.prompt_ids,
+                job.max_tokens,
+                temperature=job.temperature,
+                top_p=job.top_p,
+                stop=stop,
+                options=self.options,
+            ):
                 job.deliver(step)
             if job.disconnected:
                 self.disconnected += 1

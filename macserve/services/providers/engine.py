@@ -1,0 +1,79 @@
+"""macserve's own MLX engine: `python -m macserve serve MODEL --host H --port P ...`.
+
+Run with the same interpreter as macserve, so a service uses this very install. Its /health
+is 503 while the model loads and 200 once a request would be served, and the server exits
+(non-zero) when the model cannot load, so the generic GET probe and the supervisor's crash
+detection are all readiness needs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ...errors import MacserveError
+from .. import preflight
+from ..profiles import Profile, local_model_path
+from .base import BaseProvider
+from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
+
+
+class Engine(BaseProvider):
+    name = "macserve"
+    label = "macserve serve"
+    reserved = {"--host": "HOST", "--port": "PORT", "--split": "SPLIT"}
+    multi_host = True
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "macserve", "serve"]
+
+    def binary_path(self) -> str:
+        # The flags live in cli/serve.py: editing it re-probes --help, nothing else needs to.
+        return str(Path(__file__).resolve().parents[2] / "cli" / "serve.py")
+
+    def model_args(self, profile: Profile) -> list[str]:
+        return [profile.model]
+
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        if not profile.multi_host:
+            return argv
+        if profile.split:
+            argv += ["--split", ",".join(map(str, profile.split))]
+        # As the mlx provider: every rank runs `macserve serve`, pipelined by mlx-lm;
+        # rank 0 (the first host) answers HTTP.
+        return (
+            [sys.executable, "-m", LAUNCH_SHIM]
+            + launch_command(profile)
+            + ["--python", argv[0], "--"]
+            + argv[1:]
+        )
+
+    def env(self, profile: Profile) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
+
+    def validate(self, profile: Profile) -> None:
+        if profile.multi_host and profile.sharding != "pipeline":
+            raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
+        validate_hosts(profile)
+
+    def check_args(self, profile: Profile) -> None:
+        # The engine serves local folders only; refusing here beats a crash loop.
+        path = local_model_path(profile.model)
+        if path is None or not (path / "config.json").is_file():
+            raise MacserveError(
+                f"{profile.model}: macserve serve needs a local model folder with a config.json"
+            )
+        super().check_args(profile)
+        if profile.multi_host:
+            check_hosts(profile)
+            preflight.check(profile)
+
+    def context_args(self, n_ctx: int) -> list[str]:
+        return ["--ctx", str(n_ctx)]
+
+    def draft_args(self, mtp_layers: int) -> list[str]:
+        return ["--mtp-k", "1"] if mtp_layers > 0 else []
+
+
+PROVIDER = Engine()

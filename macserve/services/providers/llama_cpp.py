@@ -1,0 +1,169 @@
+"""llama.cpp's `llama-server`: GGUF models, OpenAI-compatible HTTP, `/health` 200 when loaded.
+
+The binary is found in MACSERVE_LLAMA_SERVER, then PATH, then the Homebrew prefixes (a
+LaunchAgent's PATH is minimal, and `brew install llama.cpp` puts it in /opt/homebrew/bin on
+Apple silicon). MODEL is a local .gguf path (`-m`) or a Hugging Face `owner/repo[:QUANT]`
+(`--hf-repo`, which llama-server downloads and caches itself).
+
+Several Macs (profile `BACKEND=rpc`, `HOSTS=worker[:port],...`): llama.cpp's own RPC backend.
+Each worker runs `rpc-server -H ADDR -p PORT` (default port 50052); this head runs
+llama-server with `--rpc worker:port,...` and splits the layers over its own GPU and the
+workers'. Before a start, every worker's port must accept a TCP connection and this
+llama-server must list `--rpc` (built with -DGGML_RPC=ON), so a bad edit is refused in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+
+from ... import env
+from ...errors import MacserveError
+from ..profiles import Profile, local_model_path
+from .base import BaseProvider, help_flags, help_text
+
+HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+RPC_PORT = 50052  # rpc-server's default
+RPC_CONNECT_TIMEOUT = 3.0
+
+
+def _from_env(var: str, p: str | None) -> str | None:
+    if not p:
+        return None
+    if os.access(p, os.X_OK):
+        return os.path.abspath(p)
+    raise MacserveError(f"{var}={p} is not an executable file")
+
+
+def find_llama_server() -> str:
+    p = _from_env("MACSERVE_LLAMA_SERVER", env.llama_server())
+    if p:
+        return p
+    found = shutil.which("llama-server")
+    if found:
+        return os.path.abspath(found)
+    for d in HOMEBREW_DIRS:
+        cand = os.path.join(d, "llama-server")
+        if os.access(cand, os.X_OK):
+            return cand
+    raise MacserveError(
+        "llama-server not found (brew install llama.cpp, or set MACSERVE_LLAMA_SERVER)"
+    )
+
+
+RPC_SERVER_NAMES = ("ggml-rpc-server", "rpc-server")  # its name since / before late 2025
+
+
+def find_rpc_server() -> str:
+    """The RPC worker binary: MACSERVE_RPC_SERVER, beside llama-server, then PATH."""
+    p = _from_env("MACSERVE_RPC_SERVER", env.rpc_server())
+    if p:
+        return p
+    try:
+        here = os.path.dirname(find_llama_server())
+    except MacserveError:
+        here = None
+    for name in RPC_SERVER_NAMES:
+        if here and os.access(os.path.join(here, name), os.X_OK):
+            return os.path.join(here, name)
+        if shutil.which(name):
+            return os.path.abspath(shutil.which(name))
+    raise MacserveError("rpc-server not found (a llama.cpp build with -DGGML_RPC=ON has it)")
+
+
+class LlamaCpp(BaseProvider):
+    name = "llama.cpp"
+    label = "llama-server"
+    health_path = "/health"  # 503 while loading, 200 when ready: a true readiness probe
+    multi_host = True  # HOSTS = RPC workers
+    reserved = {
+        "--host": "HOST",
+        "--port": "PORT",
+        "-m": "MODEL",
+        "--model": "MODEL",
+        "-hf": "MODEL",
+        "-hfr": "MODEL",
+        "--hf-repo": "MODEL",
+        "--rpc": "HOSTS",
+    }
+
+    def command(self) -> list[str]:
+        return [find_llama_server()]
+
+    def model_args(self, profile: Profile) -> list[str]:
+        local = local_model_path(profile.model)
+        if local is not None:
+            return ["-m", str(local)]
+        if _HF_REPO.match(profile.model):
+            return ["--hf-repo", profile.model]
+        raise MacserveError(f"MODEL {profile.model!r} is neither a file nor owner/repo[:QUANT]")
+
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        workers = rpc_workers(profile)
+        if workers:
+            argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]
+        return argv
+
+    def validate(self, profile: Profile) -> None:
+        if not profile.multi_host:
+            return
+        if (profile.backend or "rpc") != "rpc":
+            raise MacserveError(f"BACKEND={profile.backend} does not apply to llama.cpp; use rpc")
+        if profile.hostfile is not None:
+            raise MacserveError("llama.cpp takes HOSTS as worker[:port],... (no hostfile)")
+
+    def check_args(self, profile: Profile) -> None:
+        self.validate(profile)
+        local = local_model_path(profile.model)
+        if local is not None and not local.is_file():
+            raise MacserveError(f"model file {local} not found")
+        self.model_args(profile)
+        super().check_args(profile)
+        workers = rpc_workers(profile)
+        if workers:
+            if "--rpc" not in help_flags(self.command(), self.binary_path()):
+                raise MacserveError(
+                    "this llama-server has no --rpc: it was built without "
+                    "-DGGML_RPC=ON (scripts/build-llama-server.sh builds it with RPC)"
+                )
+            down = [f"{h}:{p}" for h, p in workers if not reachable(h, p)]
+            if down:
+                raise MacserveError(
+                    f"rpc worker {', '.join(down)} not reachable: start "
+                    f"`rpc-server -H 0.0.0.0 -p PORT` there first"
+                )
+
+    def context_args(self, n_ctx: int) -> list[str]:
+        return ["-c", str(n_ctx)]
+
+    def draft_args(self, mtp_layers: int) -> list[str]:
+        # Only builds whose --help lists draft-mtp can use the model's own MTP heads.
+        if mtp_layers <= 0:
+            return []
+        text = help_text(self.command(), self.binary_path())
+        if re.search(r"--spec-type\s+\S*\bdraft-mtp\b", text):
+            return ["--spec-type", "draft-mtp"]
+        return []
+
+
+def rpc_workers(profile: Profile) -> list[tuple[str, int]]:
+    """(host, port) of each RPC worker; [] for a one-Mac profile."""
+    PROVIDER.validate(profile)
+    return [(h.host, h.port or RPC_PORT) for h in profile.hosts]
+
+
+def reachable(host: str, port: int, timeout: float = RPC_CONNECT_TIMEOUT) -> bool:
+    """rpc-server serves one client at a time, but its listen backlog accepts the connection
+    while it is busy, so this answers for a worker the head is already using."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+PROVIDER = LlamaCpp()

@@ -1,0 +1,192 @@
+"""mlx-lm's `mlx_lm.server`: MLX / safetensors models on Apple silicon.
+
+Run as `python -m mlx_lm server` with the same interpreter as macserve (the `python -m
+mlx_lm.server` form is deprecated). Its `/health` answers 200 while the model is still loading
+in a background thread, so readiness is a real one-token completion. It has no context-size
+flag: the KV cache grows with each request.
+
+Several hosts (profile HOSTS): the same server runs under `mlx.launch` (MLX's own distributed
+launcher, `--backend ring|jaccl`), one rank per host; mlx-lm shards the model itself
+(`--pipeline` for SHARDING=pipeline, its tensor parallelism otherwise) and only rank 0 answers
+HTTP, on HOST:PORT of the first host, so health, readiness and chat are unchanged. When a rank
+dies mlx.launch stops the others and exits; `mlx_launch.py` (which runs it) turns that into a
+non-zero exit, so the supervisor restarts the whole group. SPLIT (uneven layers per host) runs
+the same server under `macserve.engine.pipeline`, which passes the split to mlx-lm.
+The ring backend listens on PORT+1.. (one port per rank), not on its default 32323, so two
+services on one machine do not collide.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+
+from ...errors import MacserveError
+from .. import preflight
+from ..profiles import Profile
+from .base import BaseProvider, base_url
+
+# mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
+# it runs in the service's own process.
+SPLIT_SHIM = "macserve.engine.pipeline"
+LAUNCH_SHIM = "macserve.services.providers.mlx_launch"
+
+
+class MlxLm(BaseProvider):
+    name = "mlx"
+    label = "mlx_lm.server"
+    reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
+    multi_host = True
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "mlx_lm", "server"]
+
+    def argv(self, profile: Profile) -> list[str]:
+        argv = super().argv(profile)
+        if not profile.multi_host:
+            return argv
+        if profile.sharding == "pipeline":
+            argv.append("--pipeline")
+        rest = argv[1:]
+        if profile.split:
+            # [-m, mlx_lm, server, ...] -> mlx-lm's server under our uneven-split shim
+            rest = ["-m", SPLIT_SHIM, _split_text(profile)] + rest[3:]
+        # mlx.launch runs `--python` + the arguments after `--` on each host.
+        return (
+            [sys.executable, "-m", LAUNCH_SHIM]
+            + launch_command(profile)
+            + ["--python", argv[0], "--"]
+            + rest
+        )
+
+    def binary_path(self) -> str:
+        # The help cache is keyed on mlx_lm's server.py, so upgrading mlx-lm re-probes flags.
+        spec = importlib.util.find_spec("mlx_lm.server")
+        if spec is None or not spec.origin:
+            raise MacserveError("mlx-lm is not installed (pip install mlx-lm)")
+        return spec.origin
+
+    def model_args(self, profile: Profile) -> list[str]:
+        return ["--model", profile.model]
+
+    def env(self, profile: Profile) -> dict[str, str]:
+        # Python buffers stdout when it is a file; the service log should show progress live.
+        return {"PYTHONUNBUFFERED": "1"}
+
+    def validate(self, profile: Profile) -> None:
+        validate_hosts(profile)
+
+    def check_args(self, profile: Profile) -> None:
+        super().check_args(profile)
+        if profile.multi_host:
+            check_hosts(profile)
+            preflight.check(profile)  # ssh, versions, model, memory on the non-local hosts
+
+    def ready(self, profile: Profile, timeout: float = 5.0) -> bool:
+        try:
+            r = httpx.post(
+                base_url(profile) + "/v1/completions",
+                json={"prompt": "a", "max_tokens": 1},
+                timeout=timeout,
+            )
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def failed(self, profile: Profile) -> str | None:
+        # mlx-lm >= 0.30: /health is 200 while the generation thread lives (also while it is
+        # still loading the model) and 503 once it has died; the HTTP server keeps running.
+        try:
+            r = httpx.get(self.health_url(profile), timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 503:
+            return "mlx_lm.server is up but its generation thread died (see the log)"
+        return None
+
+    def context_args(self, n_ctx: int) -> None:
+        return None  # mlx_lm.server has no context flag
+
+
+def _split_text(profile: Profile) -> str:
+    return ",".join(map(str, profile.split))
+
+
+def launcher() -> str:
+    """mlx.launch of the interpreter running macserve (not a pyenv shim), else the one on PATH."""
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if os.access(here, os.X_OK) else shutil.which("mlx.launch")
+    if not found:
+        raise MacserveError("mlx.launch not found (it comes with mlx: pip install mlx)")
+    return found
+
+
+def launch_command(profile: Profile) -> list[str]:
+    where = (
+        ["--hostfile", str(profile.hostfile)]
+        if profile.hostfile is not None
+        else ["--hosts", ",".join(str(h) for h in profile.hosts)]
+    )
+    return [
+        launcher(),
+        "--backend",
+        profile.backend or "ring",
+        *where,
+        "--starting-port",
+        str(profile.port + 1),
+    ]
+
+
+def validate_hosts(profile: Profile) -> None:
+    """mlx.launch's rules for HOSTS, BACKEND, SHARDING and SPLIT, without I/O. The macserve
+    engine provider shares them."""
+    if not profile.multi_host:
+        return
+    backend = profile.backend or "ring"
+    if backend not in ("ring", "jaccl"):
+        raise MacserveError(f"BACKEND={backend} does not apply to mlx; use ring or jaccl")
+    if profile.split:
+        if profile.sharding != "pipeline":
+            raise MacserveError("SPLIT applies to SHARDING=pipeline only")
+        if profile.hosts and len(profile.split) != len(profile.hosts):
+            raise MacserveError(
+                f"SPLIT has {len(profile.split)} entries for {len(profile.hosts)} hosts"
+            )
+    for h in profile.hosts:
+        if h.port is not None:
+            raise MacserveError(f"HOSTS entry {str(h)!r}: mlx takes no port (ranks use PORT+1..)")
+        if backend == "ring":
+            try:
+                ipaddress.ip_address(h.host)
+            except ValueError:
+                raise MacserveError(
+                    f"HOSTS entry {h.host!r}: the ring backend needs IP addresses (or a hostfile)"
+                ) from None
+
+
+def check_hosts(profile: Profile) -> None:
+    """One-line errors for HOSTS/BACKEND/SPLIT that mlx.launch would refuse after the restart:
+    the rules above, then what needs the disk (the hostfile, the model's layer count)."""
+    validate_hosts(profile)
+    if profile.hostfile is not None and not profile.hostfile.is_file():
+        raise MacserveError(f"HOSTS hostfile {profile.values['HOSTS']} not found")
+    if profile.split:
+        n = len(preflight.hosts_of(profile))
+        if len(profile.split) != n:
+            raise MacserveError(f"SPLIT has {len(profile.split)} entries for {n} hosts")
+        layers = preflight.model_layers(profile)
+        if layers is not None and sum(profile.split) != layers:
+            raise MacserveError(
+                f"SPLIT {_split_text(profile)} sums to {sum(profile.split)}; "
+                f"the model has {layers} layers"
+            )
+    launcher()
+
+
+PROVIDER = MlxLm()

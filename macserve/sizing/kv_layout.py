@@ -1,0 +1,484 @@
+"""ModelShape -> what each engine allocates, per token and per sequence.
+
+Public API (`inspect` and `new` call these; report.py wraps them per source):
+
+- `CACHE_KEYS`: the "<engine>/<cache type>" keys.
+- `layout(shape, key, ubatch=512, swa_full=False) -> Layout`: the buffers that engine keeps
+  for this model. `Layout.supported` is False (with `Layout.reason`) when the engine cannot
+  cache the model that way. `Layout.per_token` (bytes per token of context, a Fraction:
+  compressed caches add a row every `ratio` tokens), `Layout.state` (bytes per sequence that
+  do not grow with context: recurrent states, sliding windows, INT2 bf16 windows) and
+  `Layout.bytes_at(ctx)` (exact bytes for one sequence of `ctx` tokens, with the engine's
+  padding: llama.cpp pads contexts to 256 cells, mlx-lm grows its KVCache in steps of 256).
+- `kv_bytes_per_token(shape, key)`, `state_bytes_per_sequence(shape, key)`: the two numbers,
+  None when unsupported.
+- `max_context(shape, key, budget_bytes, weights_bytes=0, parallel=1) -> int | None`: the
+  longest context per sequence such that weights + parallel x bytes_at(ctx) <= budget,
+  capped at the model's own limit (None: unsupported).
+
+The machine's side (the budget, `parse_size`) is budget.py.
+
+Rules, each from the engine's own code (docs/inspect.md shows the reasoning and arithmetic):
+
+- llama.cpp (src/llama-kv-cache*.cpp, llama-model.cpp create_memory): f16 2 B per value,
+  q8_0 34 B and q4_0 18 B per 32 values (quantized rows need widths divisible by 32).
+  Full attention: K and V rows per cell. MLA (`is_mla`): K only, kv_lora_rank + rope wide;
+  DSA: plus an indexer-key row on layers that own an indexer (3 x 128 wide with GLM-5.3's
+  k-pool: key | gate | pooled). Sliding layers: min(ctx, window + ubatch) cells per
+  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32. DeepSeek-V4: a
+  K-only window cache on every layer, compressed K rows every 4 (CSA) or 128 (HCA) tokens
+  plus CSA indexer rows, each padded to 256 cells, and f32 compressor states. nextn (MTP)
+  layers are filtered out of the main context's cache.
+- mlx-lm (mlx_lm/models/*.py make_cache): bf16. KVCache for full attention;
+  RotatingKVCache(window) for sliding layers where the model code uses it; ArraysCache with
+  conv tails in the model dtype and recurrent states in fp32; MLA caches latent + rope
+  (deepseek_v3 family) or expands K and V per head (deepseek_v2, minicpm3, youtu_llm); DSA
+  models keep a bf16 indexer key on every layer, shared or not.
+- macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
+  (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
+  and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); a DSA
+  indexer key as 8-bit groups of 64 (D + ceil(D/64) x 4 B); every other cache as in mlx/bf16.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+
+from ..errors import MacserveError
+from ..int2_format import BF16_LATENT, INT2
+from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
+
+CACHE_KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
+LLAMA_UBATCH = 512  # llama-server's default -ub
+CELL_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256); mlx-lm: KVCache.step = 256
+DSV4_RATIOS = (4, 128)  # llama.cpp's DSV4_CSA_RATIO / DSV4_HCA_RATIO: the only ones it caches
+
+
+def _pad(n: int, to: int = CELL_PAD) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One cache tensor of one layer: `row` bytes per row, rows depending on `grow`:
+    "token": one row per `every` tokens of context; "window": min(ctx, rows);
+    "fixed": `rows` rows whatever the context."""
+
+    layer: int
+    what: str
+    row: int
+    grow: str
+    every: int = 1
+    rows: int = 0
+
+
+@dataclass
+class Layout:
+    key: str
+    buffers: list = field(default_factory=list)
+    supported: bool = True
+    reason: str = ""
+    pad: int = CELL_PAD
+    pad_compressed: bool = False  # llama.cpp pads every compressed cache to 256 cells too
+    pad_window: bool = False  # llama.cpp pads its SWA cache; mlx-lm's ring is exactly `window`
+
+    @property
+    def per_token(self) -> Fraction:
+        return sum(
+            (Fraction(b.row, b.every) for b in self.buffers if b.grow == "token"), Fraction(0)
+        )
+
+    @property
+    def state(self) -> int:
+        return sum(
+            b.row * (_pad(b.rows, self.pad) if b.grow == "window" and self.pad_window else b.rows)
+            for b in self.buffers
+            if b.grow != "token"
+        )
+
+    def bytes_at(self, ctx: int) -> int:
+        cells = _pad(ctx, self.pad) if ctx > 0 else 0
+        total = 0
+        for b in self.buffers:
+            if b.grow == "token":
+                rows = cells if b.every == 1 else -(-cells // b.every)
+                if b.every > 1 and self.pad_compressed:
+                    rows = _pad(max(1, rows), self.pad)
+            elif b.grow == "window":
+                rows = min(cells, b.rows)
+                if self.pad_window:
+                    rows = _pad(rows, self.pad)
+            else:
+                rows = b.rows
+            total += rows * b.row
+        return total
+
+
+def _unsupported(key: str, reason: str) -> Layout:
+    return Layout(key, supported=False, reason=reason)
+
+
+# ---------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def _ggml_row(values: int, t: str) -> int:
+    if t == "f16":
+        return 2 * values
+    if values % 32:
+        raise _Unsupported(f"llama.cpp {t} needs rows divisible by 32 ({values} is not)")
+    return values // 32 * {"q8_0": 34, "q4_0": 18}[t]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _llama_layer(i: int, l, t: str, ubatch: int, swa_full: bool) -> list[Buffer]:
+    if isinstance(l, NoCache):
+        return []
+    if isinstance(l, (Full, Sliding)):
+        k, v = _ggml_row(l.kv_heads * l.k_dim, t), _ggml_row(l.kv_heads * l.v_dim, t)
+        if isinstance(l, Full) or swa_full:
+            return [Buffer(i, "K", k, "token"), Buffer(i, "V", v, "token")]
+        # llama_kv_cache_iswa: SWA cache of min(n_ctx_seq, n_swa + n_ubatch) cells, padded.
+        w = l.window + ubatch
+        return [
+            Buffer(i, "K (window)", k, "window", rows=w),
+            Buffer(i, "V (window)", v, "window", rows=w),
+        ]
+    if isinstance(l, Linear):
+        # llama_memory_recurrent: r and s rows in GGML_TYPE_F32, one per sequence.
+        return [
+            Buffer(i, "conv state (f32)", 4 * l.conv_elems, "fixed", rows=1),
+            Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1),
+        ]
+    if isinstance(l, MLA):
+        out = [Buffer(i, "latent + rope K", _ggml_row(l.latent + l.rope, t), "token")]
+        if l.indexer and not l.indexer_shared:
+            # llama_memory_hybrid_idx keeps key | gate | pooled per token for a k-pool indexer.
+            width = l.indexer * (3 if l.indexer_pool > 1 else 1)
+            out.append(Buffer(i, "indexer key", _ggml_row(width, t), "token"))
+        return out
+    if isinstance(l, Compressed):
+        if l.ratio and l.ratio not in DSV4_RATIOS:
+            raise _Unsupported(
+                f"llama.cpp caches compress ratios {DSV4_RATIOS} only, not {l.ratio}"
+            )
+        row = _ggml_row(l.head_dim, t)
+        out = [Buffer(i, "K (window)", row, "window", rows=l.window + ubatch)]
+        if l.ratio:
+            out.append(Buffer(i, f"compressed K (1/{l.ratio})", row, "token", every=l.ratio))
+            # llama_dsv4_comp_state: f32 kv and score, state_size x n_embd_state each.
+            if l.ratio == 4:
+                out.append(
+                    Buffer(i, "compressor state (f32)", 2 * 4 * 8 * 2 * l.head_dim, "fixed", rows=1)
+                )
+            else:
+                out.append(
+                    Buffer(
+                        i, "compressor state (f32)", 2 * 4 * l.ratio * l.head_dim, "fixed", rows=1
+                    )
+                )
+        if l.indexer:
+            out.append(Buffer(i, "indexer key (1/4)", _ggml_row(l.indexer, t), "token", every=4))
+            out.append(
+                Buffer(
+                    i, "indexer compressor state (f32)", 2 * 4 * 8 * 2 * l.indexer, "fixed", rows=1
+                )
+            )
+        return out
+    raise TypeError(l)
+
+
+def _llama_layout(layers: list, key: str, t: str, ubatch: int, swa_full: bool) -> Layout:
+    try:
+        bufs = [b for i, l in enumerate(layers) for b in _llama_layer(i, l, t, ubatch, swa_full)]
+    except _Unsupported as e:
+        return _unsupported(key, str(e))
+    return Layout(key, bufs, pad_compressed=True, pad_window=True)
+
+
+# ---------------------------------------------------------------------------------------
+# mlx-lm (and the macserve engine built on it)
+
+# Read from mlx_lm/models/*.py: which MLA modules cache the latent (update_and_fetch of
+# kv_latent, k_pe) and which decompress and cache K and V per head.
+MLX_MLA_LATENT = {
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "kimi_k3",
+    "kimi_linear",
+    "kimi_vl",
+    "longcat_flash",
+    "mistral4",
+    "bailing_hybrid",
+    "bailing_moe_v3",
+}
+MLX_MLA_EXPANDED = {"deepseek_v2", "minicpm3", "youtu_llm"}
+
+
+@dataclass(frozen=True)
+class MlxModule:
+    """Which mlx-lm module would load this model_type (None: mlx-lm has none)."""
+
+    name: str | None
+    version: str | None
+    uses_rotating_cache: bool  # the module's make_cache uses RotatingKVCache
+
+
+@cache
+def _mlx_lm_dir() -> Path | None:
+    # find_spec locates the package without importing it (mlx_lm imports mlx: ~1 s).
+    spec = importlib.util.find_spec("mlx_lm")
+    if not spec or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@cache
+def _mlx_remapping() -> dict:
+    """mlx_lm.utils.MODEL_REMAPPING, read from its source (importing it imports mlx)."""
+    d = _mlx_lm_dir()
+    try:
+        tree = ast.parse((d / "utils.py").read_text())
+    except (OSError, SyntaxError, TypeError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets
+        ):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+    return {}
+
+
+@cache
+def mlx_module(model_type: str) -> MlxModule:
+    d = _mlx_lm_dir()
+    if d is None:
+        return MlxModule(None, None, False)
+    version = None
+    try:
+        for line in (d / "_version.py").read_text().splitlines():
+            if line.startswith("__version__"):
+                version = line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    name = _mlx_remapping().get(model_type, model_type)
+    path = d / "models" / f"{name}.py"
+    if not path.exists():
+        return MlxModule(None, version, False)
+    src = path.read_text()
+    # A module may inherit its cache from another one (glm_moe_dsa -> deepseek_v32).
+    for base in set(_imports(src)):
+        p = d / "models" / f"{base}.py"
+        if p.exists():
+            src += p.read_text()
+    return MlxModule(name, version, "RotatingKVCache(" in src)
+
+
+def _imports(src: str):
+    """Sibling model modules this one takes its Model from (`from .deepseek_v32 import Model`)."""
+    for line in src.splitlines():
+        line = line.strip()
+        if line.startswith("from .") and " import " in line and "Model" in line:
+            mod = line[len("from .") :].split(" ", 1)[0]
+            if mod not in ("cache", "base"):
+                yield mod
+
+
+def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
+    bf16 = 2
+    if isinstance(l, NoCache):
+        return []
+    if isinstance(l, Full):
+        return [
+            Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token"),
+            Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token"),
+        ]
+    if isinstance(l, Sliding):
+        k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
+        if mod.name and not mod.uses_rotating_cache:
+            # The model code makes a plain KVCache for every layer: sliding layers grow too.
+            return [
+                Buffer(i, "K (sliding, kept in full)", k, "token"),
+                Buffer(i, "V (sliding, kept in full)", v, "token"),
+            ]
+        return [
+            Buffer(i, "K (window)", k, "window", rows=l.window),
+            Buffer(i, "V (window)", v, "window", rows=l.window),
+        ]
+    if isinstance(l, Linear):
+        # ArraysCache: conv tail in the activations' dtype, gated-delta/SSM state in fp32.
+        return [
+            Buffer(i, "conv state (bf16)", bf16 * l.conv_elems, "fixed", rows=1),
+            Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1),
+        ]
+    if isinstance(l, MLA):
+        if int2:
+            out = [
+                Buffer(i, "latent + rope (int2/int8)", INT2.row_bytes(l.latent, l.rope), "token"),
+                Buffer(
+                    i,
+                    "bf16 sink + recent tokens",
+                    BF16_LATENT.row_bytes(l.latent, l.rope),
+                    "fixed",
+                    rows=INT2.window_tokens(),
+                ),
+            ]
+        elif mod.name in MLX_MLA_EXPANDED:
+            out = [
+                Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token"),
+                Buffer(i, "V per head", bf16 * l.heads * l.v_head, "token"),
+            ]
+        elif mod.name is None or mod.name in MLX_MLA_LATENT:
+            out = [
+                Buffer(i, "latent", bf16 * l.latent, "token"),
+                Buffer(i, "rope key", bf16 * l.rope, "token"),
+            ]
+        else:
+            raise _Unsupported(f"mlx-lm's {mod.name} MLA cache layout is not verified here")
+        if l.indexer and int2:
+            # macserve's engine (engine/dsa_indexer.py): the same key on every layer, 8-bit
+            # groups of 64 with a bf16 scale and bias, and no zero-filled values array.
+            out.append(Buffer(i, "indexer key (int8)", INT2.index_row_bytes(l.indexer), "token"))
+        elif l.indexer:
+            # deepseek_v32's Indexer caches every token's key on every layer; it ignores
+            # indexer_types and pools nothing.
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+        return out
+    if isinstance(l, Compressed):
+        if int2:
+            raise _Unsupported("the INT2 latent format is defined for MLA layers only")
+        # deepseek_v41.LayerCache: the last `window` rows, closed compressed groups, their
+        # index keys, and the open group's rows in fp32 (kv and gate).
+        out = [Buffer(i, "K=V (window)", bf16 * l.head_dim, "window", rows=l.window)]
+        if l.ratio:
+            out.append(
+                Buffer(
+                    i, f"compressed K=V (1/{l.ratio})", bf16 * l.head_dim, "token", every=l.ratio
+                )
+            )
+            if l.ratio > 1:
+                out.append(
+                    Buffer(
+                        i,
+                        "open group (f32 kv + gate)",
+                        2 * 4 * l.head_dim,
+                        "fixed",
+                        rows=l.ratio - 1,
+                    )
+                )
+        if l.indexer:
+            out.append(
+                Buffer(i, f"indexer key (1/{l.ratio})", bf16 * l.indexer, "token", every=l.ratio)
+            )
+        return out
+    raise TypeError(l)
+
+
+def _mlx_layout(layers: list, key: str, mod: MlxModule, int2: bool) -> Layout:
+    if int2 and not any(isinstance(l, MLA) for l in layers):
+        return _unsupported(key, "no MLA layers: the INT2 latent cache does not apply")
+    try:
+        bufs = [b for i, l in enumerate(layers) for b in _mlx_layer(i, l, mod, int2)]
+    except _Unsupported as e:
+        return _unsupported(key, str(e))
+    return Layout(key, bufs)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def layout(
+    shape: ModelShape,
+    key: str,
+    ubatch: int = LLAMA_UBATCH,
+    swa_full: bool = False,
+    mtp: bool = False,
+) -> Layout:
+    """The buffers engine `key` keeps for `shape`'s trunk layers (or its MTP layers)."""
+    layers = shape.mtp_layers if mtp else shape.layers
+    engine, _, t = key.partition("/")
+    if engine == "llama.cpp" and t in ("f16", "q8_0", "q4_0"):
+        return _llama_layout(layers, key, t, ubatch, swa_full)
+    if engine in ("mlx", "macserve") and shape.source_format == "gguf":
+        return _unsupported(key, "MLX engines load safetensors, not GGUF")
+    if key == "mlx/bf16":
+        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=False)
+    if key == "macserve/int2":
+        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True)
+    raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
+
+
+def engine_notes(shape: ModelShape) -> list[str]:
+    """What the user should know about how a figure was reached for this model."""
+    notes = list(shape.notes)
+    if shape.source_format == "config":
+        mod = mlx_module(shape.model_type)
+        if mod.name is None and mod.version:
+            notes.append(
+                f"mlx-lm {mod.version} has no module for {shape.model_type!r}: mlx "
+                "figures assume its usual cache classes (docs/inspect.md)"
+            )
+        dsa = [l for l in shape.layers if isinstance(l, MLA) and l.indexer]
+        if dsa and mod.name in ("deepseek_v32", "glm_moe_dsa"):
+            notes.append(
+                "mlx-lm's DSA Indexer also stores a zero-filled values array as "
+                "large as its keys (cache.values = mx.zeros_like(cache.keys)); it is "
+                f"not counted above: +{2 * dsa[0].indexer * len(dsa):,} B/token in mlx/bf16"
+            )
+    return notes
+
+
+def as_number(x: Fraction):
+    return int(x) if x.denominator == 1 else round(float(x), 3)
+
+
+def kv_bytes_per_token(shape: ModelShape, key: str):
+    lay = layout(shape, key)
+    return as_number(lay.per_token) if lay.supported else None
+
+
+def state_bytes_per_sequence(shape: ModelShape, key: str) -> int | None:
+    lay = layout(shape, key)
+    return lay.state if lay.supported else None
+
+
+def max_context(
+    shape: ModelShape,
+    key: str,
+    budget_bytes: int,
+    weights_bytes: int = 0,
+    parallel: int = 1,
+    lay: Layout | None = None,
+) -> int | None:
+    """Longest context per sequence with weights + parallel x bytes_at(ctx) <= budget."""
+    lay = lay or layout(shape, key)
+    if not lay.supported:
+        return None
+    limit = shape.max_position_embeddings or 2**31
+    free = budget_bytes - (weights_bytes or 0)
+
+    def fits(n):
+        return parallel * lay.bytes_at(n) <= free
+
+    if not fits(0):
+        return 0
+    if fits(limit):
+        return limit
+    lo, hi = 0, limit  # bytes_at is monotone: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,156 @@
+"""`inspect` end to end: source -> shape -> per-engine layouts -> a plan for a machine.
+
+Public API (what `macserve new` calls to size a context):
+
+    rep = inspect_source("org/name:Q4_K_M")        # or a folder, config.json, .gguf
+    p = plan(rep, memory_bytes=None, parallel=1, ctx=None)
+    n = max_context(rep, "llama.cpp/q8_0", p.budget.budget_bytes, parallel=2)
+
+`inspect_source(source, quant=None) -> Report`: what the model is and what each engine
+caches for it (no machine involved). `plan(report, memory_bytes=None, parallel=1, ctx=None)
+-> Plan`: the budget of this Mac (or of `memory_bytes` of RAM), the max context per cache
+type and the memory at 8K/32K/128K/max (and `ctx`). `report(...) -> dict` is both, as the
+plain dict `inspect --json` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import MacserveError
+from .arch import ModelShape, shape_from_config, shape_from_gguf
+from .budget import Budget, machine_budget
+from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout
+from .kv_layout import max_context as _max_context
+from .sources import ModelSource, resolve
+
+TABLE_CONTEXTS = (8192, 32768, 131072)
+
+
+@dataclass
+class Report:
+    source: ModelSource
+    shape: ModelShape
+    layouts: dict  # cache key -> Layout (trunk layers)
+    mtp_layouts: dict  # cache key -> Layout (MTP layers alone; not in the trunk figures)
+    notes: list = field(default_factory=list)
+
+    @property
+    def weights_bytes(self) -> int | None:
+        return self.source.weights_bytes
+
+    def supported(self) -> list[str]:
+        return [k for k, lay in self.layouts.items() if lay.supported]
+
+
+@dataclass
+class Plan:
+    budget: Budget
+    parallel: int
+    max_context: dict  # key -> int | None
+    at_context: dict  # key -> {ctx: total bytes (weights + parallel x cache)}
+    ctx: int | None
+    over_budget: list  # keys whose `ctx` does not fit
+
+
+def shape_of(src: ModelSource) -> ModelShape:
+    return shape_from_gguf(src.gguf_meta) if src.is_gguf else shape_from_config(src.config)
+
+
+def inspect_source(source: str, quant: str | None = None) -> Report:
+    src = resolve(source, quant)
+    shape = shape_of(src)
+    keys = [k for k in CACHE_KEYS if not (src.is_gguf and not k.startswith("llama.cpp"))]
+    lays = {k: layout(shape, k) for k in keys}
+    mtp = {k: layout(shape, k, mtp=True) for k in keys} if shape.mtp_layers else {}
+    notes = engine_notes(shape)
+    if src.weights_bytes is None:
+        notes.append("weights unknown (a bare config): max context assumes no weights")
+    return Report(src, shape, lays, mtp, notes)
+
+
+def max_context(report: Report, cache_key: str, budget_bytes: int, parallel: int = 1) -> int:
+    """Longest context per sequence for `parallel` sequences beside the weights (0: none
+    fits). Raises MacserveError when that engine cannot cache this model."""
+    lay: Layout = report.layouts.get(cache_key) or layout(report.shape, cache_key)
+    if not lay.supported:
+        raise MacserveError(f"{cache_key}: {lay.reason}")
+    return _max_context(
+        report.shape, cache_key, budget_bytes, report.weights_bytes or 0, parallel, lay
+    )
+
+
+def plan(
+    report: Report, memory_bytes: int | None = None, parallel: int = 1, ctx: int | None = None
+) -> Plan:
+    budget = machine_budget(memory_bytes)
+    weights = report.weights_bytes or 0
+    fits, table, over = {}, {}, []
+    for k, lay in report.layouts.items():
+        if not lay.supported:
+            fits[k], table[k] = None, None
+            continue
+        fits[k] = _max_context(report.shape, k, budget.budget_bytes, weights, parallel, lay)
+        points = list(TABLE_CONTEXTS) + [fits[k]] + ([ctx] if ctx else [])
+        table[k] = {n: weights + parallel * lay.bytes_at(n) for n in points}
+        if ctx and table[k][ctx] > budget.budget_bytes:
+            over.append(k)
+    return Plan(budget, parallel, fits, table, ctx, over)
+
+
+def report(
+    source: str,
+    quant: str | None = None,
+    memory_bytes: int | None = None,
+    parallel: int = 1,
+    ctx: int | None = None,
+) -> dict:
+    return report_of(inspect_source(source, quant), memory_bytes, parallel, ctx)
+
+
+def report_of(
+    rep: Report, memory_bytes: int | None = None, parallel: int = 1, ctx: int | None = None
+) -> dict:
+    """`report` for a Report already in hand (inspect --hosts resolves the source once)."""
+    p = plan(rep, memory_bytes, parallel, ctx)
+    shape = rep.shape
+
+    def per_key(fn):
+        return {k: (fn(lay) if lay.supported else None) for k, lay in rep.layouts.items()}
+
+    layers = shape.counts()
+    return {
+        "source": rep.source.name,
+        "format": rep.source.kind,
+        "is_gguf": rep.source.is_gguf,
+        "model_type": shape.model_type,
+        "layers": layers,
+        "indexers": shape.indexers(),
+        "kv_bytes_per_token": per_key(lambda l: as_number(l.per_token)),
+        "state_bytes_per_sequence": per_key(lambda l: l.state),
+        "max_context": p.max_context,
+        "unsupported": {k: lay.reason for k, lay in rep.layouts.items() if not lay.supported},
+        "mtp": {
+            "layers": len(shape.mtp_layers),
+            "kv_bytes_per_token": {
+                k: as_number(l.per_token) if l.supported else None
+                for k, l in rep.mtp_layouts.items()
+            },
+        },
+        "mtp_layers": len(shape.mtp_layers),
+        "model_max_context": shape.max_position_embeddings,
+        "weights_bytes": rep.weights_bytes,
+        "budget_bytes": p.budget.budget_bytes,
+        "budget_source": p.budget.source,
+        "total_memory_bytes": p.budget.total_bytes,
+        "wired_limit_bytes": p.budget.wired_limit_bytes,
+        "parallel": parallel,
+        "ctx": ctx,
+        "memory_at_context": {
+            k: ({str(n): b for n, b in t.items()} if t else None) for k, t in p.at_context.items()
+        },
+        "over_budget": p.over_budget,
+        "notes": rep.notes,
+        "files": rep.source.files,
+        "gguf_header_bytes_read": rep.source.header_bytes_read or None,
+    }

@@ -1,0 +1,164 @@
+"""The package's shape: wings whose imports flow one way, no cycles, imports at the top, and an
+`inspect` that starts without the heavy machinery. Read from the source (ast), so a new
+import anywhere is checked, including one hidden inside a function."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import CONFIGS, REPO
+
+PKG = REPO / "macserve"
+
+# What each part may import of macserve (besides itself). cli is the top: it may import all.
+LEAVES = {"macserve.errors", "macserve.env", "macserve.fileio", "macserve.int2_format"}
+ALLOWED = {
+    "macserve.sizing": LEAVES,
+    "macserve.services": LEAVES | {"macserve.sizing"},
+    "macserve.engine": LEAVES,
+    "macserve.server": LEAVES | {"macserve.engine"},
+    "macserve.dev": LEAVES | {"macserve.engine"},
+    "macserve.chat": LEAVES,
+    "macserve.errors": set(),
+    "macserve.env": set(),
+    "macserve.fileio": set(),
+    "macserve.int2_format": set(),
+}
+TOP = {"macserve.cli", "macserve.__main__", "macserve"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(mod: str, path: Path, node: ast.ImportFrom, name: str) -> str:
+    if node.level:
+        base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        pkg = ".".join(base + ([node.module] if node.module else []))
+    else:
+        pkg = node.module or ""
+    full = f"{pkg}.{name}"
+    return full if full in MODULES else pkg
+
+
+def imports(mod: str) -> list[tuple[str, int, bool, str]]:
+    """(imported module, line, inside a function, source line) for every import in `mod`."""
+    path = MODULES[mod]
+    src = path.read_text()
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    inner = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inner |= {id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [_target(mod, path, node, a.name) for a in node.names]
+        else:
+            continue
+        for n in names:
+            out.append((n, node.lineno, id(node) in inner, lines[node.lineno - 1]))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: {t for t, *_ in imports(m) if t.startswith("macserve") and t != m} for m in MODULES}
+
+
+def _part(mod: str) -> str:
+    for p in sorted(ALLOWED, key=len, reverse=True):
+        if mod == p or mod.startswith(p + "."):
+            return p
+    return mod
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(g.get(m, ())):
+            if t not in MODULES:
+                continue
+            assert state.get(t) != 1, "import cycle: " + " -> ".join(path + [m, t])
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [])
+
+
+def test_imports_flow_down_the_wings():
+    bad = []
+    for m, targets in graph().items():
+        if _part(m) in TOP or m.startswith("macserve.cli"):
+            continue
+        allowed = ALLOWED[_part(m)] | {_part(m)}
+        bad += [f"{m} -> {t}" for t in targets if _part(t) not in allowed and t != "macserve"]
+    assert not bad, (
+        "imports against the flow (cli -> server/services/engine -> sizing):\n" + "\n".join(bad)
+    )
+
+
+def test_the_engine_never_imports_services_or_dev():
+    g = graph()
+    for m in g:
+        if m.startswith(("macserve.engine", "macserve.server")):
+            assert not {t for t in g[m] if t.startswith(("macserve.services", "macserve.dev"))}, m
+
+
+def test_imports_are_at_the_top():
+    """Our own modules always at the top; a third-party import inside a function only with a
+    comment saying why (a heavy or optional dependency kept out of a cold start)."""
+    bad = []
+    for m, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for target, line, inner, text in imports(m):
+            if not inner:
+                continue
+            if target.startswith("macserve"):
+                bad.append(f"{path.relative_to(REPO)}:{line}: {text.strip()}")
+            elif "#" not in text and not lines[line - 2].strip().startswith("#"):
+                bad.append(f"{path.relative_to(REPO)}:{line}: {text.strip()} (no comment)")
+    assert not bad, "\n".join(bad)
+
+
+def test_inspect_cold_start_loads_no_heavy_machinery():
+    """`macserve inspect` of a local config imports neither mlx nor the HTTP, service or hub
+    stacks (what made cold starts slow); the wall time is in docs/architecture.md."""
+    code = (
+        "import sys\n"
+        "from macserve.cli import main\n"
+        "try:\n"
+        f"    main(['inspect', {str(CONFIGS / 'deepseek-ai__DeepSeek-V3.json')!r}, '--json'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('mlx', 'mlx_lm', 'httpx', 'huggingface_hub', 'starlette', 'uvicorn', 'supervisor',"
+        " 'numpy')\n"
+        "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout[: r.stdout.rindex("LOADED")])
+    assert report["kv_bytes_per_token"]["mlx/bf16"] == 70272
+    assert r.stdout.strip().splitlines()[-1] == "LOADED []"
