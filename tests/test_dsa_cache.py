@@ -16,7 +16,7 @@ from macserve.engine import mla_attention
 from macserve.engine.caches import latent_caches
 from macserve.engine.calibration import caches_for
 from macserve.engine.dsa_indexer import IndexerKeyCache
-from macserve.engine.latent_cache import LatentQuant
+from macserve.engine.latent_cache import CODE_STEP, LatentQuant
 
 SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 TOPK = 24
@@ -78,9 +78,9 @@ class Replay:
 def test_dsa_models_get_a_latent_and_an_indexer_cache(model):
     caches = caches_for(model, SMALL)
     assert all(isinstance(c, CacheList) and isinstance(c[1], IndexerKeyCache) for c in caches)
-    assert [c[1]._keys.bits for c in caches] == [8, 8]
+    assert [c[1].keys_rows.bits for c in caches] == [8, 8]
     bf16 = caches_for(model, LatentQuant(bits=None))
-    assert bf16[0][1]._keys.bits is None  # the bf16 baseline keeps the indexer in bf16 too
+    assert bf16[0][1].keys_rows.bits is None  # the bf16 baseline keeps the indexer in bf16 too
 
 
 def test_attention_and_selection_on_codes_equal_mlx_lm_on_the_dequantized_cache(model):
@@ -146,7 +146,10 @@ def test_nbytes_adds_the_8bit_indexer_key(model):
     caches = caches_for(model, SMALL)
     run(model, caches, ids(100), 50)
     idx = caches[0][1]
-    assert idx.nbytes == 100 * (64 + 4 * 64 // 64)  # 8-bit codes + bf16 scale and bias per group
+    row = 64 + 4 * 64 // 64  # 8-bit codes + bf16 scale and bias per group
+    rows = idx.keys_rows
+    assert rows.length == 100 and 100 <= rows.capacity < 100 + CODE_STEP
+    assert idx.nbytes == rows.capacity * row  # every row allocated is counted
     # DeepSeek-V3.2 / GLM-5 dims: 228 B latent + 136 B indexer key per token per layer.
     assert SMALL.bytes_per_token(512, 64) + 128 * 8 / 8 + 4 * 128 / 64 == 364
 
@@ -213,8 +216,8 @@ def test_sparse_decode_reads_only_the_selected_rows_and_matches_the_masked_path(
     lat = caches[0][0]
     lat.append(latent, attn.rope(k_pe, lat.offset))
     chosen, top = select_tokens(attn.indexer, x, qr, caches[0][1])
-    segs = lat.segments(1)
-    cut, vis = gather_selected(segs, lat.mask(segs, 1)[None, None], top, TOPK)
-    rows = {k: parts[0].shape[2] for k, _, parts, _ in cut}
-    assert rows["int"] == TOPK < dict((k, p[0].shape[2]) for k, _, p, _ in segs)["int"]
-    assert vis.shape[-1] == sum(rows.values())
+    blks = mla_attention.blocks(lat, 1, attn.num_heads, 4, chosen)
+    cut = gather_selected(lat, blks, top)
+    rows = {k: parts[0].shape[2] for k, _, parts, _, _ in cut}
+    assert rows["codes"] == TOPK < {k: p[0].shape[2] for k, _, p, _, _ in blks}["codes"]
+    assert all(v is True or v.shape[-1] == rows[k] for k, _, _, _, v in cut)

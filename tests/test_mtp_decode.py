@@ -116,3 +116,53 @@ def test_sampled_generation_runs_and_counts(bundle):
 def test_bad_draft_length_is_refused(bundle):
     with pytest.raises(ValueError, match="1..3"):
         MTPDecoder(bundle.model, bundle.mtp(), k=4)
+
+
+def test_mtp_prefill_in_chunks_equals_one_pass_and_heads_only_the_last_row(bundle):
+    """The prompt goes through the trunk and the MTP layer chunk by chunk (progress after
+    each); the drafts and the output come out as from one pass; the vocabulary head scores
+    only the prompt's last row (not every prompt row, twice)."""
+    text = "HAMLET.\nTo be, or not to be, that is the question:\n" * 6
+    ids = bundle.tokenizer.encode(text, add_special_tokens=False)[:150]
+    head = bundle.model.lm_head
+    rows = []
+
+    class Counting:
+        def __call__(self, h):
+            rows.append(h.shape[1])
+            return head(h)
+
+    outs, stats = [], []
+    bundle.model.lm_head = Counting()
+    try:
+        for step in (2048, 16):
+            dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, probe_rounds=10**9, prefill_step=step)
+            seen, rows[:] = [], []
+            out = dec.generate(
+                ids, 24, caches=bundle.caches(), progress=lambda d, n, s=seen: s.append(d)
+            )
+            outs.append(list(out))
+            stats.append((dec.stats.proposed, dec.stats.accepted))
+            assert seen[-1] == len(ids) and len(seen) == -(-len(ids) // step)
+            assert rows[0] == 1 and max(rows) <= 2  # prompt: last row; rounds: t and the draft
+    finally:
+        bundle.model.lm_head = head
+    assert outs[0] == outs[1] and stats[0] == stats[1]
+
+
+def test_greedy_with_mtp_on_an_int2_mtp_cache(bundle):
+    """With --kv int2 the MTP layer's own cache is INT2 too (unrotated): drafts may change,
+    the output may not (the trunk verifies every token)."""
+    from macserve.engine.caches import CacheSpec
+    from macserve.engine.latent_cache import RotatedLatentCache
+
+    spec = CacheSpec.for_model(TINY_MODEL, "int2")
+    q = LatentQuant(bits=2, sink=4, recent=16, slack=4)
+    dec = MTPDecoder(
+        bundle.model, bundle.mtp(), k=1, probe_rounds=10**9, mtp_cache=lambda: RotatedLatentCache(q)
+    )
+    for text in PROMPTS[:3]:
+        ids = bundle.tokenizer.encode(text, add_special_tokens=False)
+        ref = plain_greedy(bundle, ids, 40, bundle.caches(spec))
+        assert list(dec.generate(ids, 40, caches=bundle.caches(spec))) == ref
+    assert isinstance(bundle.mtp_cache_factory(spec)(), RotatedLatentCache)

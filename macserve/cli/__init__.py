@@ -68,6 +68,7 @@ BENCH = {
     "kv": "macserve.cli.engine:bench_kv",
     "mtp": "macserve.cli.engine:bench_mtp",
     "dsa": "macserve.cli.engine:bench_dsa",
+    "engine": "macserve.cli.engine:bench_engine",
 }
 DEV = {
     "train-tiny": "macserve.cli.dev:train_tiny",

@@ -13,9 +13,11 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .. import env
 from ..dev.tiny import data as tiny_data
 from ..engine import generate as gen
 from ..engine.bench import dsa as dsa_bench
+from ..engine.bench import engine as engine_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
 from ..engine.caches import CacheSpec, EngineOptions, shipped_rotation
@@ -268,3 +270,88 @@ def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
         click.echo(
             f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}", err=True
         )
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated token counts", param_hint=what) from None
+
+
+@click.command("engine")
+@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--synthetic",
+    type=click.Choice(["deepseek-v3", "deepseek-v3.2"]),
+    help="a real-width model with random weights, made now (no MODEL needed)",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    help="trunk layers of the synthetic model",
+)
+@click.option("--prefill-contexts", default="8192,32768", show_default=True)
+@click.option("--held-contexts", default="1024,4096,32768", show_default=True)
+@click.option("--decode-contexts", default="4096,32768", show_default=True)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(2),
+    default=2048,
+    show_default=True,
+    help="the chunk compared against single steps",
+)
+@click.option(
+    "--acceptance",
+    type=click.FloatRange(0, 1),
+    help="MTP acceptance for the projection [default: measured on the demo model]",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_engine(
+    model,
+    synthetic,
+    layers,
+    prefill_contexts,
+    held_contexts,
+    decode_contexts,
+    chunk_tokens,
+    acceptance,
+    as_json,
+):
+    """The INT2 cache against mlx-lm's bf16 cache at real width: conversions, prefill memory,
+    held bytes, chunk vs steps, decode speed, MTP costs (docs/int2-latent-cache.md)."""
+    if (model is None) == (synthetic is None):
+        raise MacserveError("give a MODEL folder or --synthetic deepseek-v3")
+    contexts = {
+        "prefill": _ints(prefill_contexts, "--prefill-contexts"),
+        "held": _ints(held_contexts, "--held-contexts"),
+        "decode": _ints(decode_contexts, "--decode-contexts"),
+    }
+    if acceptance is None:
+        acceptance = _demo_acceptance()
+    setup = (
+        engine_bench.setup_synthetic(synthetic, layers)
+        if synthetic
+        else engine_bench.setup_folder(model)
+    )
+    res = engine_bench.run(
+        setup,
+        contexts,
+        acceptance,
+        chunk_tokens,
+        progress=lambda m: click.echo(f"... {m}", err=True),
+    )
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    click.echo(json.dumps(res, indent=1))
+
+
+def _demo_acceptance() -> float:
+    """MTP k=1 acceptance on the demo model's held-out text (greedy, 8 prompts)."""
+    bundle = load(env.DEMO_MODEL)
+    ps = _held_out_prompts(bundle.tokenizer, 8, 64)
+    row = mtp_bench.run(bundle.model, bundle.mtp(), ps, 1, 64, lambda: bundle.caches())
+    return row["acceptance_per_position"][0]

@@ -101,6 +101,11 @@ def make_caches(
     return [CacheList(c, IndexerKeyCache(bits, quant.group_size)) for c in latents]
 
 
+def model_dtype(model):
+    """The dtype the model computes in (its norms' weights stay unquantized)."""
+    return mla_attention.mla_attentions(model)[0].kv_a_layernorm.weight.dtype
+
+
 def latent_caches(caches) -> list[RotatedLatentCache]:
     """The latent cache of each layer, whether or not the model is DSA."""
     return [c[0] if isinstance(c, CacheList) else c for c in caches]

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..int2_format import BF16_LATENT, LatentQuant
 from . import mla_attention
-from .caches import make_caches
+from .caches import make_caches, model_dtype
 
 METHODS = ("plain", "hadamard", "eigen", "eigen-interleave", "upproj")
 # The shipped default is whichever `macserve bench kv` measured best on KL (docs/int2-latent-cache.md).
@@ -55,19 +55,32 @@ class Calibration:
     rotations: dict[str, list[np.ndarray]]
     clips: dict[str, list[np.ndarray | None]]
     meta: dict = field(default_factory=dict)
+    _arrays: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def default_method(self) -> str:
         return self.meta.get("default", DEFAULT_METHOD)
 
-    def for_method(self, method: str) -> tuple[list[mx.array | None], list[mx.array | None]]:
+    def for_method(
+        self, method: str, dtype=mx.float32
+    ) -> tuple[list[mx.array | None], list[mx.array | None]]:
+        """Per layer (rotation, clip) as arrays of `dtype` (the model's: a float32 rotation
+        would turn a bf16 model's activations float32), made once and shared by every cache
+        built from this calibration."""
         if method not in self.rotations:
             raise KeyError(
                 f"method {method!r} not in this calibration ({', '.join(self.rotations)})"
             )
-        rots = [None if method == "plain" else mx.array(r) for r in self.rotations[method]]
-        clips = [None if c is None else mx.array(c) for c in self.clips[method]]
-        return rots, clips
+        key = (method, dtype)
+        if key not in self._arrays:
+            rots = [
+                None if method == "plain" else mx.array(r).astype(dtype)
+                for r in self.rotations[method]
+            ]
+            clips = [None if c is None else mx.array(c).astype(dtype) for c in self.clips[method]]
+            mx.eval([a for a in rots + clips if a is not None])
+            self._arrays[key] = (rots, clips)
+        return self._arrays[key]
 
     def save(self, path: str | Path) -> None:
         tensors = {}
@@ -110,7 +123,7 @@ def caches_for(
         raise ValueError(
             f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)"
         )
-    return make_caches(model, quant, *calibration.for_method(method))
+    return make_caches(model, quant, *calibration.for_method(method, model_dtype(model)))
 
 
 def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -> list[LayerStats]:

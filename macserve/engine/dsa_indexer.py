@@ -1,12 +1,14 @@
 """DeepSeek Sparse Attention's indexer key, cached at 8 bits, and its token selection.
 
 DSA models (deepseek_v32, glm_moe_dsa) cache, next to the MLA latent, one indexer key per
-token (index_head_dim, 128 dims). mlx-lm keeps it in a second KVCache at full precision and
-lets each query attend only to the `index_topk` tokens its lightning indexer scores highest.
-Here the key is stored with `mx.quantize` (8 bits, groups of 64: 136 B per token at 128 dims)
-and scored on the codes with `mx.quantized_matmul`; the selection itself is mlx-lm's
-(ReLU scores, per-head weights, sum over heads, top-k), so the chosen tokens only change when
-8-bit rounding reorders two nearly equal scores.
+token (index_head_dim, 128 dims). mlx-lm keeps it in a second KVCache at full precision (and
+a zero-filled values array as large) and lets each query attend only to the `index_topk`
+tokens its lightning indexer scores highest. Here the key is stored with `mx.quantize` (8
+bits, groups of 64: 136 B per token at 128 dims) and scored on the codes (`quantized_matmul`
+on a GPU, dequantized blocks on the CPU); the selection itself is mlx-lm's (ReLU scores,
+per-head weights, sum over heads, top-k), so the chosen tokens only change when 8-bit rounding
+reorders two nearly equal scores. A prefill chunk scores its keys in blocks, summing the heads
+block by block, so the indexer's memory is queries x tokens, not heads x queries x tokens.
 """
 
 from __future__ import annotations
@@ -14,39 +16,46 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .latent_cache import _Store
+from .latent_cache import CODE_STEP, Rows
+
+# Transient bytes of one block of indexer scores (heads x queries x keys).
+BLOCK_BYTES = 256 * 2**20
 
 
 class IndexerKeyCache(_BaseCache):
     """One DSA layer's indexer keys, (B, 1, T, D) quantized per token, exact `trim`."""
 
     def __init__(self, bits: int | None = 8, group_size: int = 64):
-        self._keys = _Store(bits, group_size)
+        self.keys_rows = Rows(bits, group_size, CODE_STEP)
         self.offset = 0
         self.dims = 0
 
     def append(self, keys: mx.array) -> None:
         self.dims = keys.shape[-1]
-        self._keys.append(keys)
+        self.keys_rows.append(keys, exact=keys.shape[2] > 1)
         self.offset += keys.shape[2]
 
-    def parts(self) -> tuple[mx.array, ...]:
-        return self._keys.view(0, self.offset)
+    def parts(self, start: int = 0, stop: int | None = None) -> tuple[mx.array, ...]:
+        return self.keys_rows.view(start, self.offset if stop is None else stop)
 
-    def scores(self, q: mx.array) -> mx.array:
-        """q (B, 1, M, D) against every cached key -> (B, 1, M, T)."""
-        st = self._keys
+    def scores(self, q: mx.array, start: int = 0, stop: int | None = None) -> mx.array:
+        """q (B, 1, M, D) against the cached keys [start, stop) -> (B, 1, M, stop - start)."""
+        st, parts = self.keys_rows, self.parts(start, stop)
         if st.bits is None:
-            return q @ self.parts()[0].astype(q.dtype).swapaxes(-1, -2)
+            return q @ parts[0].astype(q.dtype).swapaxes(-1, -2)
+        if mx.default_device().type == mx.DeviceType.cpu:
+            # MLX's CPU quantized matmul is ~50x slower than dequantize + BLAS (see
+            # mla_attention.py).
+            return q @ st.decode(parts, self.dims, q.dtype).swapaxes(-1, -2)
         return mx.quantized_matmul(
-            q, *self.parts(), transpose=True, group_size=st.group(self.dims), bits=st.bits
+            q, *parts, transpose=True, group_size=st.group(self.dims), bits=st.bits
         )
 
     def dequantized(self) -> mx.array:
-        return self._keys.decode(self.parts(), self.dims).astype(mx.float32)
+        return self.keys_rows.decode(self.parts(), self.dims)
 
     def arrays(self) -> list[mx.array]:
-        return list(self._keys.parts or ())
+        return self.keys_rows.arrays()
 
     def update_and_fetch(self, keys, values):
         """For attention code that is not ours."""
@@ -65,17 +74,18 @@ class IndexerKeyCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         n = min(n, self.offset)
-        self._keys.drop_last(n)
+        self.keys_rows.drop_last(n)
         self.offset -= n
         return n
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes()
+        return self.keys_rows.nbytes()
 
     @property
     def state(self):
-        return []
+        """Evaluated by mlx-lm's generate_step after each prefill chunk (see latent_cache)."""
+        return self.arrays()
 
     @state.setter
     def state(self, v):
@@ -95,15 +105,24 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
     k = indexer.rope(k, offset=offset)
     cache.append(k)
     T = cache.offset
-    if indexer.index_topk >= T:
+    if T <= indexer.index_topk:
         return None
-    s = cache.scores(q.reshape(b, 1, H * L, D)).reshape(b, H, L, T)
-    s = mx.maximum(s, 0)
     w = indexer.weights_proj(x) * (H**-0.5 * indexer.softmax_scale)  # (b, L, H)
-    s = s * w.swapaxes(-1, -2)[..., None]
-    # Summed over heads exactly as mlx-lm does (a loop for L > 1, see its ml-explore/mlx#3784
-    # note), so the selection matches token for token on the same keys.
-    s = sum(s[:, h : h + 1] for h in range(H)) if L > 1 else s.sum(axis=1, keepdims=True)
+    w = w.swapaxes(-1, -2)[..., None]  # (b, H, L, 1)
+    qf = q.reshape(b, 1, H * L, D)
+    bk = max(256, BLOCK_BYTES // max(1, H * L * 4))
+    parts = []
+    for a in range(0, T, bk):
+        z = min(T, a + bk)
+        s = cache.scores(qf, a, z).reshape(b, H, L, z - a)
+        s = mx.maximum(s, 0) * w
+        # Summed over heads as mlx-lm does (a loop for L > 1, see its ml-explore/mlx#3784
+        # note), so the selection matches token for token on the same keys.
+        s = sum(s[:, h : h + 1] for h in range(H)) if L > 1 else s.sum(axis=1, keepdims=True)
+        if L > 1 and T > bk:
+            mx.eval(s)  # block by block (see mla_attention._Merge.settle)
+        parts.append(s)
+    s = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     causal = mx.arange(T)[None, :] <= mx.arange(offset, T)[:, None]
     s = mx.where(causal, s, -float("inf"))
     top = mx.argpartition(s, kth=-indexer.index_topk, axis=-1)[..., -indexer.index_topk :]
@@ -111,19 +130,16 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
     return chosen & causal, top
 
 
-def gather_selected(segments, visible: mx.array, top: mx.array, keep: int):
-    """One decode query: the quantized segment cut down to the `top` tokens it may select, so
-    the codes of only index_topk rows are scored and attended (DSA's point) instead of every
-    row under a mask. visible (B, 1, 1, columns) is the dense visibility, selection included.
+def gather_selected(cache, blocks: list, top: mx.array) -> list:
+    """One decode query: each codes block cut down to the `top` tokens it may select, so the
+    codes of only index_topk rows are read (DSA's point) instead of every row under a mask.
     Rows are gathered as they are stored: codes, scales and biases of a row stay together."""
-    out, cols, c = [], [], 0
-    for kind, start, lat, pe in segments:
+    k = top.shape[-1]
+    out = []
+    for kind, start, lat, pe, vis in blocks:
         n = lat[0].shape[2]
-        vis = visible[..., c : c + n]
-        c += n
-        if kind != "int" or n <= keep:
-            out.append((kind, start, lat, pe))
-            cols.append(vis)
+        if kind != "codes" or n <= k:
+            out.append((kind, start, lat, pe, vis))
             continue
         local = top - start  # (B, 1, 1, k)
         inside = (local >= 0) & (local < n)
@@ -136,8 +152,7 @@ def gather_selected(segments, visible: mx.array, top: mx.array, keep: int):
                 for p in parts
             )
 
-        out.append((kind, start, take(lat), take(pe)))
-        cols.append(
-            mx.take_along_axis(mx.broadcast_to(vis, (*local.shape[:3], n)), local, axis=-1) & inside
-        )
-    return out, mx.concatenate(cols, axis=-1)
+        full = vis if vis is not True else mx.ones((1, 1, 1, n), dtype=mx.bool_)
+        seen = mx.take_along_axis(mx.broadcast_to(full, (*local.shape[:3], n)), local, axis=-1)
+        out.append((kind, start, take(lat), take(pe), seen & inside))
+    return out

@@ -64,9 +64,14 @@ def _plain_tokens(
 
 
 def _mtp_tokens(
-    bundle: Bundle, prompt_ids, max_tokens, temperature, counters, k, cache, seed
+    bundle: Bundle, prompt_ids, max_tokens, temperature, counters, options, cache, seed, progress
 ) -> Iterator[int]:
-    dec = MTPDecoder(bundle.model, bundle.mtp(), k=k)
+    dec = MTPDecoder(
+        bundle.model,
+        bundle.mtp(),
+        k=options.mtp_k,
+        mtp_cache=bundle.mtp_cache_factory(options.cache),
+    )
     for token in dec.generate(
         list(prompt_ids),
         max_tokens,
@@ -74,6 +79,7 @@ def _mtp_tokens(
         temperature=temperature,
         eos=bundle.eos_ids,
         seed=seed,
+        progress=progress,
     ):
         counters.draft_tokens = dec.stats.draft_tokens
         counters.accepted_tokens = dec.stats.accepted_tokens
@@ -131,7 +137,7 @@ def stream(
     cache = bundle.caches(options.cache)
     if options.mtp_k > 0 and (top_p >= 1.0 or top_p <= 0):
         tokens = _mtp_tokens(
-            bundle, prompt_ids, max_tokens, temperature, counters, options.mtp_k, cache, seed
+            bundle, prompt_ids, max_tokens, temperature, counters, options, cache, seed, progress
         )
     else:
         tokens = _plain_tokens(

@@ -2,20 +2,30 @@
 
 Per layer and token an MLA model caches one latent c (kv_lora_rank dims) and one rotary key
 k_pe (qk_rope_head_dim dims). This cache stores u = c @ R (R orthogonal, fitted by
-`calibrate.py`), clipped per rotated dimension, quantized with `mx.quantize`, and k_pe at
+`calibration.py`), clipped per rotated dimension, quantized with `mx.quantize`, and k_pe at
 8 bits, in the layout `int2_format.LatentQuant` defines. Attention reads it without
-dequantizing (see `mla_attention.py`).
+dequantizing on a GPU (see `mla_attention.py`).
 
-Token layout, in token order, which is also the order of the score columns:
+Token layout, in token order:
 
-    sink    tokens [0, sink)                  bf16
-    int     tokens [sink, offset - recent)    quantized
-    recent  tokens [offset - recent, offset)  bf16
+    sink    tokens [0, sink)                    bf16
+    codes   tokens [sink, offset - recent)      quantized
+    window  tokens [offset - recent, offset)    bf16
 
-Every token past the sink is quantized when it arrives; the bf16 copy of the last
-`recent + slack` tokens is kept as well. That costs `slack` bf16 rows but makes `trim` exact:
-rolling back up to `slack` tokens (speculative decoding's rejected drafts) restores precisely
-the state the cache had before them, bf16 window included.
+A token is quantized when it leaves the window, not before: no token is held twice, so a
+sequence holds (offset - sink - recent) code rows and sink + recent bf16 rows (plus `slack`).
+The window keeps `slack` bf16 rows more than it shows, so `trim` can roll back up to that
+many tokens (speculative decoding's rejected drafts) to exactly the state the cache had
+before them; a trim further than the rows held refuses (returns how far it could go).
+
+During a prefill chunk of L tokens, each query p must see tokens older than p - recent as
+codes and its own last `recent` tokens in bf16, exactly as L single decode steps would: so the
+window holds the chunk's rows plus `recent` before it while the chunk is attended, and is cut
+back to recent + slack rows afterwards (`compact`, called by the attention), with a copy, so
+the chunk's rows are freed.
+
+Memory is in fixed-size buffers that grow in blocks (codes: 256 rows; window: 32 rows) so a
+decode step does not copy the cache; `nbytes` counts every buffer as allocated.
 """
 
 from __future__ import annotations
@@ -27,14 +37,16 @@ from ..int2_format import LatentQuant
 
 __all__ = ["LatentQuant", "RotatedLatentCache"]  # LatentQuant: the format, int2_format.py
 
-STEP = 256  # buffer growth, as mlx-lm's own caches
+CODE_STEP = 256  # code rows added per growth, as mlx-lm's KVCache grows
+WINDOW_STEP = 32  # bf16 window rows of headroom for decode steps between compactions
 
 
-class _Store:
-    """A growable (B, 1, T, D) buffer, either bf16 or quantized (codes, scales, biases)."""
+class Rows:
+    """A (B, 1, T, D) buffer of rows: bf16, or quantized (codes, scales, biases), with room
+    to grow at the end and rows dropped from the front by copying (`keep_last`)."""
 
-    def __init__(self, bits: int | None, group_size: int):
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int | None, group_size: int, step: int):
+        self.bits, self.group_size, self.step = bits, group_size, step
         self.parts: tuple[mx.array, ...] | None = None
         self.length = 0
 
@@ -42,38 +54,35 @@ class _Store:
         """A rotary key of 32 dims is one group of 32: mx.quantize needs group <= dims."""
         return min(self.group_size, dims)
 
-    def _encode(self, x: mx.array) -> tuple[mx.array, ...]:
+    @property
+    def capacity(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[2]
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        # Stored from bf16 whatever the model's dtype: the layout's bytes (bf16 rows, bf16
+        # scales and biases) hold on a float32 CPU model too.
         x = x.astype(mx.bfloat16)
         if self.bits is None:
             return (x,)
         return tuple(mx.quantize(x, group_size=self.group(x.shape[-1]), bits=self.bits))
 
-    def decode(self, parts: tuple[mx.array, ...], dims: int) -> mx.array:
-        if self.bits is None:
-            return parts[0]
-        # In float32: a bf16 result would round the levels themselves.
-        w, scales, biases = parts
-        return mx.dequantize(
-            w,
-            scales.astype(mx.float32),
-            biases.astype(mx.float32),
-            group_size=self.group(dims),
-            bits=self.bits,
-        )
-
-    def append(self, x: mx.array) -> None:
-        new = self._encode(x)
+    def append(self, x: mx.array, exact: bool = False) -> None:
+        """Add x's rows. `exact`: grow to just the rows needed (a prefill chunk) instead of a
+        step of headroom."""
+        new = self.encode(x)
         n = x.shape[2]
-        if self.parts is None or self.length + n > self.parts[0].shape[2]:
-            grow = ((n + STEP - 1) // STEP) * STEP
-            extra = [mx.zeros((*p.shape[:2], grow, p.shape[3]), p.dtype) for p in new]
-            if self.parts is None:
-                self.parts = tuple(extra)
-            else:
-                self.parts = tuple(
-                    mx.concatenate([p[..., : self.length, :], e], axis=2)
-                    for p, e in zip(self.parts, extra)
-                )
+        if self.length + n > self.capacity:
+            need = self.length + n
+            cap = -(-need // CODE_STEP) * CODE_STEP if exact and self.bits else need
+            if not exact:
+                cap = need + self.step
+            grown = []
+            for i, p in enumerate(new):
+                buf = mx.zeros((*p.shape[:2], cap, p.shape[3]), p.dtype)
+                if self.parts is not None and self.length:
+                    buf[..., : self.length, :] = self.parts[i][..., : self.length, :]
+                grown.append(buf)
+            self.parts = tuple(grown)
         for p, v in zip(self.parts, new):
             p[..., self.length : self.length + n, :] = v
         self.length += n
@@ -84,18 +93,60 @@ class _Store:
     def drop_last(self, n: int) -> None:
         self.length -= n
 
-    def drop_first(self, n: int) -> None:
-        self.parts = tuple(p[..., n : self.length, :] for p in self.parts)
-        self.length -= n
+    def keep_last(self, n: int) -> None:
+        """Keep only the last n rows, in a fresh buffer with no headroom (the old one is
+        freed once nothing reads it)."""
+        if self.parts is None or (n == self.length == self.capacity):
+            return
+        s = self.length - n
+        self.parts = tuple(_copy(p[..., s : self.length, :]) for p in self.parts)
+        self.length = n
+
+    def decode(self, parts: tuple[mx.array, ...], dims: int, dtype=mx.float32) -> mx.array:
+        """Rows as dense values of `dtype`."""
+        if self.bits is None:
+            return parts[0].astype(dtype)
+        w, scales, biases = parts
+        return dequantize(
+            w, scales.astype(dtype), biases.astype(dtype), self.group(dims), self.bits
+        )
+
+    def arrays(self) -> list[mx.array]:
+        return list(self.parts or ())
 
     def nbytes(self) -> int:
-        if self.parts is None:
-            return 0
-        return sum(p[..., : self.length, :].nbytes for p in self.parts)
+        return sum(p.nbytes for p in self.parts or ())
+
+
+def _copy(x: mx.array) -> mx.array:
+    """A copy of rows with a buffer of its own. A slice shares its parent's buffer, and so
+    does anything one-input MLX makes of it (mx.contiguous, x + 0, mx.array(x)): MLX donates
+    the input's whole allocation to the output when nothing else holds it, which would keep a
+    whole prefill chunk's rows alive. A concatenation of two pieces always allocates anew."""
+    h = x.shape[2] // 2
+    return mx.concatenate([x[..., :h, :], x[..., h:, :]], axis=2)
+
+
+def dequantize(
+    w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """mx.dequantize, in the scales' dtype. On the CPU by unpacking with shifts and masks:
+    MLX's CPU dequantize kernel is scalar (184 ms for 32K x 512 2-bit rows here, against 77 ms
+    unpacked with vector ops)."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    per = 32 // bits
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    v = (w[..., None] >> shifts) & ((1 << bits) - 1)
+    dims = w.shape[-1] * per
+    v = v.reshape(*w.shape[:-1], dims // group_size, group_size).astype(scales.dtype)
+    return (v * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], dims)
 
 
 class RotatedLatentCache(_BaseCache):
-    """One MLA layer's cache. `rotation` (r x r) and `clip` (r,) come from calibration."""
+    """One MLA layer's cache. `rotation` (r x r) and `clip` (r,) come from calibration, in
+    the model's dtype (a float32 rotation would turn a bf16 model's whole residual stream
+    float32)."""
 
     def __init__(
         self, quant: LatentQuant, rotation: mx.array | None = None, clip: mx.array | None = None
@@ -106,12 +157,14 @@ class RotatedLatentCache(_BaseCache):
         self.offset = 0
         self._dims = (0, 0)
         q = quant
-        self._sink_lat = _Store(None, q.group_size)
-        self._sink_pe = _Store(None, q.group_size)
-        self._int_lat = _Store(q.bits, q.group_size)
-        self._int_pe = _Store(q.rope_bits if q.bits is not None else None, q.group_size)
-        self._rec_lat = _Store(None, q.group_size)
-        self._rec_pe = _Store(None, q.group_size)
+        bf = (None, q.group_size)
+        self.sink_lat, self.sink_pe = Rows(*bf, q.sink or 1), Rows(*bf, q.sink or 1)
+        self.codes_lat = Rows(q.bits, q.group_size, CODE_STEP)
+        self.codes_pe = Rows(q.rope_bits if q.bits is not None else None, q.group_size, CODE_STEP)
+        # The bf16 baseline keeps every token in its "window": grow it like the codes.
+        step = WINDOW_STEP if q.bits is not None else CODE_STEP
+        self.win_lat, self.win_pe = Rows(*bf, step), Rows(*bf, step)
+        self.win_start = 0  # token position of the window's first row
         self._dep = mx.array(0)
 
     @property
@@ -134,21 +187,28 @@ class RotatedLatentCache(_BaseCache):
     def rope_dims(self) -> int:
         return self._dims[1]
 
+    @property
+    def quantized(self) -> bool:
+        return self.quant.bits is not None
+
+    @property
+    def codes_end(self) -> int:
+        """Tokens [sink, codes_end) are held as codes."""
+        return self.quant.sink + self.codes_lat.length
+
+    def _stores(self):
+        return (
+            self.sink_lat,
+            self.sink_pe,
+            self.codes_lat,
+            self.codes_pe,
+            self.win_lat,
+            self.win_pe,
+        )
+
     def arrays(self) -> list[mx.array]:
         """Every buffer the cache holds (to evaluate, or to count)."""
-        stores = (
-            self._sink_lat,
-            self._sink_pe,
-            self._int_lat,
-            self._int_pe,
-            self._rec_lat,
-            self._rec_pe,
-        )
-        return [p for st in stores if st.parts for p in st.parts]
-
-    def stores(self):
-        """(latent store, rope store) of the quantized segment, for the attention kernel."""
-        return self._int_lat, self._int_pe
+        return [p for st in self._stores() for p in st.arrays()]
 
     # -- writing ------------------------------------------------------------------------------
     def rotate(self, latent: mx.array) -> mx.array:
@@ -165,87 +225,102 @@ class RotatedLatentCache(_BaseCache):
         return u
 
     def append(self, latent: mx.array, k_pe: mx.array) -> None:
-        """Store L new tokens: latent (B, 1, L, r) unrotated, k_pe (B, 1, L, d) after RoPE."""
+        """Store L new tokens: latent (B, 1, L, r) unrotated, k_pe (B, 1, L, d) after RoPE.
+        Tokens that leave the window are quantized now."""
         q = self.quant
         self._dep = mx.array(0)
         self._dims = (latent.shape[-1], k_pe.shape[-1])
         u = self.rotate(latent)
         n = u.shape[2]
-        if q.bits is None:
-            self._int_lat.append(u)
-            self._int_pe.append(k_pe)
+        exact = n > 1  # a prefill chunk: size the buffers to it; decode: grow by a step
+        if not self.quantized:
+            self.win_lat.append(u, exact), self.win_pe.append(k_pe, exact)
             self.offset += n
             return
         into_sink = max(0, min(n, q.sink - self.offset))
         if into_sink:
-            self._sink_lat.append(u[..., :into_sink, :])
-            self._sink_pe.append(k_pe[..., :into_sink, :])
-        if into_sink < n:
+            self.sink_lat.append(u[..., :into_sink, :], True)
+            self.sink_pe.append(k_pe[..., :into_sink, :], True)
             u, k_pe = u[..., into_sink:, :], k_pe[..., into_sink:, :]
-            self._int_lat.append(self._clipped(u))
-            self._int_pe.append(k_pe)
-            self._rec_lat.append(u)
-            self._rec_pe.append(k_pe)
-            keep = q.recent + q.slack
-            if self._rec_lat.length > keep + STEP:
-                # Drop in blocks so a decode step does not copy the window every time.
-                cut = self._rec_lat.length - keep
-                self._rec_lat.drop_first(cut)
-                self._rec_pe.drop_first(cut)
+        if self.win_lat.length == 0:
+            self.win_start = max(q.sink, self.offset)
+        if u.shape[2]:
+            self.win_lat.append(u, exact)
+            self.win_pe.append(k_pe, exact)
         self.offset += n
+        # Quantize what has left the window: tokens [codes_end, offset - recent).
+        leave = self.offset - q.recent - self.codes_end
+        if leave > 0:
+            a = self.codes_end - self.win_start
+            lat, pe = self.win_lat.view(a, a + leave), self.win_pe.view(a, a + leave)
+            self.codes_lat.append(self._clipped(lat[0]), exact)
+            self.codes_pe.append(pe[0], exact)
+        if not exact and self.win_lat.length > q.recent + q.slack + WINDOW_STEP:
+            self.compact()
+
+    def compact(self) -> None:
+        """Cut the window back to recent + slack rows (with a copy, so a prefill chunk's rows
+        are freed). The attention calls it once a chunk's graph is built."""
+        if not self.quantized:
+            return
+        keep = min(self.win_lat.length, self.quant.recent + self.quant.slack)
+        if keep < self.win_lat.length or self.win_lat.capacity > keep + WINDOW_STEP:
+            self.win_start += self.win_lat.length - keep
+            self.win_lat.keep_last(keep)
+            self.win_pe.keep_last(keep)
 
     # -- reading ------------------------------------------------------------------------------
-    def segments(self, new: int = 1):
-        """[(kind, first token, latent parts, rope parts)] after `new` tokens were appended;
-        kind is sink, int, recent (bf16) or all (the unquantized cache).
-
-        The int segment runs to offset - recent; the bf16 window starts up to new - 1 tokens
-        earlier, so each of the new queries can see its own last `recent` tokens in bf16
-        (`mask` picks, per query, which copy of an overlapping token counts). A chunk of
-        `new` tokens therefore scores exactly as `new` single decode steps would.
-        """
-        q = self.quant
-        if q.bits is None:
-            return [
-                ("all", 0, self._int_lat.view(0, self.offset), self._int_pe.view(0, self.offset))
-            ]
+    def segments(self, new: int | None = None):
+        """[(kind, first token, latent parts, rope parts)] held for attention: kind "sink" and
+        "window" are bf16 rows, "codes" quantized ones. With `new`, only what the last `new`
+        queries can see (the window from the first query's oldest bf16 token on: for one
+        query, exactly its last `recent` tokens, so a decode step needs no mask); `visible`
+        says which query sees which row."""
         out = []
-        s = self._sink_lat.length
+        s = self.sink_lat.length
         if s:
-            out.append(("sink", 0, self._sink_lat.view(0, s), self._sink_pe.view(0, s)))
-        past = self.offset - s
-        n_int = max(0, past - q.recent)
-        if n_int:
-            out.append(("int", s, self._int_lat.view(0, n_int), self._int_pe.view(0, n_int)))
-        L = self._rec_lat.length
-        n_rec = min(L, past, q.recent + new - 1) if n_int else past
-        n_rec = max(n_rec, past - n_int)
-        if n_rec:
+            out.append(("sink", 0, self.sink_lat.view(0, s), self.sink_pe.view(0, s)))
+        c = self.codes_lat.length
+        if c:
             out.append(
-                (
-                    "recent",
-                    self.offset - n_rec,
-                    self._rec_lat.view(L - n_rec, L),
-                    self._rec_pe.view(L - n_rec, L),
-                )
+                ("codes", self.quant.sink, self.codes_lat.view(0, c), self.codes_pe.view(0, c))
             )
+        w = self.win_lat.length
+        if w:
+            first = self.win_start if self.quantized else 0
+            skip = 0
+            if new is not None and self.quantized:
+                skip = max(0, self.offset - new + 1 - self.quant.recent - first)
+            if skip < w:
+                out.append(
+                    ("window", first + skip, self.win_lat.view(skip, w), self.win_pe.view(skip, w))
+                )
         return out
 
-    def mask(self, segments, new: int) -> mx.array:
-        """(new, columns) visibility: causal, and each token once per query (see segments)."""
-        p = mx.arange(self.offset - new, self.offset)[:, None]
-        rec_start = next((s for kind, s, _, _ in segments if kind == "recent"), self.offset)
-        split = mx.maximum(p + 1 - self.quant.recent, rec_start)
-        cols = []
-        for kind, start, lat, _ in segments:
-            t = mx.arange(start, start + lat[0].shape[2])[None, :]
-            if kind == "int":
-                cols.append((t < split) & (t <= p))
-            elif kind == "recent":
-                cols.append((t <= p) & (t >= split))
-            else:
-                cols.append(t <= p)
-        return mx.concatenate(cols, axis=1)
+    def visible(self, kind: str, start: int, n: int, new: int):
+        """Which of a segment's rows [start, start + n) the last `new` queries see: True (all
+        see all), False (none sees any), or a (new, n) bool mask. Query p sees the sink up to
+        p, codes older than p - recent, and bf16 window rows in [p + 1 - recent, p]."""
+        p0 = self.offset - new
+        p = mx.arange(p0, self.offset)[:, None]
+        t = mx.arange(start, start + n)[None, :]
+        recent = self.quant.recent if self.quantized else self.offset + 1
+        if kind == "codes":
+            lo, hi = start + recent, start + n - 1 + recent  # first / last query to see any
+            if p0 >= hi:
+                return True
+            if self.offset - 1 < lo:
+                return False
+            return t <= p - recent
+        if kind == "sink" or not self.quantized:
+            if p0 >= start + n - 1:
+                return True
+            return t <= p
+        # window: p + 1 - recent <= t <= p
+        if p0 >= start + n - 1 and self.offset - 1 + 1 - recent <= start:
+            return True
+        m = (t <= p) & (t >= p + 1 - recent)
+        return m
 
     # -- mlx-lm's protocol -----------------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -254,17 +329,21 @@ class RotatedLatentCache(_BaseCache):
         return self.dequantized()
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
-        """(c, k_pe) for every cached token, c unrotated; for tests and foreign callers."""
+        """(c, k_pe) for every cached token, c unrotated, in float32 (for tests and foreign
+        callers; the attention never dequantizes it all)."""
         lats, pes = [], []
-        for kind, _, lat, pe in self.segments():
-            if kind != "int":
-                lats.append(lat[0]), pes.append(pe[0])
-            else:
-                lats.append(self._int_lat.decode(lat, self.latent_dims))
-                pes.append(self._int_pe.decode(pe, self.rope_dims))
-        u = mx.concatenate(lats, axis=2).astype(mx.float32)
-        c = u if self.rotation is None else u @ self.rotation.T
-        return c, mx.concatenate(pes, axis=2).astype(mx.float32)
+        for kind, start, lat, pe in self.segments():
+            if kind == "window":
+                skip = max(0, self.codes_end - start) if self.quantized else 0
+                lat, pe = tuple(x[..., skip:, :] for x in lat), tuple(x[..., skip:, :] for x in pe)
+            store_lat = self.codes_lat if kind == "codes" else self.sink_lat
+            store_pe = self.codes_pe if kind == "codes" else self.sink_pe
+            lats.append(store_lat.decode(lat, self.latent_dims))  # float32: for tests
+            pes.append(store_pe.decode(pe, self.rope_dims))
+        u = mx.concatenate(lats, axis=2)
+        r = self.rotation
+        c = u if r is None else u @ r.astype(mx.float32).T
+        return c, mx.concatenate(pes, axis=2)
 
     def size(self):
         return self.offset
@@ -275,30 +354,37 @@ class RotatedLatentCache(_BaseCache):
     def is_trimmable(self):
         return True
 
+    def trimmable(self) -> int:
+        """How many tokens `trim` can remove exactly: down to where the window's bf16 rows
+        still cover the last `recent` tokens (every token, for the bf16 baseline)."""
+        if not self.quantized or self.win_start <= self.quant.sink:
+            return self.offset
+        return max(0, self.offset - (self.win_start + self.quant.recent))
+
     def trim(self, n: int) -> int:
-        """Remove the last n tokens exactly: as far as the bf16 rows still held can rebuild the
-        recent window (always at least `slack`); returns how many were removed."""
-        q = self.quant
-        n = min(n, self.offset)
-        if q.bits is None:
-            self._int_lat.drop_last(n), self._int_pe.drop_last(n)
-            self.offset -= n
+        """Remove the last n tokens exactly, or as many as can be removed exactly (see
+        `trimmable`); returns how many were removed. Callers must honour a short count."""
+        n = max(0, min(n, self.trimmable()))
+        if n == 0:
+            return 0
+        new = self.offset - n
+        if not self.quantized:
+            self.win_lat.drop_last(n), self.win_pe.drop_last(n)
+            self.offset = new
             return n
-        past = self.offset - self._sink_lat.length
-        from_past = min(n, past)
-        if from_past and past > q.recent:
-            # Tokens that must come back into the bf16 window have to still be there.
-            need = min(past - from_past, q.recent)
-            spare = self._rec_lat.length - from_past - need
-            if spare < 0:
-                from_past += spare
-                n = from_past
-        self._int_lat.drop_last(from_past), self._int_pe.drop_last(from_past)
-        self._rec_lat.drop_last(from_past), self._rec_pe.drop_last(from_past)
-        from_sink = n - from_past
-        if from_sink:
-            self._sink_lat.drop_last(from_sink), self._sink_pe.drop_last(from_sink)
-        self.offset -= n
+        q = self.quant
+        codes_end = max(q.sink, new - q.recent)
+        drop = self.codes_end - codes_end
+        if drop > 0:
+            self.codes_lat.drop_last(drop), self.codes_pe.drop_last(drop)
+        in_window = self.offset - max(self.win_start, new)
+        if in_window > 0:
+            self.win_lat.drop_last(min(in_window, self.win_lat.length))
+            self.win_pe.drop_last(min(in_window, self.win_pe.length))
+        if new < self.sink_lat.length:
+            cut = self.sink_lat.length - new
+            self.sink_lat.drop_last(cut), self.sink_pe.drop_last(cut)
+        self.offset = new
         return n
 
     def make_mask(self, *args, **kwargs):
@@ -306,19 +392,15 @@ class RotatedLatentCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        stores = (
-            self._sink_lat,
-            self._sink_pe,
-            self._int_lat,
-            self._int_pe,
-            self._rec_lat,
-            self._rec_pe,
-        )
-        return sum(s.nbytes() for s in stores)
+        """Every buffer as allocated (headroom included); not the rotation, which is the
+        model's (one per layer, shared by every sequence)."""
+        return sum(s.nbytes() for s in self._stores())
 
     @property
     def state(self):
-        return []
+        """The arrays mlx-lm's generate_step evaluates after each prefill chunk, so a long
+        prompt is computed chunk by chunk (memory bounded per chunk, cancellable)."""
+        return self.arrays()
 
     @state.setter
     def state(self, v):

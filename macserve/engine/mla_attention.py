@@ -1,14 +1,29 @@
-"""Absorbed MLA attention that reads a `RotatedLatentCache` without dequantizing it.
+"""MLA attention that reads a `RotatedLatentCache`: its codes are never dequantized whole.
 
 mlx-lm's DeepSeek-V3-family attention (deepseek_v3, kimi_k2, glm4_moe_lite, ...) projects
 q_nope into latent space (`embed_q`), scores it against the cached latent and maps the
 attended latent back (`unembed_out`). With a rotated cache u = c R the same holds in rotated
 coordinates: q~ . c = (q~ R) . u, and sum_t p_t c_t = (sum_t p_t u_t) R^T. So the query is
-rotated once, `mx.quantized_matmul` scores and attends the packed codes, and the output is
-rotated back once per step.
+rotated once, the codes are scored and attended as they are stored, and the output is
+rotated back once per step ("absorbed"). A prefill chunk of L tokens instead expands each
+block of keys to per-head K and V, as mlx-lm does for L > 1 ("expanded"): past
+L = r (nope + v) / (2 r - nope - v) queries (171 at DeepSeek-V3's dims) that costs fewer
+multiply-adds than scoring every query against the 512-wide latent.
+
+Keys are read segment by segment (bf16 sink, codes, bf16 window) and, in a prefill chunk, in
+blocks of keys, each with its own softmax; the partial results are merged with their maxima
+and sums (online softmax), so the transient memory is bounded by heads x queries x block, not
+by the context. A decode step reads each segment whole, with no mask (its segments are
+exactly what the query sees) and, on a bf16 model, no float32 conversion.
+
+How codes are read depends on the device: on a GPU with `mx.quantized_matmul` (the kernels
+read 2-bit codes directly); on the CPU by dequantizing (latent_cache.dequantize) and a BLAS
+matmul, because MLX's CPU quantized matmul runs at about 2 GFLOP/s against about 100 for its
+float32 BLAS (measured on this machine, docs/int2-latent-cache.md).
 
 DSA models (deepseek_v32, glm_moe_dsa) cache CacheList(latent, indexer key); the indexer's
-top-k selection (`dsa_indexer.py`) becomes a mask over the same quantized scores.
+top-k selection (`dsa_indexer.py`) becomes a mask over the same scores, and a decode step
+reads only the selected rows of the codes.
 
 `install(model)` swaps each MLA attention module's class for a subclass whose `__call__`
 takes this path when its cache is a RotatedLatentCache and defers to mlx-lm otherwise, so
@@ -23,6 +38,23 @@ from mlx_lm.models.cache import CacheList
 
 from . import dsa_indexer
 from .latent_cache import RotatedLatentCache
+
+# Transient bytes one block of scores may take (heads x queries x keys); a prefill chunk's
+# keys are read in blocks this size, so its memory does not grow with the context.
+BLOCK_BYTES = 256 * 2**20
+# DSA decode scores only the selected rows of the codes (False: all rows, masked; the bench
+# flips it to measure the difference, tests check both give the same attention).
+SPARSE_DECODE = True
+# How codes are read: None picks by device (quantized_matmul on a GPU, dequantize + BLAS on
+# the CPU); "qmm" or "dequantize" forces one (the engine bench builds the GPU graph on a CPU
+# to count its conversions; tests check both paths agree).
+READ_CODES: str | None = None
+
+
+def _read_with_qmm() -> bool:
+    if READ_CODES is not None:
+        return READ_CODES == "qmm"
+    return mx.default_device().type != mx.DeviceType.cpu
 
 
 def _project(attn, x):
@@ -43,27 +75,143 @@ def _project(attn, x):
     return q_nope, q_pe, latent, k_pe, qr
 
 
-def _scores(x, kind, parts, store, dims):
-    """x (B, 1, H*L, D) against one segment's keys -> (B, 1, H*L, T)."""
-    if kind != "int" or store.bits is None:
-        return x @ parts[0].astype(x.dtype).swapaxes(-1, -2)
-    return mx.quantized_matmul(
-        x, *parts, transpose=True, group_size=store.group(dims), bits=store.bits
+def expanded_from(attn) -> int:
+    """Queries from which the expanded form costs fewer multiply-adds than the absorbed one."""
+    r, nope, v = attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim
+    return max(2, -(-r * (nope + v) // max(1, 2 * r - nope - v)))
+
+
+class _Merge:
+    """Online softmax: per query, the running max, sum of exponentials and weighted sum of
+    values, merged block by block (Milakov & Gimelshein; FlashAttention's recurrence)."""
+
+    def __init__(self):
+        self.m = self.l = self.acc = None
+
+    def add(self, s: mx.array, values) -> None:
+        """s: scores (..., keys), masked entries at the dtype's minimum; values(p) -> p @ V."""
+        m_b = s.max(axis=-1, keepdims=True)
+        if self.m is None:
+            p = mx.exp(s - m_b)
+            self.m, self.l, self.acc = m_b, p.sum(axis=-1, keepdims=True), values(p)
+            return
+        m = mx.maximum(self.m, m_b)
+        keep = mx.exp(self.m - m)
+        p = mx.exp(s - m)
+        self.l = self.l * keep + p.sum(axis=-1, keepdims=True)
+        self.acc = self.acc * keep + values(p)
+        self.m = m
+
+    def settle(self) -> None:
+        """Evaluate the running state now. Left lazy, MLX computes every block's scores
+        before merging any (its graph order follows the running max's chain), so a prefill
+        chunk's memory would grow with the context again: measured 932 MB against 193 MB
+        for 16 blocks of 64 MB."""
+        mx.eval(self.m, self.l, self.acc)
+
+    def result(self) -> mx.array:
+        return self.acc / self.l
+
+
+def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=None) -> list:
+    """[(kind, first token, latent parts, rope parts, visible)] per block of keys the last L queries read;
+    blocks none of them can see are left out. A decode step gets each segment whole.
+    `visible` is True (every query sees every row) or a (.., L, rows) bool mask; `chosen`
+    (B, 1, L, tokens): the DSA selection, applied on top."""
+    bk = max(64, BLOCK_BYTES // max(1, heads * L * itemsize)) if L > 1 else 1 << 62
+    out = []
+    for kind, start, lat, pe in cache.segments(L):
+        n = lat[0].shape[2]
+        for a in range(0, n, bk):
+            b = min(n, a + bk)
+            vis = cache.visible(kind, start + a, b - a, L)
+            if vis is False:
+                continue
+            if chosen is not None:
+                sel = chosen[..., start + a : start + b]
+                vis = sel if vis is True else vis & sel
+            bl, bp = lat, pe
+            if a > 0 or b < n:
+                bl, bp = tuple(x[..., a:b, :] for x in lat), tuple(x[..., a:b, :] for x in pe)
+            out.append((kind, start + a, bl, bp, vis))
+    return out
+
+
+def _dense(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
+    """A block's rows as dense (latent, rope) arrays of `dtype`, rotated latent."""
+    if kind != "codes":
+        return lat[0].astype(dtype), pe[0].astype(dtype)
+    return (
+        cache.codes_lat.decode(lat, cache.latent_dims, dtype),
+        cache.codes_pe.decode(pe, cache.rope_dims, dtype),
     )
 
 
-def _attend(p, kind, parts, store, dims):
-    """Attention weights p (B, 1, H*L, T) times one segment's latents -> (B, 1, H*L, r)."""
-    if kind != "int" or store.bits is None:
-        return p @ parts[0].astype(p.dtype)
-    return mx.quantized_matmul(
-        p, *parts, transpose=False, group_size=store.group(dims), bits=store.bits
-    )
+def _mask(s: mx.array, vis) -> mx.array:
+    if vis is True:
+        return s
+    return mx.where(vis, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
 
 
-# DSA decode scores only the selected rows of the quantized segment (False: all rows, masked;
-# the bench flips it to measure the difference, tests check both give the same attention).
-SPARSE_DECODE = True
+def _absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
+    """Attention in latent space: q_lat (B, H, L, r) rotated and scaled -> (B, H, L, r)."""
+    B, H = q_lat.shape[:2]
+    gpu = _read_with_qmm()
+    dtype = q_lat.dtype
+    qr = q_lat.reshape(B, 1, H * L, -1)
+    qp = q_pe.reshape(B, 1, H * L, -1)
+    merge = _Merge()
+    for kind, _, lat, pe, vis in blks:
+        if kind == "codes" and gpu:
+            st_l, st_p = cache.codes_lat, cache.codes_pe
+            g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
+            s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
+            if st_p.bits is None:
+                s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
+            else:
+                s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
+
+            def values(p, lat=lat, g=g_l, bits=st_l.bits):
+                return mx.quantized_matmul(p, *lat, transpose=False, group_size=g, bits=bits)
+        else:
+            k_lat, k_pe = _dense(cache, kind, lat, pe, dtype)
+            s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
+
+            def values(p, k_lat=k_lat):
+                return p @ k_lat
+
+        s = s.reshape(B, H, L, -1)
+        if L > 1:  # a prefill chunk: softmax statistics in float32 across many blocks
+            s = s.astype(mx.float32)
+        s = _mask(s, vis)
+
+        def flat_values(p, values=values):
+            p = p.astype(dtype).reshape(B, 1, H * L, -1)
+            return values(p).reshape(B, H, L, -1)
+
+        merge.add(s, flat_values)
+        if L > 1 and len(blks) > 1:
+            merge.settle()
+    return merge.result().astype(dtype)
+
+
+def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
+    """mlx-lm's L > 1 form, block by block: each block of cached latents (codes dequantized)
+    is rotated back and expanded to per-head keys and values. -> (B, H, L, v_head_dim)."""
+    dtype = q_nope.dtype
+    rot = cache.rotation
+    merge = _Merge()
+    for kind, _, lat, pe, vis in blks:
+        k_lat, k_pe = _dense(cache, kind, lat, pe, dtype)
+        c = k_lat if rot is None else k_lat @ rot.swapaxes(-1, -2)
+        k = attn.embed_q(c, transpose=False)  # (B, H, n, nope)
+        v = attn.unembed_out(c)  # (B, H, n, v)
+        s = (q_nope @ k.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)).astype(mx.float32)
+        s = _mask(s, vis)
+        merge.add(s, lambda p, v=v: (p.astype(dtype) @ v).astype(mx.float32))
+        if len(blks) > 1:
+            merge.settle()
+    return merge.result().astype(dtype)
 
 
 def quantized_attention(
@@ -76,48 +224,34 @@ def quantized_attention(
     q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
-    q_lat = attn.embed_q(q_nope)  # (B, H, L, r): the absorbed query
     if observer is not None:
-        observer(q_lat, latent)
+        observer(attn.embed_q(q_nope), latent)
     cache.append(latent, k_pe)
-    selected = None
+    chosen = top = None
     if indexer_cache is not None:
-        selected = dsa_indexer.select_tokens(attn.indexer, x, qr, indexer_cache)
-    q_rot = cache.rotate(q_lat) * attn.scale
-    q_rot = q_rot.reshape(B, 1, H * L, -1)
-    q_pe = (q_pe * attn.scale).reshape(B, 1, H * L, -1)
-    lat_store, pe_store = cache.stores()
-    segs = cache.segments(L)
-    # Our own mask, not mlx-lm's: a token may appear twice (int and bf16) near the window edge.
-    visible = cache.mask(segs, L)
-    if selected is not None:
-        chosen, top = selected
-        # Selection is per token; map it onto the score columns, segment by segment.
-        visible = visible & mx.concatenate(
-            [chosen[..., start : start + lat[0].shape[2]] for _, start, lat, _ in segs], axis=-1
-        )
-        if L == 1 and SPARSE_DECODE:
-            segs, visible = dsa_indexer.gather_selected(segs, visible, top, top.shape[-1])
-    scores = []
-    for kind, _, lat, pe in segs:
-        s = _scores(q_rot, kind, lat, lat_store, cache.latent_dims)
-        s = s + _scores(q_pe, kind, pe, pe_store, cache.rope_dims)
-        scores.append(s)
-    s = mx.concatenate(scores, axis=-1).reshape(B, H, L, -1)
-    s = mx.where(visible, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
-    p = mx.softmax(s.astype(mx.float32), axis=-1).astype(q_rot.dtype).reshape(B, 1, H * L, -1)
-    out, start = None, 0
-    for kind, _, lat, _ in segs:
-        n = lat[0].shape[2]
-        o = _attend(p[..., start : start + n], kind, lat, lat_store, cache.latent_dims)
-        out = o if out is None else out + o
-        start += n
-    out = out.reshape(B, H, L, -1)
-    if cache.rotation is not None:
-        out = out @ cache.rotation.T
-    out = attn.unembed_out(out)
+        picked = dsa_indexer.select_tokens(attn.indexer, x, qr, indexer_cache)
+        if picked is not None:
+            chosen, top = picked
+    q_pe = q_pe * attn.scale
+    if L >= expanded_from(attn):
+        blks = blocks(cache, L, H, 4, chosen)
+        out = _expanded(attn, cache, q_nope * attn.scale, q_pe, blks)
+    else:
+        q_lat = cache.rotate(attn.embed_q(q_nope) * attn.scale)
+        blks = blocks(cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen)
+        if top is not None and L == 1 and SPARSE_DECODE:
+            blks = dsa_indexer.gather_selected(cache, blks, top)
+        out = _absorbed(cache, q_lat, q_pe, blks, L)
+        if cache.rotation is not None:
+            out = out @ cache.rotation.swapaxes(-1, -2)
+        out = attn.unembed_out(out)
     out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return attn.o_proj(out)
+    if L > 1:
+        cache.compact()
+    held = cache.arrays() + (indexer_cache.arrays() if indexer_cache is not None else [])
+    # The cache's own updates (codes of tokens leaving the window, the compacted window, an
+    # indexer key not read yet) are evaluated with the output, step by step, not left to grow.
+    return attn.o_proj(mx.depends(out, held) if held else out)
 
 
 # Up to this many queries, attention over an ordinary cache stays in latent space as well.

@@ -18,13 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load as mlx_load
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import sharded_load
 
 from ..errors import MacserveError
 from . import mla_attention
 from .caches import CacheSpec
 from .calibration import Calibration, caches_for
+from .latent_cache import RotatedLatentCache
 from .mtp_layer import load_mtp_layers
 from .pipeline import use_split
 
@@ -69,6 +70,13 @@ class Bundle:
             return caches_for(self.model, spec.quant, cal, spec.method or cal.default_method)
         except ValueError as e:
             raise MacserveError(str(e)) from None
+
+    def mtp_cache_factory(self, spec: CacheSpec = CacheSpec()):
+        """What makes the MTP layer's cache: mlx-lm's KVCache, or with int2 the same INT2
+        format as the trunk (unrotated: the calibration covers the trunk's layers)."""
+        if spec.kind == "bf16":
+            return KVCache
+        return lambda: RotatedLatentCache(spec.quant)
 
     @property
     def name(self) -> str:

@@ -15,6 +15,12 @@ One round, with t the last emitted token (at position n) and the MTP cache fille
 
 Drafting switches itself off for the rest of a generation when, after `probe_rounds`, the
 accepted drafts per round fall below `min_accept_per_round` (break-even; see docs).
+
+The prompt is prefilled in chunks (PREFILL_STEP tokens, as mlx-lm's generate_step does), the
+trunk and the MTP layer chunk by chunk, each chunk evaluated before the next, with the
+vocabulary head applied to the last row only. Rolling back rejected drafts uses each cache's
+`trim`, whose count is checked: a cache that cannot roll back exactly is an error, never a
+silent drift.
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+PREFILL_STEP = 2048  # prompt tokens per chunk (mlx-lm's generate_step default)
+
+
+def trim_all(caches, n: int) -> None:
+    """Roll every cache back n tokens, exactly, or fail loudly."""
+    for c in caches:
+        got = c.trim(n)
+        if got != n:
+            raise RuntimeError(
+                f"a cache could roll back {got} of {n} tokens; generation "
+                "state would be inconsistent"
+            )
 
 
 @dataclass
@@ -106,11 +125,22 @@ class MTPDecoder:
     """Generates with trunk `model` (mlx-lm) and `mtp` (an MTPLayer) sharing one tokenizer."""
 
     def __init__(
-        self, model, mtp, k: int = 1, min_accept_per_round: float = 0.25, probe_rounds: int = 16
+        self,
+        model,
+        mtp,
+        k: int = 1,
+        min_accept_per_round: float = 0.25,
+        probe_rounds: int = 16,
+        mtp_cache=KVCache,
+        prefill_step: int = PREFILL_STEP,
     ):
+        """`mtp_cache`: makes the MTP layer's cache (mlx-lm's KVCache; with --kv int2 a
+        RotatedLatentCache, so the layer's cache is in the same format as the trunk's)."""
         if not 1 <= k <= 3:
             raise ValueError(f"draft length k must be 1..3, not {k}")
         self.model, self.mtp, self.k = model, mtp, k
+        self.mtp_cache = mtp_cache
+        self.prefill_step = prefill_step
         self.min_accept, self.probe_rounds = min_accept_per_round, probe_rounds
         self.pipeline = True  # greedy k = 1: build the next round before reading this one
 
@@ -148,9 +178,8 @@ class MTPDecoder:
             emitted = [d, int(target[1])] if accepted else [int(target[0])]
             if not accepted:
                 # Round n+1 was built on the rejected draft: drop its rows, then the draft's.
-                for c in caches:
-                    c.trim(2 + 1)
-                mtp_cache.trim(nxt.mtp_rows)
+                trim_all(caches, 2 + 1)
+                trim_all([mtp_cache], nxt.mtp_rows)
             for tok in emitted:
                 yield tok
                 produced += 1
@@ -169,8 +198,7 @@ class MTPDecoder:
                 stats.disabled_after = stats.rounds
                 # The round in flight is dropped; plain decoding continues from its first token.
                 nxt_t = int(np.array(cur.seq)[0])
-                for c in caches:
-                    c.trim(2)
+                trim_all(caches, 2)
                 while True:
                     logits = self.model(mx.array([[nxt_t]]), cache=caches)
                     nxt_t = int(mx.argmax(logits[0, -1]).item())
@@ -179,6 +207,32 @@ class MTPDecoder:
                     if produced >= max_tokens or nxt_t in eos:
                         self.timings["decode_s"] = time.perf_counter() - t0
                         return
+
+    def prefill(
+        self, prompt: list[int], caches, mtp_cache, step: int = PREFILL_STEP, progress=None
+    ) -> mx.array:
+        """The prompt through the trunk and the MTP layer, chunk by chunk; returns the trunk's
+        hidden state at the last position. The MTP rows (h_i, token i+1) for i < n - 1 are
+        cached; the last one waits for the token sampled from it. `progress(done, total)` is
+        called after each chunk (raising in it cancels)."""
+        n = len(prompt)
+        carry = None  # the previous chunk's last hidden row: its MTP row needs this chunk's token
+        h = None
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            h = self.model.model(mx.array([prompt[s:e]]), caches)
+            rows = h[:, :-1] if carry is None else mx.concatenate([carry, h[:, :-1]], axis=1)
+            toks = prompt[s + 1 : e] if carry is None else prompt[s:e]
+            carry = h[:, -1:]
+            if toks:
+                mask = create_attention_mask(rows, mtp_cache, return_array=True)
+                z = self.mtp.hidden(rows, mx.array([toks]), mask, mtp_cache)
+                mx.eval(carry, z[:, -1:], [c.state for c in caches], mtp_cache.state)
+            else:
+                mx.eval(carry, [c.state for c in caches])
+            if progress is not None:
+                progress(e, n)
+        return h[:, -1:]
 
     def generate(
         self,
@@ -189,12 +243,13 @@ class MTPDecoder:
         eos: set[int] | frozenset = frozenset(),
         seed: int = 0,
         draft: bool = True,
+        progress=None,
     ):
         """Yield tokens; `self.stats` holds the draft statistics of the current generation."""
         rng = np.random.default_rng(seed)
         greedy = temperature <= 0
         caches = caches if caches is not None else make_prompt_cache(self.model)
-        mtp_cache = KVCache()
+        mtp_cache = self.mtp_cache()
         self.stats = stats = DraftStats(self.k)
         self.timings = {"prompt_s": 0.0, "decode_s": 0.0}
 
@@ -205,15 +260,11 @@ class MTPDecoder:
             return int(rng.choice(len(p), p=p))
 
         t0 = time.perf_counter()
-        h, logits = self._trunk(prompt, caches)
-        t = pick(logits[0, -1])
-        mx.eval(h)
+        h_last = self.prefill(prompt, caches, mtp_cache, self.prefill_step, progress)
+        t = pick(self.model.lm_head(h_last)[0, -1])
         self.timings["prompt_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        pend_h, pend_tok = h[:, -1:], [t]
-        if len(prompt) > 1:
-            # The MTP rows for the prompt: (h_i, token i+1) for i < n-1.
-            mx.eval(self._mtp(h[:, :-1], prompt[1:], mtp_cache)[0])
+        pend_h, pend_tok = h_last, [t]
         if greedy and self.k == 1 and draft and self.pipeline:
             yield from self._greedy_k1(t, pend_h, caches, mtp_cache, max_tokens, eos, t0)
             return
@@ -265,10 +316,9 @@ class MTPDecoder:
                 stats.proposed[j] += 1
             for j in range(a):
                 stats.accepted[j] += 1
-            for c in caches:
-                c.trim(self.k - a)
+            trim_all(caches, self.k - a)
             if self.k > 1:
-                mtp_cache.trim(self.k - 1)
+                trim_all([mtp_cache], self.k - 1)
             emitted = drafts[:a] + [bonus]
             pend_h, pend_tok = h[:, : a + 1], emitted
             for d in emitted[:-1]:

@@ -1,0 +1,386 @@
+"""`macserve bench engine`: the INT2 latent cache against mlx-lm's bf16 cache at real width.
+
+One process, both caches side by side, on a real-width model (the synthetic DeepSeek-V3 of
+synthetic.py, or a model folder). Every figure is measured; the one projection (MTP speedup
+for a 61-layer trunk) is labelled as such and its formula is in docs/int2-latent-cache.md.
+
+    upcasts_per_decode_step    float32 conversions one decode step's attention adds to a bf16
+                               model, reading its cache (graph as MLX builds it for a GPU)
+    prefill_peak_bytes         mx.get_peak_memory() over the last 2,048-token chunk of a
+                               prefill to that context (the earlier context filled directly)
+    prefill_transient_bytes    that peak minus what was held just before the chunk
+    held_bytes_per_token_per_layer   every array the caches hold after a prefill in
+                               2,048-token chunks, per token and layer
+    chunk_vs_steps_max_logit_diff    a chunk against the same tokens fed one by one
+    decode_tok_s               decode steps per second with the cache filled to that context
+    mtp                        costs measured at real width, acceptance from the demo model
+
+The engine computes in the dtype its loader picks (float32 on MLX's CPU backend: its bf16
+matmul has no BLAS path, 2-3 GFLOP/s against 70-100 here); the conversion count is taken on
+the bf16 model whatever the device.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+from mlx_lm.models.cache import make_prompt_cache
+
+from ...int2_format import INT2, LatentQuant
+from .. import mla_attention
+from ..caches import make_caches, model_dtype
+from ..dsa_indexer import IndexerKeyCache
+from ..latent_cache import RotatedLatentCache
+from ..model import load
+from .synthetic import synthetic
+
+CHUNK = 2048  # mlx-lm's prefill_step_size: what the prefill figures are measured in
+CACHES = ("int2", "bf16")
+
+
+@dataclass
+class Setup:
+    model: object
+    mtp: object
+    name: str
+    rotations: list  # per layer, in the model's dtype (random orthogonal for a synthetic model)
+    quant: LatentQuant = INT2
+
+    @property
+    def attn(self):
+        return mla_attention.mla_attentions(self.model)[0]
+
+    @property
+    def layers(self) -> int:
+        return len(mla_attention.mla_attentions(self.model))
+
+    @property
+    def dsa(self) -> bool:
+        return hasattr(self.attn, "indexer")
+
+
+def _orthogonal(n: int, seed: int) -> mx.array:
+    q, _ = mx.linalg.qr(mx.random.normal((n, n), key=mx.random.key(seed)), stream=mx.cpu)
+    return q
+
+
+def engine_dtype():
+    """The loader's rule (model.load): float32 on the CPU, the model's own on a GPU."""
+    return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
+
+
+def setup_synthetic(kind: str, layers: int) -> Setup:
+    model, mtp = synthetic(kind, layers, mx.bfloat16)
+    mla_attention.install(model, extra=[mtp.self_attn])
+    r = model.args.kv_lora_rank
+    rots = [_orthogonal(r, i) for i in range(layers)]
+    return Setup(model, mtp, f"synthetic {kind} ({layers} layers)", rots)
+
+
+def setup_folder(path: str) -> Setup:
+    b = load(path).require_mla()
+    n = len(mla_attention.mla_attentions(b.model))
+    r = b.model.args.kv_lora_rank
+    rots = [_orthogonal(r, i) for i in range(n)]
+    try:
+        mtp = b.mtp()
+    except Exception:  # noqa: BLE001 - a model without an MTP layer still benches its caches
+        mtp = None
+    return Setup(b.model, mtp, str(path), rots)
+
+
+def to_dtype(s: Setup, dtype) -> None:
+    if dtype is None:
+        return
+    for m in (s.model, s.mtp):
+        if m is not None:
+            m.set_dtype(dtype)
+    s.rotations = [r.astype(dtype) for r in s.rotations]
+    mx.eval(s.rotations)
+
+
+def caches(s: Setup, which: str) -> list:
+    if which == "bf16":
+        return make_prompt_cache(s.model)
+    return make_caches(
+        s.model, s.quant, [r.astype(model_dtype(s.model)) for r in s.rotations], [None] * s.layers
+    )
+
+
+def fill(cs: list, n: int, s: Setup, seed: int = 0, step: int = CHUNK) -> None:
+    """Fill caches with n tokens of random latents in `step`-token chunks through their own
+    append (what the attention does, without the compute: held memory and speed do not
+    depend on the values)."""
+    a = s.attn
+    dtype = model_dtype(s.model)
+    key = mx.random.key(seed)
+    for t in range(0, n, step):
+        m = min(step, n - t)
+        for c in cs:
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            parts = [c[0], c[1]] if hasattr(c, "caches") else [c]
+            lat = mx.random.normal((1, 1, m, a.kv_lora_rank), key=k1).astype(dtype)
+            pe = mx.random.normal((1, 1, m, a.qk_rope_head_dim), key=k2).astype(dtype)
+            main = parts[0]
+            if isinstance(main, RotatedLatentCache):
+                main.append(lat, pe)
+                main.compact()
+            else:
+                main.update_and_fetch(lat, pe)
+            if len(parts) > 1:
+                idx = mx.random.normal((1, 1, m, a.indexer.head_dim), key=k3).astype(dtype)
+                if isinstance(parts[1], IndexerKeyCache):
+                    parts[1].append(idx)
+                else:
+                    parts[1].update_and_fetch(idx, mx.zeros_like(idx))
+        mx.eval([c.state for c in cs])
+
+
+def _held(c) -> int:
+    if isinstance(c, RotatedLatentCache | IndexerKeyCache):
+        return c.nbytes
+    if hasattr(c, "caches"):
+        return sum(_held(x) for x in c.caches)
+    return sum(a.nbytes for a in (c.keys, c.values) if a is not None)
+
+
+def held_bytes_per_token_per_layer(s: Setup, ctx: int) -> dict:
+    out = {}
+    for which in CACHES:
+        cs = caches(s, which)
+        fill(cs, ctx, s)
+        out[which] = round(sum(_held(c) for c in cs) / (ctx * len(cs)), 1)
+        del cs
+    return out
+
+
+def _conversions(out) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "g.dot"
+        mx.export_to_dot(str(p), out)
+        return len(re.findall(r'label ="AsType"', p.read_text()))
+
+
+def upcasts(s: Setup, ctx: int = 1024) -> dict:
+    """Conversions in one decode step of the bf16 model: in the attention's read of its cache
+    (everything after the projections and RoPE, which are mlx-lm's and the same for both),
+    and in the whole step (which also holds MLX's CPU fallbacks of mx.fast.rms_norm / rope
+    and mlx-lm's MoE router, `gates.astype(float32)`, the same for both caches). The graph is
+    built, never run; codes are read as on a GPU (quantized_matmul)."""
+    prev = model_dtype(s.model)
+    to_dtype(s, mx.bfloat16)
+    old = mla_attention.READ_CODES
+    mla_attention.READ_CODES = "qmm"
+    try:
+        a = s.attn
+        x = mx.random.normal((1, 1, s.model.args.hidden_size)).astype(mx.bfloat16)
+        mx.eval(x)
+        q_nope, q_pe, latent, k_pe, _ = mla_attention._project(a, x)
+        base = _conversions([a.rope(q_pe, ctx), a.rope(k_pe, ctx), q_nope, latent])
+        res = {"attention_read": {}, "whole_step": {}, "logits_dtype": {}}
+        for which in CACHES:
+            cs = caches(s, which)
+            fill(cs, ctx, s)
+            res["attention_read"][which] = _conversions(a(x, None, cs[0])) - base
+            cs = caches(s, which)
+            fill(cs, ctx, s)
+            logits = s.model(mx.array([[1]]), cache=cs)
+            res["whole_step"][which] = _conversions(logits)
+            res["logits_dtype"][which] = str(logits.dtype).rsplit(".", 1)[-1]
+        return res
+    finally:
+        mla_attention.READ_CODES = old
+        to_dtype(s, prev)
+
+
+def _available() -> int:
+    return psutil.virtual_memory().available
+
+
+def bf16_prefill_predicted(s: Setup, ctx: int, chunk: int = CHUNK) -> int:
+    """mlx-lm's deepseek_v3 attention materializes pe_scores (B, H, chunk, ctx) and, on the
+    CPU, the unfused SDPA its scores and softmax of the same shape: a lower bound of its
+    transient memory, read off its code (models/deepseek_v3.py)."""
+    itemsize = model_dtype(s.model).size
+    return 2 * s.attn.num_heads * chunk * ctx * itemsize
+
+
+def prefill_memory(s: Setup, ctx: int, chunk: int = CHUNK) -> dict:
+    """{cache: (peak, transient) or None}: the last chunk of a prefill to ctx."""
+    out = {}
+    for which in CACHES:
+        if which == "bf16" and bf16_prefill_predicted(s, ctx, chunk) > 0.6 * _available():
+            out[which] = None  # would not fit this machine's memory: reported, not run
+            continue
+        cs = caches(s, which)
+        fill(cs, ctx - chunk, s)
+        toks = mx.random.randint(0, s.model.args.vocab_size, (1, chunk), key=mx.random.key(ctx))
+        mx.eval(toks)
+        gc.collect()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(s.model(toks, cache=cs)[:, -1], [c.state for c in cs])
+        peak = mx.get_peak_memory()
+        out[which] = (peak, peak - before)
+        del cs
+        gc.collect()
+        mx.clear_cache()
+    return out
+
+
+def chunk_vs_steps(s: Setup, n: int = CHUNK, prefix: int = 0) -> dict:
+    """Max |logit| difference between n tokens fed as one chunk and fed one by one."""
+    out = {}
+    toks = mx.random.randint(0, s.model.args.vocab_size, (1, prefix + n), key=mx.random.key(7))
+    for which in CACHES:
+        a, b = caches(s, which), caches(s, which)
+        if prefix:
+            for cs in (a, b):
+                mx.eval(s.model(toks[:, :prefix], cache=cs), [c.state for c in cs])
+        chunk = s.model(toks[:, prefix:], cache=a)[0].astype(mx.float32)
+        mx.eval(chunk, [c.state for c in a])
+        diff = 0.0
+        for i in range(n):
+            step = s.model(toks[:, prefix + i : prefix + i + 1], cache=b)[0, 0].astype(mx.float32)
+            d = mx.abs(step - chunk[i]).max()
+            mx.eval(d, [c.state for c in b])
+            diff = max(diff, d.item())
+        out[which] = diff
+    return out
+
+
+def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 2) -> dict:
+    """Decode tokens/s with the caches filled to ctx, the two caches interleaved, best round."""
+    cs = {w: caches(s, w) for w in CACHES}
+    for w in CACHES:
+        fill(cs[w], ctx, s)
+    best = dict.fromkeys(CACHES, 0.0)
+    tok = mx.array([[1]])
+    for _ in range(rounds):
+        for w in CACHES:
+            mx.eval(s.model(tok, cache=cs[w]))  # warm-up
+            t = time.perf_counter()
+            for _ in range(steps):
+                mx.eval(s.model(tok, cache=cs[w]))
+            best[w] = max(best[w], steps / (time.perf_counter() - t))
+            for c in cs[w]:
+                c.trim(steps + 1)
+    return best
+
+
+def _time(fn, reps: int = 3) -> float:
+    mx.eval(fn())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def mtp_costs(
+    s: Setup, ctx: int, acceptance: float | None, trunk_layers: int = 61, vocab: int = 129280
+) -> dict:
+    """Costs at real width with the INT2 cache: a 2-token verification over a 1-token step,
+    and the MTP layer over one trunk layer; projected for a `trunk_layers` model with the real
+    vocabulary head (timed as one matmul of that size)."""
+    if s.mtp is None:
+        return {"note": "the model has no MTP layer"}
+    m = s.model
+    dtype = model_dtype(m)
+    hidden = m.args.hidden_size
+    cs = caches(s, "int2")
+    fill(cs, ctx, s)
+
+    def trunk(n):
+        def f():
+            h = m.model(mx.ones((1, n), mx.int32), cs)
+            for c in cs:
+                c.trim(n)
+            return h
+
+        return f
+
+    t1, t2 = _time(trunk(1)), _time(trunk(2))
+    head = mx.random.normal((vocab, hidden)).astype(dtype) * 0.01
+    mx.eval(head)
+    h1, h2 = (mx.random.normal((1, n, hidden)).astype(dtype) for n in (1, 2))
+    th1, th2 = _time(lambda: h1 @ head.T), _time(lambda: h2 @ head.T)
+    head = None  # 3.7 GB in float32 at DeepSeek-V3's vocabulary: let it go now
+    mcache = RotatedLatentCache(s.quant)
+    lat = mx.random.normal((1, 1, ctx, s.attn.kv_lora_rank)).astype(dtype)
+    mcache.append(lat, mx.random.normal((1, 1, ctx, s.attn.qk_rope_head_dim)).astype(dtype))
+    mcache.compact()
+    mx.eval(mcache.arrays())
+
+    def mtp_step():
+        z = s.mtp.hidden(h1, mx.ones((1, 1), mx.int32), None, mcache)
+        mcache.trim(1)
+        return z
+
+    tm = _time(mtp_step)
+    per_layer1 = t1 / s.layers  # the synthetic trunk's small head is negligible at this width
+    per_layer2 = t2 / s.layers
+    step1 = trunk_layers * per_layer1 + th1
+    verify2 = trunk_layers * per_layer2 + th2
+    out = {
+        "context": ctx,
+        "verify_cost_ratio": verify2 / step1,
+        "mtp_layer_cost_ratio": tm / per_layer1,
+        "acceptance": acceptance,
+        "trunk_layers": trunk_layers,
+        "head_vocab": vocab,
+    }
+    if acceptance is not None:
+        # Per round: one verification of 2 tokens and one MTP step (its layer and the head),
+        # for 1 + acceptance tokens; plain decoding pays one step per token.
+        out["projected_speedup_k1"] = (1 + acceptance) * step1 / (verify2 + tm + th1)
+    return out
+
+
+def run(
+    s: Setup,
+    contexts=None,
+    acceptance: float | None = None,
+    chunk_tokens: int = CHUNK,
+    progress=lambda msg: None,
+) -> dict:
+    """The whole report (see the module docstring)."""
+    c = contexts or {"prefill": (8192, 32768), "held": (1024, 4096, 32768), "decode": (4096, 32768)}
+    res = {"model": s.name, "layers": s.layers, "dtype_bf16_check": "bfloat16"}
+    progress("conversions in a decode step (bf16 model)")
+    res["upcasts"] = upcasts(s)
+    res["upcasts_per_decode_step"] = res["upcasts"]["attention_read"]
+    to_dtype(s, engine_dtype())
+    res["dtype"] = str(model_dtype(s.model)).rsplit(".", 1)[-1]
+    progress("held bytes")
+    res["held_bytes_per_token_per_layer"] = {
+        str(n): held_bytes_per_token_per_layer(s, n) for n in c["held"]
+    }
+    peak, transient, predicted = {}, {}, {}
+    for n in c["prefill"]:
+        progress(f"prefill memory at {n:,}")
+        m = prefill_memory(s, n)
+        peak[str(n)] = {w: (v[0] if v else None) for w, v in m.items()}
+        transient[str(n)] = {w: (v[1] if v else None) for w, v in m.items()}
+        predicted[str(n)] = bf16_prefill_predicted(s, n)
+    res["prefill_peak_bytes"] = peak
+    res["prefill_transient_bytes"] = transient
+    res["bf16_prefill_transient_lower_bound"] = predicted
+    progress(f"a {chunk_tokens}-token chunk against single steps")
+    res["chunk_vs_steps_max_logit_diff"] = chunk_vs_steps(s, chunk_tokens)
+    res["decode_tok_s"] = {}
+    for n in c["decode"]:
+        progress(f"decode speed at {n:,}")
+        res["decode_tok_s"][str(n)] = decode_speed(s, n)
+    progress("MTP costs")
+    res["mtp"] = mtp_costs(s, min(c["decode"]), acceptance)
+    return res

@@ -1,0 +1,100 @@
+"""Real-width test models, made at run time: DeepSeek-V3's attention exactly, random weights.
+
+    model, mtp = synthetic("deepseek-v3", layers=2, dtype=mx.bfloat16)
+
+The attention is DeepSeek-V3's (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64
+with its YaRN scaling, nope 128, v 128; from its published config.json), so the cache, the
+attention's memory and its speed are what a 61-layer DeepSeek-V3 has per layer. What only
+makes the model big is shrunk so it fits a small machine: few layers, a small vocabulary,
+narrow MLPs and 4 small experts. The experts are 4-bit (MLX's CPU gather_mm runs only in
+float32; gather_qmm runs in bf16 too). "deepseek-v3.2" adds V3.2's DSA indexer (64 heads of
+128, top-2048). Speed and memory do not depend on trained values, quality does: nothing here
+measures quality.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import deepseek_v3, deepseek_v32
+
+from ..mtp_layer import MTPLayer
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), attention and positions verbatim.
+DEEPSEEK_V3_ATTENTION = dict(
+    hidden_size=7168,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+)
+# Shrunk: what only makes the model big.
+SMALL_REST = dict(
+    vocab_size=1024,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+)
+# DeepSeek-V3.2's indexer (deepseek-ai/DeepSeek-V3.2's config.json).
+V32_INDEXER = dict(index_head_dim=128, index_n_heads=64, index_topk=2048)
+KINDS = ("deepseek-v3", "deepseek-v3.2")
+
+
+def config(kind: str = "deepseek-v3", layers: int = 2) -> dict:
+    if kind not in KINDS:
+        raise ValueError(f"synthetic model kind {kind!r}: one of {', '.join(KINDS)}")
+    cfg = dict(
+        DEEPSEEK_V3_ATTENTION, **SMALL_REST, num_hidden_layers=layers, num_nextn_predict_layers=1
+    )
+    if kind == "deepseek-v3.2":
+        cfg.update(V32_INDEXER, model_type="deepseek_v32")
+    else:
+        cfg["model_type"] = "deepseek_v3"
+    return cfg
+
+
+def synthetic(kind: str = "deepseek-v3", layers: int = 2, dtype=mx.bfloat16, seed: int = 0):
+    """(model, mtp layer) with random weights in `dtype`, experts 4-bit, evaluated."""
+    cfg = config(kind, layers)
+    mod = deepseek_v32 if cfg["model_type"] == "deepseek_v32" else deepseek_v3
+    mx.random.seed(seed)
+    args = mod.ModelArgs.from_dict(cfg)
+    model = mod.Model(args)
+    mtp = MTPLayer(deepseek_v3.ModelArgs.from_dict(cfg), layers)
+    for m in (model, mtp):
+        m.set_dtype(dtype)
+        nn.quantize(
+            m,
+            group_size=64,
+            bits=4,
+            class_predicate=lambda path, mod: "switch_mlp" in path and hasattr(mod, "to_quantized"),
+        )
+        mx.eval(m.parameters())
+    model.args = args
+    return model, mtp
