@@ -275,8 +275,12 @@ async def _read(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> Asyn
         else:
             stats = item.stats
             if item.logprob is not None:
-                top = tuple((vocab.token_bytes(t), v) for t, v in item.top_logprobs)
-                pending.append(P.TokenLogprob(vocab.token_bytes(item.token), item.logprob, top))
+                # Tokens the grammar masked have logprob -inf: not alternatives (nor JSON).
+                top = tuple(
+                    (vocab.token_bytes(t), v) for t, v in item.top_logprobs if math.isfinite(v)
+                )
+                lp = item.logprob if math.isfinite(item.logprob) else -1e30
+                pending.append(P.TokenLogprob(vocab.token_bytes(item.token), lp, top))
             text, hit = matcher.feed(item.text)
             finish = "stop" if hit else item.finish_reason
         if finish and not hit:

@@ -9,9 +9,11 @@ A mask alone keeps every prefix valid but does not make the text end: a small mo
 inside a string until max_tokens cuts it. So the constraint also watches the token budget.
 `_close` finds a short way from the current state to a complete text (closing quotes and
 brackets first, then the smallest values: llguidance says which tokens fit at each point).
-Once that path no longer fits comfortably in the tokens left, each token is drawn from the
+Once that path plus a margin no longer fits in the tokens left, each token is drawn from the
 masked distribution as usual but kept only if the text can still be finished after it within
-the budget; otherwise the next step of the closing path is taken. The answer then always
+the budget; otherwise the next step of the closing path is taken. The margin is the shortest
+whole answer plus MARGIN tokens: one token can open at most about that much (a new array
+item, another tool call), so the check starts before a free token could overshoot. The answer then always
 parses, provided max_tokens leaves room for the shortest complete text.
 
 JSON is written on one line (`{"a": 1, "b": [2, 3]}`): llguidance's flexible whitespace would
@@ -41,7 +43,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 CLOSERS = ["}", "]", "0", '"', ":", ",", "[", "{", "n", "t", "f", "-"]
 IN_STRING = ['"', "a"]
 CLOSE_CAP = 256  # tokens the closing path may take before it is called unreachable
-MARGIN = 16  # tokens of headroom below which each sampled token is checked against the budget
+MARGIN = 16  # headroom (beyond the shortest whole answer) below which tokens are checked
 RESAMPLES = 3  # draws tried before falling back to the closing path
 
 
@@ -109,6 +111,11 @@ class Vocab:
             b.tokenizer._tokenizer, n_vocab=n_vocab, eos_token=sorted(b.eos_ids)
         )
         self.n_vocab = n_vocab or tok.vocab_size
+        # Bytes per token: where no closer fits (a property name, an enum value), the closing
+        # path takes the longest allowed token, so it spells "genre" in one token, not five.
+        self.lengths = np.zeros(self.n_vocab, dtype=np.int32)
+        for i in range(min(self.n_vocab, tok.vocab_size)):
+            self.lengths[i] = len(tok.decode_bytes([i]))
         for chars, ids in ((CLOSERS, self.closers), (IN_STRING, self.in_string)):
             for c in chars:
                 enc = b.tokenizer.encode(c, add_special_tokens=False)
@@ -153,6 +160,7 @@ class Constraint:
         self.eos = sorted(vocab.bundle.eos_ids)
         self.sampler = make_sampler(spec.temperature, spec.top_p, top_k=spec.top_k)
         self.path_len = 0  # last known length of the closing path
+        self.margin: int | None = None  # the shortest whole answer + MARGIN, set on first call
         self.quote = (False, False)  # (inside a JSON string, after a backslash) at the text's end
 
     def _scan(self, state: tuple[bool, bool], token: int) -> tuple[bool, bool]:
@@ -187,11 +195,10 @@ class Constraint:
             t = next((i for i in prefer if allowed[i]), None)
             if t is None:
                 ff = c.compute_ff_tokens()
-                nz = np.flatnonzero(allowed)
                 if ff:
                     t = ff[0]
-                elif nz.size:
-                    t = int(nz[0])
+                elif allowed.any():
+                    t = int(np.argmax(np.where(allowed, self.vocab.lengths, -1)))
                 else:
                     return None
             if not c.consume_token(t):
@@ -226,13 +233,16 @@ class Constraint:
         if self.m.is_error():
             raise RuntimeError(f"constrained decoding failed: {self.m.get_error()}")
         allowed = self._allowed(self.m)
+        if self.margin is None:
+            whole = self._close(self.m)
+            self.margin = (len(whole) if whole else 0) + MARGIN
         remaining = self.spec.max_tokens - self.generated  # tokens left, this one included
         # The closing path is measured every token once the budget is within reach of it,
         # every 8 tokens before that.
-        if remaining <= 4 * (self.path_len + MARGIN) or self.generated % 8 == 0:
+        if remaining <= 2 * (self.path_len + self.margin) or self.generated % 8 == 0:
             path = self._close(self.m)
             self.path_len = len(path) if path is not None else 0
-            if path is not None and len(path) + MARGIN >= remaining:
+            if path is not None and len(path) + self.margin >= remaining:
                 return self._one_hot(logits, self._pick(logits, allowed, path, remaining))
         return mx.where(mx.array(allowed)[None], logits, -mx.inf)
 

@@ -198,12 +198,13 @@ class Splitter:
         self.calls = 0
 
     def _text(self, s: str) -> list:
-        if not s:
-            return []
-        if not s.strip():
+        """Text out, except trailing whitespace: held until more text follows (then sent
+        before it) or a call does (then dropped), however the text was split into pieces."""
+        body = s.rstrip()
+        if not body:
             self.space += s
             return []
-        out, self.space = self.space + s, ""
+        out, self.space = self.space + body, s[len(body) :]
         return [("text", out)]
 
     def _calls(self, body: str) -> list | None:
@@ -250,7 +251,8 @@ class Splitter:
         buf, self.buf = self.buf, ""
         if self.inside:
             self.inside = False
-            calls = self._calls(buf)
+            cut = _partial_suffix(buf, self.fmt.end)
+            calls = self._calls(buf[: len(buf) - cut])
             if calls is not None:
                 return calls
             buf = self.fmt.start + buf
