@@ -382,9 +382,12 @@ async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
 
 
 def _error_response(e: P.ApiError, api: str) -> Response:
+    headers = e.headers() or {}
+    if e.status in (408, 413):
+        headers["Connection"] = "close"  # the rest of the body is not worth reading
     if api == "anthropic":
-        return JSONResponse(A.error_body(e), A.status(e), headers=e.headers())
-    return JSONResponse(e.body(), e.status, headers=e.headers())
+        return JSONResponse(A.error_body(e), A.status(e), headers=headers)
+    return JSONResponse(e.body(), e.status, headers=headers)
 
 
 async def _prepare(request: Request, api: str, kind: str):
