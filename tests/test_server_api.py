@@ -347,6 +347,13 @@ def test_bad_tool_requests_are_400(client, extra, want):
         client.chat.completions.create(model="m", messages=ASK, max_tokens=4, **extra)
 
 
+def test_tools_on_completions_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="chat/completions"):
+        client.completions.create(
+            model="m", prompt="x", max_tokens=4, extra_body={"tools": [WEATHER]}
+        )
+
+
 # ---- logprobs, seed ---------------------------------------------------------------------------
 
 

@@ -392,6 +392,9 @@ def parse_completion(body: dict) -> GenRequest:
     elif not isinstance(p, str) or not p:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     kw = _common(body, "completion")
+    for key in ("tools", "tool_choice"):
+        if body.get(key) not in (None, [], "none"):
+            raise ApiError(400, f"{key} needs /v1/chat/completions (a chat template)", key)
     # The legacy API: logprobs is how many alternatives to list (0..5), null for none.
     lp = _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 5, "an integer from 0 to 5")
     kw["logprobs"], kw["top_logprobs"] = lp is not None, lp or 0
