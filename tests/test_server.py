@@ -52,7 +52,9 @@ def test_health_is_503_while_loading_then_ready(monkeypatch):
 
     gate, real = threading.Event(), worker.load
     monkeypatch.setattr(worker, "load", lambda *a: (gate.wait(60), real(*a))[1])
-    with TestClient(create_app(Settings(str(TINY_MODEL), ctx=CTX))) as c:
+    # TestClient's default Host (testserver) is not a loopback name: the Host check refuses it.
+    app = create_app(Settings(str(TINY_MODEL), ctx=CTX))
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
         assert c.post("/v1/completions", json={"prompt": "a"}).status_code == 503

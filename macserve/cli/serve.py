@@ -48,13 +48,79 @@ from ..server.app import Settings, run
     help="Tokens to draft per step with the model's MTP layer (0: off).",
 )
 @click.option(
+    "--default-max-tokens",
+    type=click.IntRange(1),
+    default=4096,
+    show_default=True,
+    help="Completion tokens for a request that sets no max_tokens (at most the rest of --ctx).",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="Requests that may wait for the engine; more get 503 with Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600,
+    show_default=True,
+    help="Seconds a request may take from arrival: still queued -> 503, generating -> cut "
+    'with finish_reason "length".',
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30,
+    show_default=True,
+    help="Seconds a client has to send a request's headers, and then its body.",
+)
+@click.option(
+    "--allowed-origins",
+    default="",
+    help="CORS: comma-separated origins whose web pages may call the API ('*': any) "
+    "[default: none, no CORS headers].",
+)
+@click.option(
+    "--allowed-hosts",
+    default="",
+    help="Bound to loopback, the Host names accepted besides localhost / 127.0.0.1 / [::1] "
+    "(comma-separated).",
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(min=0),
+    default=10,
+    show_default=True,
+    help="On SIGTERM, seconds running requests get to finish (queued ones get 503 at once).",
+)
+@click.option(
     "--split",
     help="Under mlx.launch: layers per rank, N1,N2,... (rank 0 runs the "
     "last layers) [default: mlx-lm's even split].",
 )
-def serve(model, host, port, api_key, ctx, kv, rotation, mtp_k, split):
-    """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions
-    and /v1/models; /health is 503 until the model has loaded, then 200."""
+def serve(
+    model,
+    host,
+    port,
+    api_key,
+    ctx,
+    kv,
+    rotation,
+    mtp_k,
+    default_max_tokens,
+    max_queue,
+    request_timeout,
+    read_timeout,
+    allowed_origins,
+    allowed_hosts,
+    shutdown_grace,
+    split,
+):
+    """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions,
+    /v1/messages (Anthropic) and /v1/models; /health is 503 until the model has loaded,
+    then 200."""
     try:
         layers = tuple(int(x) for x in split.split(",")) if split else None
     except ValueError:
@@ -63,6 +129,23 @@ def serve(model, host, port, api_key, ctx, kv, rotation, mtp_k, split):
     options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
     run(
         Settings(
-            model, host=host, port=port, api_key=api_key, ctx=ctx, options=options, split=layers
+            model,
+            host=host,
+            port=port,
+            api_key=api_key,
+            ctx=ctx,
+            options=options,
+            split=layers,
+            default_max_tokens=default_max_tokens,
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+            read_timeout=read_timeout,
+            allowed_origins=_names(allowed_origins),
+            allowed_hosts=_names(allowed_hosts),
+            shutdown_grace=shutdown_grace,
         )
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())

@@ -33,6 +33,9 @@ class Step:
     text: str
     finish_reason: str | None = None
     stats: dict = field(default_factory=dict)
+    # With `top_logprobs` set: this token's log-probability and the n most likely (id, logprob).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -48,19 +51,41 @@ class _Cancelled(Exception):
 
 
 def _plain_tokens(
-    bundle: Bundle, prompt, max_tokens: int, sampler, counters: Counters, progress, cache=None
+    bundle: Bundle,
+    prompt,
+    max_tokens: int,
+    sampler,
+    counters: Counters,
+    progress,
+    cache=None,
+    logits_processors=None,
+    logprobs_out: list | None = None,
 ) -> Iterator[int]:
     """The token source: mlx-lm's own loop. An MTP source yields tokens the same way and
-    bumps `counters` for each drafted / accepted token."""
-    for token, _ in generate_step(
+    bumps `counters` for each drafted / accepted token. `logprobs_out`, when given, receives
+    each token's log-probability vector just before the token is yielded."""
+    for token, logprobs in generate_step(
         prompt,
         bundle.model,
         max_tokens=max_tokens,
         sampler=sampler,
+        logits_processors=logits_processors,
         prompt_progress_callback=progress,
         prompt_cache=cache,
     ):
+        if logprobs_out is not None:
+            logprobs_out.append(logprobs)
         yield int(token)
+
+
+def _top(logprobs: mx.array, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """A token's log-probability and the n most likely tokens, most likely first."""
+    if n <= 0:
+        return float(logprobs[token].item()), ()
+    ids = mx.argpartition(-logprobs, n - 1)[:n]
+    vals = logprobs[ids].tolist()
+    top = sorted(zip(ids.tolist(), vals), key=lambda x: -x[1])
+    return float(logprobs[token].item()), tuple((int(i), float(v)) for i, v in top)
 
 
 def _mtp_tokens(
@@ -95,10 +120,17 @@ def stream(
     stop: Callable[[], bool] | None = None,
     options: EngineOptions = EngineOptions(),
     seed: int = 0,
+    logits_processors: list | None = None,
+    top_logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Stream one generation with `options`: its cache (bf16, or the rotated INT2 latent
     cache) and MTP drafting (mtp_k > 0; top_p < 1 is not supported with drafting, so it
-    decodes plainly then)."""
+    decodes plainly then).
+
+    `logits_processors` (mlx-lm's: f(tokens, logits) -> logits, e.g. a grammar's token mask)
+    and `top_logprobs` (n >= 0: each Step carries its logprob and the n most likely tokens)
+    also decode plainly: MTP drafts are neither masked nor scored, so a constrained request
+    stays exactly as correct with --mtp-k as without."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     if not prompt_ids:
@@ -135,13 +167,23 @@ def stream(
         }
 
     cache = bundle.caches(options.cache)
-    if options.mtp_k > 0 and (top_p >= 1.0 or top_p <= 0):
+    plain_only = bool(logits_processors) or top_logprobs is not None
+    logprobs_out = [] if top_logprobs is not None else None
+    if options.mtp_k > 0 and (top_p >= 1.0 or top_p <= 0) and not plain_only:
         tokens = _mtp_tokens(
             bundle, prompt_ids, max_tokens, temperature, counters, options, cache, seed, progress
         )
     else:
         tokens = _plain_tokens(
-            bundle, mx.array(prompt_ids), max_tokens, sampler, counters, progress, cache
+            bundle,
+            mx.array(prompt_ids),
+            max_tokens,
+            sampler,
+            counters,
+            progress,
+            cache,
+            logits_processors,
+            logprobs_out,
         )
     with wired_limit(bundle.model, [generation_stream]):
         try:
@@ -150,6 +192,9 @@ def stream(
                     t_first = time.perf_counter()
                 if stop():
                     return
+                lp, top = (None, ())
+                if logprobs_out:
+                    lp, top = _top(logprobs_out.pop(), token, top_logprobs)
                 if token in eos:
                     detok.finalize()
                     yield Step(token, detok.last_segment, "stop", stats())
@@ -158,9 +203,9 @@ def stream(
                 detok.add_token(token)
                 if n >= max_tokens:
                     detok.finalize()
-                    yield Step(token, detok.last_segment, "length", stats())
+                    yield Step(token, detok.last_segment, "length", stats(), lp, top)
                     return
-                yield Step(token, detok.last_segment, None, stats())
+                yield Step(token, detok.last_segment, None, stats(), lp, top)
         except _Cancelled:
             return
         finally:

@@ -1,7 +1,10 @@
-"""The HTTP side: Starlette routes, the API-key gate, streaming, and uvicorn on a socket we bind.
+"""The HTTP side: Starlette routes, streaming, and uvicorn on a socket we bind.
 
-Request flow: read + validate the body (protocol.py) -> tokenize (chat template) -> check the
-context limit -> queue a Job on the worker -> stream its Steps out as SSE or collect them.
+Request flow: read + validate the body (protocol.py, anthropic.py) -> tokenize (chat
+template, tools: tools.py) -> check the context limit -> build the output constraint if the
+request asks for one (grammar.py) -> queue a Job on the worker and wait for it to start ->
+turn its Steps into text, tool calls and a finish (`_read`) -> stream them out as SSE or
+collect them, in the shape of the API the request came through.
 Every failure inside a request becomes a JSON error response; nothing reaches the process.
 """
 
@@ -9,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
+import math
 import socket
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,14 +31,16 @@ from starlette.routing import Route
 from ..engine.caches import EngineOptions
 from ..engine.model import read_config
 from ..errors import MacserveError
+from . import anthropic as A
+from . import guards, tools
 from . import protocol as P
+from .grammar import ConstraintSpec, json_grammar
 from .ranks import Ranks, follow
 from .worker import END, Job, Worker
 
 log = logging.getLogger("macserve.server")
 
 MAX_BODY = 8 * 2**20  # far above any prompt that fits a context; stops a runaway upload early
-MAX_QUEUE = 64  # beyond this a client gets 503 + Retry-After instead of an unbounded wait
 
 
 @dataclass(frozen=True)
@@ -45,36 +52,17 @@ class Settings:
     ctx: int | None = None  # None: the model's max_position_embeddings
     options: EngineOptions = field(default_factory=EngineOptions)  # cache + MTP, resolved
     split: tuple[int, ...] | None = None  # under mlx.launch: pipeline layers per rank (None: even)
+    default_max_tokens: int = 4096  # a request without max_tokens: min(this, the rest of ctx)
+    max_queue: int = 64  # waiting requests beyond this get 503 + Retry-After
+    request_timeout: float = 600.0  # seconds from arrival: queued -> 503, generating -> "length"
+    read_timeout: float = 30.0  # seconds to send a request's headers, and then its body
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback's own
+    shutdown_grace: float = 10.0  # on SIGTERM, seconds running requests get to finish
 
     @property
     def model_id(self) -> str:
         return Path(self.model).expanduser().resolve().name
-
-
-class ApiKeyGate:
-    """Bearer-token check as plain ASGI middleware (a BaseHTTPMiddleware would buffer and
-    hide client disconnects from the streaming responses). /health stays open for monitors."""
-
-    def __init__(self, app, key: str | None):
-        self.app, self.key = app, key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.key or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.key.encode()
-        ):
-            body = P.error_body(
-                "invalid or missing API key (send Authorization: Bearer KEY)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
-            return await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(
-                scope, receive, send
-            )
-        return await self.app(scope, receive, send)
 
 
 class _SSEResponse(StreamingResponse):
@@ -103,8 +91,21 @@ class Engine:
                 503, f"the model failed to load: {self.worker.error}", type_="unavailable_error"
             )
         if not self.worker.ready:
-            raise P.ApiError(503, "the model is still loading", type_="unavailable_error")
+            raise P.ApiError(
+                503, "the model is still loading", type_="unavailable_error", retry_after=1
+            )
         return self.worker.bundle
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely moved: its length times a job's average time."""
+        w = self.worker
+        return max(1, min(60, math.ceil((w.queued() + 1) * w.job_seconds)))
+
+    def refuse_if_draining(self) -> None:
+        if self.worker.drain_until is not None:
+            raise P.ApiError(
+                503, "the server is shutting down", type_="unavailable_error", retry_after=1
+            )
 
 
 def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
@@ -112,8 +113,10 @@ def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
             raise P.ApiError(400, "this model has no chat template; use /v1/completions")
+        fmt = tools.tool_format(tok)
+        msgs, extra = tools.render(list(req.messages), req.tools if req.uses_tools else (), fmt)
         try:
-            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
             raise P.ApiError(
                 400, f"the chat template rejected these messages: {e}", "messages"
@@ -121,7 +124,7 @@ def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    if isinstance(req.prompt, list):
+    if isinstance(req.prompt, tuple):
         vocab = bundle.config.get("vocab_size")
         if vocab and max(req.prompt) >= vocab:
             raise P.ApiError(400, f"prompt has a token id >= the vocabulary size {vocab}", "prompt")
@@ -135,7 +138,7 @@ def _n(k: int) -> str:
     return f"{k} token" + ("" if k == 1 else "s")
 
 
-def _budget(req: P.GenRequest, n_prompt: int, ctx: int) -> int:
+def _budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> int:
     if n_prompt == 0:
         raise P.ApiError(400, "the prompt is empty after tokenization", "prompt")
     if n_prompt >= ctx:
@@ -146,7 +149,7 @@ def _budget(req: P.GenRequest, n_prompt: int, ctx: int) -> int:
             code="context_length_exceeded",
         )
     if req.max_tokens is None:
-        return ctx - n_prompt
+        return min(default, ctx - n_prompt)
     if n_prompt + req.max_tokens > ctx:
         raise P.ApiError(
             400,
@@ -158,16 +161,40 @@ def _budget(req: P.GenRequest, n_prompt: int, ctx: int) -> int:
     return req.max_tokens
 
 
-async def _read_body(request: Request) -> bytes:
+def _constraint(worker: Worker, req: P.GenRequest, max_tokens: int) -> ConstraintSpec | None:
+    """The grammar the answer must follow, checked by compiling it once (a schema llguidance
+    cannot take is the client's 400, before the request queues)."""
+    if req.json_schema is not None:
+        grammar, param = json_grammar(req.json_schema), "response_format"
+    elif req.uses_tools and req.tool_choice in ("required", "function"):
+        fmt = tools.tool_format(worker.bundle.tokenizer)
+        grammar = tools.forced_grammar(req.tools, fmt, req.tool_name, req.parallel_tool_calls)
+        param = "tool_choice"
+    else:
+        return None
+    spec = ConstraintSpec(grammar, param, max_tokens, req.temperature, req.top_p, req.top_k)
+    worker.vocab.matcher(grammar, param)
+    return spec
+
+
+async def _read_body(request: Request, timeout: float) -> bytes:
     n = request.headers.get("content-length")
     if n and n.isdigit() and int(n) > MAX_BODY:
         raise P.ApiError(413, f"request body is over {MAX_BODY // 2**20} MB")
     chunks, size = [], 0
-    async for c in request.stream():
-        size += len(c)
-        if size > MAX_BODY:
-            raise P.ApiError(413, f"request body is over {MAX_BODY // 2**20} MB")
-        chunks.append(c)
+
+    async def read():
+        nonlocal size
+        async for c in request.stream():
+            size += len(c)
+            if size > MAX_BODY:
+                raise P.ApiError(413, f"request body is over {MAX_BODY // 2**20} MB")
+            chunks.append(c)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise P.ApiError(408, f"the request body did not arrive within {timeout:g} s") from None
     return b"".join(chunks)
 
 
@@ -191,54 +218,135 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
     job.disconnect()
 
 
-async def _collect(request: Request, job: Job, req: P.GenRequest, rid: str, model: str) -> dict:
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    matcher = P.StopMatcher(req.stop)
-    parts, finish, stats, hit = [], None, {}, False
+async def _admitted(eng: Engine, job: Job) -> None:
+    """Wait for the worker to take the job: 503 if its deadline passes in the queue or the
+    server starts shutting down first."""
     try:
-        while finish is None:
-            item = await job.out.get()
-            if item is END:
-                raise P.ApiError(500, "generation ended without a result", type_="server_error")
-            if isinstance(item, Exception):
-                raise P.ApiError(500, f"generation failed: {item}", type_="server_error")
-            text, hit = matcher.feed(item.text)
-            parts.append(text)
-            stats = item.stats
-            finish = "stop" if hit else item.finish_reason
-        if not hit:
-            parts.append(matcher.flush())  # held-back text that never became a stop string
-    finally:
-        watcher.cancel()
-        job.cancel()  # done already, or a stop string matched: either way the worker may stop
-    _log_done(req, finish, stats)
-    return P.full_response(req, rid, model, "".join(parts), finish, stats)
+        await asyncio.wait_for(job.started.wait(), max(0.0, job.deadline - time.monotonic()))
+    except TimeoutError:
+        job.cancel()
+        raise P.ApiError(
+            503,
+            f"the request waited {eng.settings.request_timeout:g} s in the queue",
+            type_="unavailable_error",
+            retry_after=eng.retry_after(),
+        ) from None
+    if job.ended_by == "shutdown":
+        raise P.ApiError(
+            503, "the server is shutting down", type_="unavailable_error", retry_after=1
+        )
 
 
-async def _events(job: Job, req: P.GenRequest, rid: str, model: str):
+# ---- a job's Steps -> text, tool calls, a finish ------------------------------------------------
+
+
+@dataclass
+class Finish:
+    reason: str  # stop | length | tool_calls | stop_sequence (a stop string matched)
+    stop_sequence: str | None
+    stats: dict
+    logprobs: list  # entries not yet sent with text
+
+
+async def _read(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> AsyncIterator:
+    """("text", str, [TokenLogprob]) and ("call", ToolCall) events, then one Finish. Stop
+    strings are cut (and never streamed, even split across tokens); with tools, calls are
+    split out of the text. Raises ApiError when the job fails or the server stopped it."""
     matcher = P.StopMatcher(req.stop)
+    splitter = tools.Splitter(fmt, req.tools, id_prefix) if req.uses_tools else None
+    pending: list[P.TokenLogprob] = []
+    stats: dict = {}
+    while True:
+        item = await job.out.get()
+        if item is END:
+            if job.ended_by == "deadline":
+                finish, hit = "length", False  # the server's time limit cut it, as max_tokens would
+                item = None
+            elif job.ended_by == "shutdown":
+                raise P.ApiError(
+                    503, "the server is shutting down", type_="unavailable_error", retry_after=1
+                )
+            elif job.disconnected:
+                return
+            else:
+                raise P.ApiError(500, "generation ended without a result", type_="server_error")
+        elif isinstance(item, Exception):
+            raise P.ApiError(500, f"generation failed: {item}", type_="server_error")
+        else:
+            stats = item.stats
+            if item.logprob is not None:
+                # Tokens the grammar masked have logprob -inf: not alternatives (nor JSON).
+                top = tuple(
+                    (vocab.token_bytes(t), v) for t, v in item.top_logprobs if math.isfinite(v)
+                )
+                lp = item.logprob if math.isfinite(item.logprob) else -1e30
+                pending.append(P.TokenLogprob(vocab.token_bytes(item.token), lp, top))
+            text, hit = matcher.feed(item.text)
+            finish = "stop" if hit else item.finish_reason
+        if finish and not hit:
+            text = (text if item is not None else "") + matcher.flush()
+        events = splitter.feed(text) if splitter else ([("text", text)] if text else [])
+        if finish and splitter:
+            events += splitter.flush()
+        for ev in events:
+            if ev[0] == "text":
+                yield ("text", ev[1], pending)
+                pending = []
+            else:
+                yield ev
+        if finish:
+            if splitter and splitter.calls and finish == "stop":
+                finish = "tool_calls"
+            elif hit:
+                finish = "stop_sequence"
+            yield Finish(finish, matcher.hit if hit else None, stats, pending)
+            return
+
+
+def _openai_finish(f: Finish) -> str:
+    return "stop" if f.reason == "stop_sequence" else f.reason
+
+
+async def _collect(job, req, rid, model, vocab, fmt, api: str) -> dict:
+    parts, calls, lps = [], [], []
+    async for ev in _read(job, req, vocab, fmt, "toolu_" if api == "anthropic" else "call_"):
+        if isinstance(ev, Finish):
+            lps += ev.logprobs
+            _log_done(req, ev.reason, ev.stats)
+            text = "".join(parts)
+            if api == "anthropic":
+                return A.message(rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats)
+            return P.full_response(req, rid, model, text, _openai_finish(ev), ev.stats, calls, lps)
+        if ev[0] == "text":
+            parts.append(ev[1])
+            lps += ev[2]
+        else:
+            calls.append(ev[1])
+    raise P.ApiError(500, "generation ended without a result", type_="server_error")
+
+
+async def _openai_events(job, req, rid, model, vocab, fmt):
+    n_calls, offset = 0, 0
     try:
         if req.kind == "chat":
             yield P.sse(P.chunk(req, rid, model, "", role=True))
-        while True:
-            item = await job.out.get()
-            if item is END:
-                break
-            if isinstance(item, Exception):
-                yield P.sse(P.error_body(f"generation failed: {item}", "server_error"))
-                break
-            text, hit = matcher.feed(item.text)
-            finish = "stop" if hit else item.finish_reason
-            if finish and not hit:
-                text += matcher.flush()
-            if text:
-                yield P.sse(P.chunk(req, rid, model, text))
-            if finish:
-                yield P.sse(P.chunk(req, rid, model, None, finish, item.stats))
-                if req.include_usage:
-                    yield P.sse(P.usage_chunk(req, rid, model, item.stats))
-                _log_done(req, finish, item.stats)
-                break
+        try:
+            async for ev in _read(job, req, vocab, fmt, "call_"):
+                if isinstance(ev, Finish):
+                    f = _openai_finish(ev)
+                    yield P.sse(P.chunk(req, rid, model, None, f, ev.stats, logprobs=ev.logprobs))
+                    if req.include_usage:
+                        yield P.sse(P.usage_chunk(req, rid, model, ev.stats))
+                    _log_done(req, ev.reason, ev.stats)
+                elif ev[0] == "text":
+                    yield P.sse(P.chunk(req, rid, model, ev[1], logprobs=ev[2], offset=offset))
+                    offset += len(ev[1])
+                else:
+                    c = P.chunk(req, rid, model, None, calls=[ev[1]], first_call=n_calls)
+                    yield P.sse(c)
+                    n_calls += 1
+        except P.ApiError as e:
+            yield P.sse(e.body())
         yield P.SSE_DONE
     except (asyncio.CancelledError, GeneratorExit):
         # Starlette cancels the response when the client disconnects: stop that generation.
@@ -248,37 +356,111 @@ async def _events(job: Job, req: P.GenRequest, rid: str, model: str):
         job.cancel()
 
 
-async def _generate(request: Request, kind: str) -> Response:
-    eng: Engine = request.app.state.engine
+async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
+    s = A.Stream(rid, model, n_prompt)
     try:
-        bundle = eng.bundle()
-        body = P.parse_json(await _read_body(request))
+        for b in s.start():
+            yield b
+        try:
+            async for ev in _read(job, req, vocab, fmt, "toolu_"):
+                if isinstance(ev, Finish):
+                    out = s.finish(ev.reason, ev.stop_sequence, ev.stats)
+                    _log_done(req, ev.reason, ev.stats)
+                elif ev[0] == "text":
+                    out = s.text(ev[1])
+                else:
+                    out = s.call(ev[1])
+                for b in out:
+                    yield b
+        except P.ApiError as e:
+            yield s.error(e)
+    except (asyncio.CancelledError, GeneratorExit):
+        job.disconnect()
+        raise
+    finally:
+        job.cancel()
+
+
+def _error_response(e: P.ApiError, api: str) -> Response:
+    headers = e.headers() or {}
+    if e.status in (408, 413):
+        headers["Connection"] = "close"  # the rest of the body is not worth reading
+    if api == "anthropic":
+        return JSONResponse(A.error_body(e), A.status(e), headers=headers)
+    return JSONResponse(e.body(), e.status, headers=headers)
+
+
+async def _prepare(request: Request, api: str, kind: str):
+    """Body -> (request, prompt ids, token budget, constraint), or an ApiError."""
+    eng: Engine = request.app.state.engine
+    bundle = eng.bundle()
+    eng.refuse_if_draining()
+    body = P.parse_json(await _read_body(request, eng.settings.read_timeout))
+    if api == "anthropic":
+        req = A.parse(body)
+    else:
         req = P.parse_chat(body) if kind == "chat" else P.parse_completion(body)
-        ids = await run_in_threadpool(
-            _prompt_ids, bundle, req
-        )  # a long prompt must not stall other streams
-        max_tokens = _budget(req, len(ids), eng.ctx)
-        if eng.worker.queued() >= MAX_QUEUE:
+    # Templates and grammars take a while on long inputs: off the event loop, so other
+    # streams keep flowing.
+    ids = await run_in_threadpool(_prompt_ids, bundle, req)
+    max_tokens = _budget(req, len(ids), eng.ctx, eng.settings.default_max_tokens)
+    spec = await run_in_threadpool(_constraint, eng.worker, req, max_tokens)
+    return req, ids, max_tokens, spec
+
+
+async def _generate(request: Request, kind: str, api: str = "openai") -> Response:
+    eng: Engine = request.app.state.engine
+    arrived = time.monotonic()
+    job = None
+    try:
+        req, ids, max_tokens, spec = await _prepare(request, api, kind)
+        w = eng.worker
+        if w.queued() >= eng.settings.max_queue and (w.busy or w.queued() > 0):
             raise P.ApiError(
                 503,
-                f"{MAX_QUEUE} requests are already waiting; retry later",
+                f"{eng.settings.max_queue} requests are already waiting; retry later",
                 type_="unavailable_error",
+                retry_after=eng.retry_after(),
             )
-        job = Job(ids, max_tokens, req.temperature, req.top_p, req.seed, asyncio.get_running_loop())
+        job = Job(
+            ids,
+            max_tokens,
+            req.temperature,
+            req.top_p,
+            req.seed,
+            asyncio.get_running_loop(),
+            deadline=arrived + eng.settings.request_timeout,
+            top_k=req.top_k,
+            constraint=spec,
+            top_logprobs=req.top_logprobs if req.logprobs else None,
+        )
         eng.worker.submit(job)
-        rid = P.new_id(kind)
-        model = eng.settings.model_id
-        if req.stream:
-            return _SSEResponse(_events(job, req, rid, model))
-        return JSONResponse(await _collect(request, job, req, rid, model))
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        try:
+            await _admitted(eng, job)
+            vocab, model = eng.worker.vocab, eng.settings.model_id
+            fmt = tools.tool_format(eng.worker.bundle.tokenizer)
+            rid = A.new_id() if api == "anthropic" else P.new_id(kind)
+            if not req.stream:
+                try:
+                    return JSONResponse(await _collect(job, req, rid, model, vocab, fmt, api))
+                finally:
+                    job.cancel()  # done, or a stop string matched: either way the worker may stop
+        finally:
+            watcher.cancel()
+        if api == "anthropic":
+            return _SSEResponse(_anthropic_events(job, req, rid, model, vocab, fmt, len(ids)))
+        return _SSEResponse(_openai_events(job, req, rid, model, vocab, fmt))
     except P.ApiError as e:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(e.body(), e.status, headers=headers)
+        if job is not None:
+            job.cancel()
+        return _error_response(e, api)
     except Exception as e:  # noqa: BLE001 - one request's bug must not become a dead server
         log.exception("request failed")
-        return JSONResponse(
-            P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500
-        )
+        if job is not None:
+            job.cancel()
+        err = P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
+        return _error_response(err, api)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -289,12 +471,56 @@ async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
 
-async def models(request: Request) -> Response:
+async def messages(request: Request) -> Response:
+    return await _generate(request, "chat", api="anthropic")
+
+
+async def count_tokens(request: Request) -> Response:
     eng: Engine = request.app.state.engine
-    data = {"id": eng.settings.model_id, "object": "model", "created": 0, "owned_by": "macserve"}
+    try:
+        bundle = eng.bundle()
+        body = P.parse_json(await _read_body(request, eng.settings.read_timeout))
+        req = A.count_tokens_request(body)
+        ids = await run_in_threadpool(_prompt_ids, bundle, req)
+        return JSONResponse({"input_tokens": len(ids)})
+    except P.ApiError as e:
+        return _error_response(e, "anthropic")
+
+
+def _model_entry(eng: Engine) -> dict:
+    data = {
+        "id": eng.settings.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "macserve",
+        **A.models_entry(eng.settings.model_id),
+    }
     if eng.worker.ready:
         data["meta"] = {"n_ctx": eng.ctx, "vocab_size": eng.worker.bundle.config.get("vocab_size")}
-    return JSONResponse({"object": "list", "data": [data]})
+    return data
+
+
+async def models(request: Request) -> Response:
+    """OpenAI's list, with the fields Anthropic's clients read as well."""
+    entry = _model_entry(request.app.state.engine)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [entry],
+            "has_more": False,
+            "first_id": entry["id"],
+            "last_id": entry["id"],
+        }
+    )
+
+
+async def model(request: Request) -> Response:
+    entry = _model_entry(request.app.state.engine)
+    if request.path_params["model_id"] != entry["id"]:
+        raise HTTPException(
+            404, f"no model {request.path_params['model_id']!r}; this server has {entry['id']}"
+        )
+    return JSONResponse(entry)
 
 
 async def health(request: Request) -> Response:
@@ -306,7 +532,7 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "loading", "model": eng.settings.model_id}, 503)
     return JSONResponse(
         {
-            "status": "ok",
+            "status": "ok" if w.drain_until is None else "shutting_down",
             "model": eng.settings.model_id,
             "n_ctx": eng.ctx,
             "busy": w.busy,
@@ -320,13 +546,17 @@ async def health(request: Request) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(
-        P.error_body(exc.detail, kind), exc.status_code, headers=getattr(exc, "headers", None)
+    body = guards.error_json(request.url.path, exc.status_code, exc.detail, kind)
+    return Response(
+        body, exc.status_code, headers=getattr(exc, "headers", None), media_type="application/json"
     )
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
+    body = guards.error_json(
+        request.url.path, 500, f"internal error: {type(exc).__name__}", "server_error"
+    )
+    return Response(body, 500, media_type="application/json")
 
 
 def create_app(settings: Settings, on_load_failed=lambda why: None):
@@ -341,14 +571,37 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
         routes=[
             Route("/health", health),
             Route("/v1/models", models),
+            Route("/v1/models/{model_id:path}", model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )
     app.state.engine = engine
-    return ApiKeyGate(app, settings.api_key)
+    outer = guards.cors(guards.ApiKeyGate(app, settings.api_key), settings.allowed_origins)
+    if guards.is_loopback(settings.host):
+        names = {settings.host.strip("[]").lower(), *guards.LOOPBACK_NAMES, *settings.allowed_hosts}
+        outer = guards.HostGate(outer, frozenset(n.lower() for n in names))
+    outer.engine = engine  # for run(): the drain on shutdown
+    return outer
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, draining the engine first on SIGTERM / SIGINT: queued requests get 503 at
+    once, running ones `grace` seconds to finish before their streams end with an error
+    event; uvicorn then closes the connections (its own timeout is a little longer)."""
+
+    def __init__(self, config, engine: Engine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None):
+        log.info("shutting down: running requests get %g s to finish", self.grace)
+        self.engine.worker.drain(self.grace)
+        await super().shutdown(sockets)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -395,7 +648,13 @@ def run(settings: Settings) -> None:
             server.should_exit = True  # a server that can never answer should exit, not idle
 
     app = create_app(settings, on_load_failed)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=3))
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        http=guards.timed_protocol(settings.read_timeout),
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace) + 2,
+    )
+    server = _Server(config, app.engine, settings.shutdown_grace)
     log.info(
         "listening on http://%s:%d (model %s, loading)",
         settings.host,

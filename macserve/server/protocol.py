@@ -3,7 +3,7 @@
 Validation names the field and what was expected, as OpenAI's own 400s do, so a client
 author sees the mistake without reading the server log. Unknown fields are ignored (clients
 send penalties, logit_bias, user, ...), but fields whose meaning we would silently change
-(n > 1, echo, logprobs, tools) are refused.
+(n > 1, echo, best_of, the old `functions`) are refused.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_DEPTH = 64  # JSON nesting a body may have: far above any real schema, far below recursion
+MAX_TOP_LOGPROBS = 20
 # Fields we would otherwise silently ignore, with the values that mean "not asked for".
 _REFUSED = {
-    "tools": (None, []),
     "functions": (None, []),
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
+    "function_call": (None, "none", "auto"),
     "echo": (None, False),
     "best_of": (None, 1),
 }
@@ -33,6 +34,7 @@ class ApiError(Exception):
         param: str | None = None,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
@@ -42,38 +44,94 @@ class ApiError(Exception):
             type_,
             code,
         )
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict | None:
+        if self.retry_after is None:
+            return None
+        return {"Retry-After": str(self.retry_after)}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-@dataclass
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # the arguments' JSON schema
+
+    def spec(self) -> dict:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+@dataclass(frozen=True)
 class GenRequest:
+    """One generation request, whichever API it came through (OpenAI chat or completions,
+    Anthropic messages), parsed once."""
+
     kind: str  # "chat" | "completion"
-    messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
-    max_tokens: int | None = None
+    messages: tuple[dict, ...] = ()  # OpenAI's shape: roles system/user/assistant/tool
+    prompt: str | tuple[int, ...] | None = None
+    max_tokens: int | None = None  # None: the server's default cap
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
     stream: bool = False
     include_usage: bool = False
-    stop: list[str] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
     seed: int | None = None
-    model: str | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"  # auto | none | required | function (then tool_name)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    json_schema: dict | None = None  # response_format: {"type": "object"} for json_object
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if _depth(body) > MAX_DEPTH:
+        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep")
     return body
+
+
+def _depth(v) -> int:
+    """Nesting depth, without recursion (the body may be built to exhaust the stack)."""
+    deepest, todo = 0, [(v, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, list):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            todo.extend((y, d + 1) for y in x)
+    return deepest
 
 
 def _is_int(v) -> bool:
@@ -107,38 +165,186 @@ def _text(content, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of text parts", where)
 
 
-def _common(body: dict, req: GenRequest) -> GenRequest:
-    req.model = _opt(body, "model", lambda v: isinstance(v, str), "a string")
+def stop_list(stop, key: str, most: int | None = 4) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (
+        isinstance(stop, list)
+        and (most is None or len(stop) <= most)
+        and all(isinstance(s, str) and s for s in stop)
+    ):
+        n = f"up to {most} " if most else ""
+        raise ApiError(400, f"{key} must be a string or a list of {n}non-empty strings", key)
+    return tuple(stop or ())
+
+
+def schema_of(v, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise ApiError(400, f"{where} must be a JSON schema object", where)
+    return v
+
+
+def _tool_list(body: dict) -> tuple:
+    from_tools = body.get("tools")
+    if from_tools in (None, []):
+        return ()
+    if not isinstance(from_tools, list):
+        raise ApiError(400, "tools must be a list", "tools")
+    out, names = [], set()
+    for i, t in enumerate(from_tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise ApiError(400, f'{where} must be {{"type": "function", "function": ...}}', where)
+        f = t.get("function")
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ApiError(400, f"{where}.function.name is required", f"{where}.function.name")
+        params = f.get("parameters")
+        params = (
+            {"type": "object"}
+            if params in (None, {})
+            else schema_of(params, f"{where}.function.parameters")
+        )
+        desc = f.get("description") or ""
+        if not isinstance(desc, str):
+            raise ApiError(400, f"{where}.function.description must be a string", where)
+        if f["name"] in names:
+            raise ApiError(400, f"{where}: two tools are named {f['name']}", where)
+        names.add(f["name"])
+        out.append(Tool(f["name"], desc, params))
+    return tuple(out)
+
+
+def _tool_choice(v, tools: tuple) -> tuple[str, str | None]:
+    if v is None:
+        return "auto", None
+    if v in ("auto", "none", "required"):
+        choice, name = v, None
+    elif (
+        isinstance(v, dict)
+        and v.get("type") == "function"
+        and isinstance(v.get("function"), dict)
+        and isinstance(v["function"].get("name"), str)
+    ):
+        choice, name = "function", v["function"]["name"]
+    else:
+        raise ApiError(
+            400,
+            'tool_choice must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if choice in ("required", "function") and not tools:
+        raise ApiError(400, f"tool_choice {json.dumps(v)} needs tools", "tool_choice")
+    if name is not None and name not in {t.name for t in tools}:
+        raise ApiError(400, f"tool_choice names {name}, which is not in tools", "tool_choice")
+    return choice, name
+
+
+def _response_format(v) -> dict | None:
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise ApiError(
+                400,
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                "response_format",
+            )
+        return schema_of(js["schema"], "response_format.json_schema.schema")
+    raise ApiError(
+        400,
+        'response_format.type must be "text", "json_object" or "json_schema"',
+        "response_format",
+    )
+
+
+def sampling(body: dict, temperature_max: float = 2) -> dict:
+    """temperature, top_p, top_k and seed, checked (shared by the OpenAI and Anthropic APIs)."""
+    out = {}
+    out["temperature"] = float(
+        _opt(
+            body,
+            "temperature",
+            lambda v: _is_num(v) and 0 <= v <= temperature_max,
+            f"a number from 0 to {temperature_max:g}",
+            1.0,
+        )
+    )
+    out["top_p"] = float(
+        _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+    )
+    out["top_k"] = _opt(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0)
+    out["seed"] = _opt(body, "seed", _is_int, "an integer")
+    out["stream"] = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    return out
+
+
+def _common(body: dict, kind: str) -> dict:
+    kw: dict[str, Any] = {"kind": kind}
+    _opt(body, "model", lambda v: isinstance(v, str), "a string")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if mt is not None:
         if not _is_int(mt) or mt < 1:
             raise ApiError(400, f"{key} must be a positive integer, got {json.dumps(mt)[:60]}", key)
-        req.max_tokens = mt
-    req.temperature = float(
-        _opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2, "a number from 0 to 2", 1.0)
-    )
-    req.top_p = float(
-        _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    )
-    req.stream = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+        kw["max_tokens"] = mt
+    kw.update(sampling(body))
     so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    req.include_usage = bool(so.get("include_usage"))
-    req.seed = _opt(body, "seed", _is_int, "an integer")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (
-        isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
-    ):
-        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
-    req.stop = stop or []
+    kw["include_usage"] = bool(so.get("include_usage"))
+    kw["stop"] = stop_list(body.get("stop"), "stop")
     if _opt(body, "n", _is_int, "an integer", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n")
     for key, harmless in _REFUSED.items():
         if body.get(key) not in harmless:
             raise ApiError(400, f"{key} is not supported by this server", key)
-    return req
+    kw["json_schema"] = _response_format(body.get("response_format"))
+    return kw
+
+
+def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where} must be an object", where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+    role = "system" if role == "developer" else role
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if "content" not in m and not calls:
+        raise ApiError(400, f"{where}.content is required", f"{where}.content")
+    content = m.get("content")
+    out = {"role": role, "content": "" if content is None else _text(content, f"{where}.content")}
+    if calls:
+        if not isinstance(calls, list):
+            raise ApiError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        out["tool_calls"] = []
+        for j, c in enumerate(calls):
+            f = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ApiError(
+                    400, f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls"
+                )
+            args = f.get("arguments", "{}")
+            if not isinstance(args, (str, dict)):
+                raise ApiError(
+                    400, f"{where}.tool_calls[{j}].function.arguments must be a string", where
+                )
+            out["tool_calls"].append(
+                {
+                    "id": str(c.get("id") or f"call_{i}_{j}"),
+                    "type": "function",
+                    "function": {"name": f["name"], "arguments": args},
+                }
+            )
+    if role == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id") or "")
+    return out
 
 
 def parse_chat(body: dict) -> GenRequest:
@@ -147,17 +353,28 @@ def parse_chat(body: dict) -> GenRequest:
         raise ApiError(400, "messages is required", "messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object", where)
-        if m.get("role") not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
-        if "content" not in m:
-            raise ApiError(400, f"{where}.content is required", f"{where}.content")
-        out.append({"role": m["role"], "content": _text(m["content"], f"{where}.content")})
-    return _common(body, GenRequest("chat", messages=out))
+    kw = _common(body, "chat")
+    kw["messages"] = tuple(_message(m, i) for i, m in enumerate(msgs))
+    kw["tools"] = _tool_list(body)
+    kw["tool_choice"], kw["tool_name"] = _tool_choice(body.get("tool_choice"), kw["tools"])
+    kw["parallel_tool_calls"] = _opt(
+        body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True
+    )
+    if kw["json_schema"] is not None and kw["tool_choice"] in ("required", "function"):
+        raise ApiError(
+            400, "response_format cannot be combined with a forced tool call", "tool_choice"
+        )
+    kw["logprobs"] = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    kw["top_logprobs"] = _opt(
+        body,
+        "top_logprobs",
+        lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+        f"an integer from 0 to {MAX_TOP_LOGPROBS}",
+        0,
+    )
+    if kw["top_logprobs"] and not kw["logprobs"]:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return GenRequest(**kw)
 
 
 def parse_completion(body: dict) -> GenRequest:
@@ -171,28 +388,38 @@ def parse_completion(body: dict) -> GenRequest:
             raise ApiError(
                 400, "prompt must be a string, or a non-empty list of token ids", "prompt"
             )
+        p = tuple(p)
     elif not isinstance(p, str) or not p:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
-    return _common(body, GenRequest("completion", prompt=p))
+    kw = _common(body, "completion")
+    for key in ("tools", "tool_choice"):
+        if body.get(key) not in (None, [], "none"):
+            raise ApiError(400, f"{key} needs /v1/chat/completions (a chat template)", key)
+    # The legacy API: logprobs is how many alternatives to list (0..5), null for none.
+    lp = _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 5, "an integer from 0 to 5")
+    kw["logprobs"], kw["top_logprobs"] = lp is not None, lp or 0
+    return GenRequest(prompt=p, **kw)
 
 
 class StopMatcher:
     """Cuts the output at the first stop string. Text that might be the start of a stop
     string is held back until the next token decides, so a streamed stop string never leaks."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.pending = ""
+        self.hit: str | None = None  # the stop string that matched
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit now, hit a stop string)."""
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[: min(hits)], True
+            i, self.hit = min(hits)
+            return buf[:i], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), 0, -1):
@@ -234,19 +461,87 @@ def timings(stats: dict) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, with the most likely alternatives."""
+
+    raw: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
+
+    @property
+    def text(self) -> str:
+        return self.raw.decode("utf-8", errors="replace")
+
+
+def _lp_entry(raw: bytes, lp: float) -> dict:
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {
+        "content": [
+            {**_lp_entry(e.raw, e.logprob), "top_logprobs": [_lp_entry(r, v) for r, v in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.text)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            {r.decode("utf-8", errors="replace"): v for r, v in e.top} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def tool_call_json(call, index: int | None = None) -> dict:
+    out = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    if index is not None:
+        out["index"] = index
+    return out
+
+
 def full_response(
-    req: GenRequest, rid: str, model: str, text: str, finish: str, stats: dict
+    req: GenRequest,
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    stats: dict,
+    calls: list | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> dict:
     if req.kind == "chat":
+        msg: dict = {"role": "assistant", "content": text if (text or not calls) else None}
+        if calls:
+            msg["tool_calls"] = [tool_call_json(c) for c in calls]
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "message": msg,
+            "logprobs": chat_logprobs(logprobs) if req.logprobs else None,
             "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": completion_logprobs(logprobs or []) if req.logprobs else None,
+            "finish_reason": finish,
+        }
         obj = "text_completion"
     return {
         "id": rid,
@@ -267,15 +562,28 @@ def chunk(
     finish: str | None = None,
     stats: dict | None = None,
     role: bool = False,
+    calls: list | None = None,
+    first_call: int = 0,
+    logprobs: list[TokenLogprob] | None = None,
+    offset: int = 0,
 ) -> dict:
+    """One streamed chunk. `first_call`: the index of calls[0] among the answer's calls;
+    `offset`: where `text` starts in the answer (the legacy logprobs' text_offset)."""
+    lp = None
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if calls:
+            delta["tool_calls"] = [tool_call_json(c, first_call + i) for i, c in enumerate(calls)]
+        if req.logprobs and logprobs:
+            lp = chat_logprobs(logprobs)
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if req.logprobs and logprobs:
+            lp = completion_logprobs(logprobs, offset)
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
         obj = "text_completion"
     out = {
         "id": rid,

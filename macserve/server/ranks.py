@@ -23,6 +23,7 @@ from mlx_lm.generate import generation_stream
 from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
+from . import grammar
 
 log = logging.getLogger("macserve.server")
 
@@ -86,21 +87,35 @@ class Ranks:
 
 def job_params(job) -> dict:
     """What every rank needs to run the same generation. A job without a seed gets one here:
-    sampling must draw the same numbers on every rank."""
+    sampling must draw the same numbers on every rank, and mask the same tokens."""
     seed = job.seed if job.seed is not None else random.randrange(2**31)
     return {
         "prompt_ids": list(job.prompt_ids),
         "max_tokens": job.max_tokens,
         "temperature": job.temperature,
         "top_p": job.top_p,
+        "top_k": job.top_k,
+        "constraint": job.constraint,
+        "top_logprobs": job.top_logprobs,
         "seed": seed,
     }
+
+
+def processors(constraint, top_k: int, vocab) -> list | None:
+    """The logits processors of one generation: its grammar's mask, then top-k."""
+    out = []
+    if constraint is not None:
+        out.append(constraint.build(vocab))
+    if top_k:
+        out.append(grammar.top_k_processor(top_k))
+    return out or None
 
 
 def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None:
     """Ranks other than 0: load the model's share, then run whatever rank 0 runs, forever."""
     log.info("rank %d of %d: loading %s", ranks.rank, ranks.size, model)
     bundle = load(model, split)
+    vocab = grammar.Vocab(bundle)
     log.info("rank %d: loaded; following rank 0", ranks.rank)
     while True:
         req = ranks.share(None)
@@ -116,6 +131,9 @@ def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None
                 top_p=req["top_p"],
                 stop=ranks.synced_stop(lambda: False),
                 options=options,
+                seed=req["seed"],
+                logits_processors=processors(req["constraint"], req["top_k"], vocab),
+                top_logprobs=req["top_logprobs"],
             ):
                 pass
         except Exception as e:  # noqa: BLE001 - see Ranks.abort

@@ -3,7 +3,9 @@
 MLX work stays on this thread (the model, its caches and mlx-lm's generation stream are not
 shared), and a FIFO queue.Queue serves requests in arrival order. Each job hands its Steps to
 the request's event loop through call_soon_threadsafe; a job whose client went away is
-skipped if still queued and stopped at the next token if running.
+skipped if still queued and stopped at the next token if running. A job also stops at its
+deadline (`ended_by = "deadline"`) and, once the server drains for shutdown, at the drain's
+end (`"shutdown"`); a job still queued when draining starts is refused (`"shutdown"`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import random
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +26,7 @@ import mlx.core as mx
 from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
-from . import ranks
+from . import grammar, ranks
 from .ranks import Ranks
 
 log = logging.getLogger("macserve.server")
@@ -38,9 +42,15 @@ class Job:
     top_p: float
     seed: int | None
     loop: asyncio.AbstractEventLoop
+    deadline: float = float("inf")  # time.monotonic() by which the job must be done
+    top_k: int = 0
+    constraint: Any = None  # grammar.ConstraintSpec
+    top_logprobs: int | None = None  # None: no logprobs
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
     disconnected: bool = False  # cancelled because the client left (vs. a stop string matched)
+    ended_by: str | None = None  # "deadline" | "shutdown": the server stopped it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -53,6 +63,12 @@ class Job:
         try:
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
         except RuntimeError:  # the loop is closed: the server is shutting down
+            self.cancel()
+
+    def mark_started(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.started.set)
+        except RuntimeError:
             self.cancel()
 
 
@@ -73,6 +89,9 @@ class Worker(threading.Thread):
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
         self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
+        self.drain_until: float | None = None  # set once: the server is shutting down
+        self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
+        self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
 
     @property
     def ready(self) -> bool:
@@ -84,10 +103,39 @@ class Worker(threading.Thread):
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
+    def drain(self, grace: float) -> None:
+        """Shutdown: refuse what is queued, let the running job go on for `grace` seconds."""
+        self.drain_until = time.monotonic() + grace
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.ended_by = "shutdown"
+            job.mark_started()
+            job.deliver(END)
+
+    def _stop_check(self, job: Job):
+        def stop() -> bool:
+            if job.cancelled.is_set():
+                return True
+            now = time.monotonic()
+            if now > job.deadline:
+                job.ended_by = "deadline"
+                return True
+            if self.drain_until is not None and now > self.drain_until:
+                job.ended_by = "shutdown"
+                return True
+            return False
+
+        return stop
+
     def run(self) -> None:
         try:
             log.info("loading %s", self.model)
-            self.bundle = load(self.model, self.split)
+            bundle = load(self.model, self.split)
+            self.vocab = grammar.Vocab(bundle)
+            self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
             self.error = f"{type(e).__name__}: {e}"
@@ -100,27 +148,35 @@ class Worker(threading.Thread):
             except queue.Empty:
                 self.ranks.share(None)  # the other ranks wait on this: "nothing yet"
                 continue
+            job.mark_started()
             if job.cancelled.is_set():
                 self.disconnected += job.disconnected
                 job.deliver(END)
                 continue
+            if self.drain_until is not None:
+                job.ended_by = "shutdown"
+                job.deliver(END)
+                continue
             self.busy = True
+            t0 = time.monotonic()
             try:
-                stop = job.cancelled.is_set
+                if job.seed is None:
+                    # Every job samples from its own seed (MTP drafting samples with numpy's
+                    # generator, which would otherwise start from the same seed every time).
+                    job.seed = random.randrange(2**31)
+                stop = self._stop_check(job)
                 if self.ranks.distributed:
-                    params = ranks.job_params(job)
-                    job.seed = params["seed"]
-                    self.ranks.share(params)
+                    self.ranks.share(ranks.job_params(job))
                     stop = self.ranks.synced_stop(stop)
                 self._run(job, stop)
             finally:
                 self.busy = False
+                self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.monotonic() - t0)
                 job.deliver(END)
 
     def _run(self, job: Job, stop) -> None:
         try:
-            if job.seed is not None:
-                mx.random.seed(job.seed)
+            mx.random.seed(job.seed)
             for step in generate.stream(
                 self.bundle,
                 job.prompt_ids,
@@ -129,6 +185,9 @@ class Worker(threading.Thread):
                 top_p=job.top_p,
                 stop=stop,
                 options=self.options,
+                seed=job.seed,
+                logits_processors=ranks.processors(job.constraint, job.top_k, self.vocab),
+                top_logprobs=job.top_logprobs,
             ):
                 job.deliver(step)
             if job.disconnected:

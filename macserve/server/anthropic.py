@@ -1,0 +1,336 @@
+"""Anthropic's Messages API (`POST /v1/messages`) on the same engine: its request in, the
+shared GenRequest out; its message and its stream of events back.
+
+Content blocks map onto the OpenAI-shaped messages the chat template path takes: text blocks
+join into the content, `tool_use` blocks become an assistant's tool_calls, `tool_result`
+blocks become "tool" messages. Thinking blocks from earlier turns are dropped (the model
+writes none); images and documents get a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from .protocol import (
+    ApiError,
+    GenRequest,
+    Tool,
+    _is_int,
+    _opt,
+    sampling,
+    schema_of,
+    stop_list,
+)
+
+# Anthropic's error types, by HTTP status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+OVERLOADED = 529  # Anthropic's status for "try again later" (its clients retry it)
+
+
+def error_body(e: ApiError) -> dict:
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message},
+    }
+
+
+def status(e: ApiError) -> int:
+    return OVERLOADED if e.status == 503 else e.status
+
+
+def _blocks(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise ApiError(400, f"{where} must be a string or a list of content blocks", where)
+    return content
+
+
+def _result_text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for b in _blocks(content, where):
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise ApiError(400, f"{where}: only text tool results are supported", where)
+        parts.append(b["text"])
+    return "".join(parts)
+
+
+def _messages(system, msgs) -> list[dict]:
+    out: list[dict] = []
+    if system is not None:
+        sys_text = _result_text(system, "system")
+        if sys_text:
+            out.append({"role": "system", "content": sys_text})
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"{where}.role must be user or assistant", f"{where}.role")
+        if "content" not in m:
+            raise ApiError(400, f"{where}.content is required", f"{where}.content")
+        texts, calls = [], []
+        for j, b in enumerate(_blocks(m["content"], f"{where}.content")):
+            kind, bw = b.get("type"), f"{where}.content[{j}]"
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("name"), str):
+                    raise ApiError(400, f"{bw}.name is required", bw)
+                calls.append(
+                    {
+                        "id": str(b.get("id") or f"toolu_{i}_{j}"),
+                        "type": "function",
+                        "function": {
+                            "name": b["name"],
+                            "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False),
+                        },
+                    }
+                )
+            elif kind == "tool_result" and m["role"] == "user":
+                text = _result_text(b.get("content"), f"{bw}.content")
+                if b.get("is_error"):
+                    text = "Error: " + text
+                out.append(
+                    {"role": "tool", "content": text, "tool_call_id": str(b.get("tool_use_id", ""))}
+                )
+            else:
+                raise ApiError(
+                    400,
+                    f"{bw}: content blocks of type {json.dumps(kind)} are not supported here",
+                    bw,
+                )
+        if m["role"] == "assistant":
+            msg = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts:
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tools(v) -> tuple[Tool, ...]:
+    if v in (None, []):
+        return ()
+    if not isinstance(v, list):
+        raise ApiError(400, "tools must be a list", "tools")
+    out, names = [], set()
+    for i, t in enumerate(v):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise ApiError(
+                400,
+                f"{where}: only custom tools are supported (got type {json.dumps(kind)})",
+                where,
+            )
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise ApiError(400, f"{where}.name is required", where)
+        if t["name"] in names:
+            raise ApiError(400, f"{where}: two tools are named {t['name']}", where)
+        names.add(t["name"])
+        schema = schema_of(t.get("input_schema"), f"{where}.input_schema")
+        out.append(Tool(t["name"], str(t.get("description") or ""), schema))
+    return tuple(out)
+
+
+def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
+    if v is None:
+        return "auto", None, True
+    if not isinstance(v, dict) or v.get("type") not in ("auto", "any", "tool", "none"):
+        raise ApiError(
+            400, 'tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice"
+        )
+    parallel = not v.get("disable_parallel_tool_use", False)
+    kind = v["type"]
+    if kind in ("any", "tool") and not tools:
+        raise ApiError(400, f"tool_choice {kind} needs tools", "tool_choice")
+    if kind == "tool":
+        name = v.get("name")
+        if name not in {t.name for t in tools}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        return "function", name, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], None, parallel
+
+
+def parse(body: dict) -> GenRequest:
+    mt = body.get("max_tokens")
+    if mt is None:
+        raise ApiError(400, "max_tokens is required", "max_tokens")
+    if not _is_int(mt) or mt < 1:
+        raise ApiError(
+            400, f"max_tokens must be a positive integer, got {json.dumps(mt)[:60]}", "max_tokens"
+        )
+    _opt(body, "model", lambda v: isinstance(v, str), "a string")
+    tools = _tools(body.get("tools"))
+    choice, name, parallel = _tool_choice(body.get("tool_choice"), tools)
+    return GenRequest(
+        kind="chat",
+        messages=tuple(_messages(body.get("system"), body.get("messages"))),
+        max_tokens=mt,
+        stop=stop_list(body.get("stop_sequences"), "stop_sequences", most=None),
+        tools=tools,
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=parallel,
+        **sampling(body, temperature_max=1),
+    )
+
+
+def count_tokens_request(body: dict) -> GenRequest:
+    """/v1/messages/count_tokens: the same body without max_tokens."""
+    return parse({**body, "max_tokens": 1, "stream": False})
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def new_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def stop_reason(finish: str, calls: int) -> str:
+    if calls and finish in ("stop", "tool_calls"):
+        return "tool_use"
+    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(finish, "end_turn")
+
+
+def usage(stats: dict) -> dict:
+    return {
+        "input_tokens": stats.get("prompt_tokens", 0),
+        "output_tokens": stats.get("completion_tokens", 0),
+    }
+
+
+def message(
+    rid: str, model: str, text: str, calls: list, finish: str, stop_seq: str | None, stats: dict
+) -> dict:
+    content: list[dict] = []
+    if text or not calls:
+        content.append({"type": "text", "text": text})
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()} for c in calls]
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(finish, len(calls)),
+        "stop_sequence": stop_seq,
+        "usage": usage(stats),
+    }
+
+
+def event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class Stream:
+    """The Messages API's event sequence: message_start, then content blocks (start, deltas,
+    stop), then message_delta (stop_reason, usage) and message_stop."""
+
+    def __init__(self, rid: str, model: str, prompt_tokens: int):
+        self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
+        self.index = -1
+        self.open: str | None = None  # the type of the block being written
+        self.calls = 0
+
+    def start(self) -> list[bytes]:
+        msg = {
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+        }
+        return [
+            event("message_start", {"type": "message_start", "message": msg}),
+            event("ping", {"type": "ping"}),
+        ]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _begin(self, block: dict) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + [event("content_block_start", start)]
+
+    def text(self, text: str) -> list[bytes]:
+        out = [] if self.open == "text" else self._begin({"type": "text", "text": ""})
+        delta = {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": {"type": "text_delta", "text": text},
+        }
+        return out + [event("content_block_delta", delta)]
+
+    def call(self, c) -> list[bytes]:
+        self.calls += 1
+        out = self._begin({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
+        delta = {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(c.input(), ensure_ascii=False),
+            },
+        }
+        return out + [event("content_block_delta", delta)] + self._close()
+
+    def finish(self, finish: str, stop_seq: str | None, stats: dict) -> list[bytes]:
+        out = (
+            self._close()
+            if self.index >= 0
+            else self._begin({"type": "text", "text": ""}) + self._close()
+        )
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(finish, self.calls), "stop_sequence": stop_seq},
+            "usage": usage(stats),
+        }
+        return out + [
+            event("message_delta", delta),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+
+    @staticmethod
+    def error(e: ApiError) -> bytes:
+        return event("error", error_body(e))
+
+
+def models_entry(model_id: str) -> dict:
+    """The fields Anthropic's models API adds to an entry (its clients read these)."""
+    return {
+        "type": "model",
+        "display_name": model_id,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(0)),
+    }
