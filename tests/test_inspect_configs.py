@@ -29,9 +29,13 @@ EXPECTED = {
     "deepseek-ai__DeepSeek-V3": (70272, 70272, 37332, 19764, 13908),
     "moonshotai__Kimi-K2-Instruct": (70272, 70272, 37332, 19764, 13908),
     "zai-org__GLM-4.7-Flash.ABRIDGED": (54144, 54144, 28764, 15228, 10716),
-    "deepseek-ai__DeepSeek-V3.2": (85888, _, _, _, _),
-    "zai-org__GLM-5": (109824, _, _, _, _),
-    "zai-org__GLM-5.2": (109824, _, _, _, _),
+    # DSA: mlx-lm's Indexer keeps a zero-filled `values` array as large as its key on every
+    # layer (deepseek_v32.py: cache.values = mx.zeros_like(cache.keys)), measured by building
+    # the model in mlx-lm: 61 x (1,152 + 256 + 256) and 78 x (1,152 + 256 + 256). The
+    # reference table said 85,888 / 109,824 (no values array) until the engine showed otherwise.
+    "deepseek-ai__DeepSeek-V3.2": (101504, _, _, _, _),
+    "zai-org__GLM-5": (129792, _, _, _, _),
+    "zai-org__GLM-5.2": (129792, _, _, _, _),
     "Qwen__Qwen3-Next-80B-A3B-Thinking": (24576, 24576, 13056, 6912, _),
     "Qwen__Qwen3.5-35B-A3B": (20480, 20480, 10880, 5760, _),
     "Qwen__Qwen3-30B-A3B": (98304, 98304, 52224, 27648, _),

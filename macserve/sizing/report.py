@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from ..errors import MacserveError
 from .arch import ModelShape, shape_from_config, shape_from_gguf
 from .budget import Budget, machine_budget
-from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout
+from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout, measured_layout
 from .kv_layout import max_context as _max_context
+from .mlx_measure import measure as measure_mlx
 from .sources import ModelSource, resolve
 
 TABLE_CONTEXTS = (8192, 32768, 131072)
@@ -57,16 +58,40 @@ def shape_of(src: ModelSource) -> ModelShape:
     return shape_from_gguf(src.gguf_meta) if src.is_gguf else shape_from_config(src.config)
 
 
-def inspect_source(source: str, quant: str | None = None) -> Report:
+def inspect_source(source: str, quant: str | None = None, measure: bool = True) -> Report:
+    """`measure`: the mlx/bf16 row from mlx-lm's own caches (mlx_measure.py) where mlx-lm
+    has the model type; False keeps every row modelled (and mlx unimported)."""
     src = resolve(source, quant)
     shape = shape_of(src)
     keys = [k for k in CACHE_KEYS if not (src.is_gguf and not k.startswith("llama.cpp"))]
     lays = {k: layout(shape, k) for k in keys}
     mtp = {k: layout(shape, k, mtp=True) for k in keys} if shape.mtp_layers else {}
-    notes = engine_notes(shape)
+    notes = engine_notes(shape, measured=measure)
+    if measure and not src.is_gguf:
+        notes += _measure_mlx(src.config, lays)
     if src.weights_bytes is None:
         notes.append("weights unknown (a bare config): max context assumes no weights")
     return Report(src, shape, lays, mtp, notes)
+
+
+def _measure_mlx(config: dict, lays: dict) -> list[str]:
+    """Replace the modelled mlx/bf16 layout by what mlx-lm allocates; notes on what differs."""
+    m = measure_mlx(config)
+    if not m.ok:
+        # No module: engine_notes already says so. A module that fails on this config: say why.
+        return [f"mlx/bf16 modelled: {m.reason}"] if m.module else []
+    modelled = lays["mlx/bf16"]
+    got = measured_layout(m)
+    lays["mlx/bf16"] = got
+    if not modelled.supported:
+        return [f"mlx/bf16 measured in {m.engine}; inspect's own model: {modelled.reason}"]
+    if (modelled.per_token, modelled.state) != (got.per_token, got.state):
+        return [
+            f"inspect's own model of {m.engine} ({as_number(modelled.per_token):,} B/token, "
+            f"{modelled.state:,} B/sequence) differs from what it allocates; the measured "
+            "figures are shown"
+        ]
+    return []
 
 
 def max_context(report: Report, cache_key: str, budget_bytes: int, parallel: int = 1) -> int:
@@ -104,8 +129,9 @@ def report(
     memory_bytes: int | None = None,
     parallel: int = 1,
     ctx: int | None = None,
+    measure: bool = True,
 ) -> dict:
-    return report_of(inspect_source(source, quant), memory_bytes, parallel, ctx)
+    return report_of(inspect_source(source, quant, measure), memory_bytes, parallel, ctx)
 
 
 def report_of(
@@ -130,6 +156,8 @@ def report_of(
         "state_bytes_per_sequence": per_key(lambda l: l.state),
         "max_context": p.max_context,
         "unsupported": {k: lay.reason for k, lay in rep.layouts.items() if not lay.supported},
+        "row_source": {k: lay.origin for k, lay in rep.layouts.items()},
+        "measured_with": {k: lay.engine for k, lay in rep.layouts.items() if lay.engine},
         "mtp": {
             "layers": len(shape.mtp_layers),
             "kv_bytes_per_token": {
