@@ -72,6 +72,7 @@ BENCH = {
 DEV = {
     "train-tiny": "macserve.cli.dev:train_tiny",
     "export-gguf": "macserve.cli.dev:export_gguf_cmd",
+    "mlx-check": "macserve.cli.dev:mlx_check_cmd",
 }
 
 

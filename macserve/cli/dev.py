@@ -1,12 +1,17 @@
-"""`macserve dev ...`: developer commands (train the demo model, export its GGUF twin)."""
+"""`macserve dev ...`: developer commands (train the demo model, export its GGUF twin, check
+inspect against the engines)."""
 
+import json
 from pathlib import Path
 
 import click
 
 from .. import env
 from ..dev.gguf_export import export_gguf
+from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
+from ..sizing.mlx_measure import engine_name
+from ..sizing.report import mlx_check
 
 
 @click.command("train-tiny")
@@ -32,3 +37,35 @@ def train_tiny(out, minutes, batch, seq_len, lr, seed):
 def export_gguf_cmd(model_dir, out, dtype):
     """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
     click.echo(export_gguf(model_dir, out, dtype))
+
+
+@click.command("mlx-check")
+@click.argument("configs", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--from-mlx-tests",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="mlx-lm's tests/test_models.py: check the config it gives for each model type.",
+)
+def mlx_check_cmd(configs, from_mlx_tests):
+    """inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config."""
+    todo = [(p.name, json.loads(p.read_text())) for p in configs]
+    if from_mlx_tests:
+        todo += sorted(configs_from_mlx_tests(from_mlx_tests).items())
+    if not todo:
+        raise click.UsageError("give config files or --from-mlx-tests")
+    agree = measured = 0
+    click.echo(f"{'config':44} {'module':22} {'measured B/tok, B/seq':>26} {'modelled':>26}")
+    for name, cfg in todo:
+        c = mlx_check(cfg)
+        agree += c.agree
+        measured += c.measured is not None
+        verdict = "agree" if c.agree else (c.why or "DIFFER")
+        click.echo(
+            f"{name[:44]:44} {str(c.module)[:22]:22} {_pair(c.measured):>26} "
+            f"{_pair(c.modelled):>26}  {verdict[:160]}"
+        )
+    click.echo(f"{agree} of {len(todo)} agree ({measured} measured in {engine_name()})")
+
+
+def _pair(p):
+    return "-" if p is None else f"{p[0]:,}, {p[1]:,}"

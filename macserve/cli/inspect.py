@@ -89,7 +89,7 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_j
 
 
 def _print(r):
-    layers = ", ".join(f"{v} {k}" for k, v in r["layers"].items())
+    layers = ", ".join(f"{v} {k}" for k, v in r["layers"].items()) or "layers not classified"
     idx = r["indexers"]
     if idx:
         layers += f" (DSA indexers: {idx['owned']} owned, {idx['shared']} shared)"

@@ -231,6 +231,7 @@ def _llama_layout(layers: list, key: str, t: str, ubatch: int, swa_full: bool) -
 MLX_MLA_LATENT = {
     "deepseek_v3",
     "deepseek_v32",
+    "kimi_k25",
     "glm4_moe_lite",
     "glm_moe_dsa",
     "kimi_k3",
