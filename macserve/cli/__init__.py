@@ -73,6 +73,7 @@ DEV = {
     "train-tiny": "macserve.cli.dev:train_tiny",
     "export-gguf": "macserve.cli.dev:export_gguf_cmd",
     "mlx-check": "macserve.cli.dev:mlx_check_cmd",
+    "llama-truth": "macserve.cli.dev:llama_truth_cmd",
 }
 
 

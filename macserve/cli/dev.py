@@ -2,16 +2,18 @@
 inspect against the engines)."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import click
 
 from .. import env
+from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
 from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
 from ..sizing.mlx_measure import engine_name
-from ..sizing.report import mlx_check
+from ..sizing.report import llama_bytes_at, mlx_check
 
 
 @click.command("train-tiny")
@@ -69,3 +71,50 @@ def mlx_check_cmd(configs, from_mlx_tests):
 
 def _pair(p):
     return "-" if p is None else f"{p[0]:,}, {p[1]:,}"
+
+
+@click.command("llama-truth")
+@click.argument(
+    "configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option("-c", "--ctx", type=click.IntRange(256), default=4096, show_default=True)
+@click.option(
+    "--server",
+    envvar="MACSERVE_LLAMA_SERVER",
+    help="llama-server (default: $MACSERVE_LLAMA_SERVER).",
+)
+def llama_truth_cmd(configs, ctx, server):
+    """llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real
+    llama-server) beside inspect's llama.cpp/f16 figure."""
+    if not server:
+        raise click.UsageError("no llama-server: set MACSERVE_LLAMA_SERVER or pass --server")
+    agree = 0
+    click.echo(
+        f"{'config':44} {'arch':12} {'llama.cpp MiB':>14} {'inspect MiB':>12} {'B/token (llama.cpp ~ inspect)':>32}"
+    )
+    for p in configs:
+        cfg = json.loads(p.read_text())
+        with tempfile.TemporaryDirectory() as d:
+            got = llama_truth.measure(cfg, server, ctx, Path(d))
+        want, per = llama_bytes_at(cfg, ctx)
+        mine = "n/a" if want is None else f"{want / 2**20:.2f}"
+        ok = want is not None and abs(got.mib - want / 2**20) <= got.tolerance_mib
+        agree += ok
+        grown = sum(l.mib for l in got.lines if l.cells == _pad256(ctx)) * 2**20 / _pad256(ctx)
+        click.echo(
+            f"{p.stem[:44]:44} {got.arch:12} {got.mib:>14.2f} {mine:>12} "
+            f"{f'{grown:,.0f} ~ {float(per):,.0f}' if want is not None else per:>32}  "
+            f"{'agree' if ok else 'DIFFER'}"
+        )
+        for line in got.lines:
+            parts = ", ".join(f"{a} ({t}) {m:.2f}" for a, t, m in line.parts)
+            click.echo(
+                f"    {line.module}: {line.mib:.2f} MiB, {line.cells} cells, {line.layers} layers; {parts}"
+            )
+    click.echo(
+        f"{agree} of {len(configs)} agree at -c {ctx} (each logged figure rounded to 0.01 MiB)"
+    )
+
+
+def _pad256(n):
+    return -(-n // 256) * 256

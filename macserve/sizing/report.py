@@ -240,3 +240,12 @@ def mlx_check(config: dict) -> MlxCheck:
     except MacserveError as e:
         modelled, why = None, why or f"model: {e}"
     return MlxCheck(mt, m.module, measured, modelled, why)
+
+
+def llama_bytes_at(config: dict, ctx: int, cache_key: str = "llama.cpp/f16") -> tuple:
+    """inspect's llama.cpp figures for `config` at `-c ctx -np 1`, for `macserve dev
+    llama-truth`: (total cache bytes, bytes per token), or (None, reason) if unsupported."""
+    lay = layout(shape_from_config(config), cache_key)
+    if not lay.supported:
+        return None, lay.reason
+    return lay.bytes_at(ctx), lay.per_token
