@@ -214,7 +214,95 @@ def _qwen_hybrid(arch):
     return f
 
 
+def _mimo2(c):
+    # convert_hf_to_gguf's MiMoV2 model: per-layer KV heads, 1 = sliding in the pattern.
+    kv = _base(c)
+    _moe(kv, c)
+    pattern = [bool(p) for p in c["hybrid_layer_pattern"]]
+    kv["attention.head_count_kv"] = [
+        int(c["swa_num_key_value_heads"] if p else c["num_key_value_heads"]) for p in pattern
+    ]
+    kv["attention.sliding_window"] = int(c["sliding_window"])
+    kv["attention.sliding_window_pattern"] = pattern
+    rot = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0
+    )
+    kv["rope.dimension_count"] = int(kv["attention.key_length"] * float(rot))
+    return Skeleton("mimo2", kv)
+
+
+def _gemma4(c):
+    kv = _base(c)
+    _moe(kv, c)
+    types = c["layer_types"]
+    swa = [t == "sliding_attention" for t in types]
+    full_hd, swa_hd = int(c["global_head_dim"]), int(c["head_dim"])
+    kv["attention.key_length"] = kv["attention.value_length"] = full_hd
+    kv["attention.key_length_swa"] = kv["attention.value_length_swa"] = swa_hd
+    kv["attention.sliding_window"] = int(c["sliding_window"])
+    kv["attention.sliding_window_pattern"] = swa
+    kv["attention.shared_kv_layers"] = int(c.get("num_kv_shared_layers") or 0)
+    kv["embedding_length_per_layer_input"] = int(c.get("hidden_size_per_layer_input") or 0)
+    if c.get("num_global_key_value_heads") is not None:
+        g, l = int(c["num_global_key_value_heads"]), int(c["num_key_value_heads"])
+        kv["attention.head_count_kv"] = [l if s else g for s in swa]
+    kv["rope.dimension_count"] = full_hd
+    kv["rope.dimension_count_swa"] = swa_hd
+    return Skeleton("gemma4", kv)
+
+
+def _kimi(arch):
+    def f(c):
+        kv = _base(c)
+        _mla(kv, c)
+        lc = c["linear_attn_config"]
+        n = int(c["num_hidden_layers"])
+        full = set(lc.get("full_attn_layers") or [])
+        kv["attention.head_count"] = int(c["num_attention_heads"])  # KDA state: n_head wide
+        kv["attention.head_count_kv"] = [1 if i + 1 in full else 0 for i in range(n)]
+        kv["ssm.conv_kernel"] = int(lc.get("short_conv_kernel_size") or 4)
+        kv["kda.head_dim"] = int(lc["head_dim"])
+        for k, key in (
+            ("activation_situ_beta", "activation.situ_beta"),
+            ("activation_situ_linear_beta", "activation.situ_linear_beta"),
+            ("gate_lower_bound", "kda.gate_lower_bound"),
+        ):
+            v = c.get(k, lc.get(k))
+            if v is not None:
+                kv[key] = float(v)
+        if c.get("attn_res_block_size") is not None:
+            kv["attn_res.block_size"] = int(c["attn_res_block_size"])
+        return Skeleton(arch, kv)
+
+    return f
+
+
+def _deci(c):
+    # Nemotron-NAS: per-layer KV heads from block_configs (0: no attention in that layer).
+    kv = _base(c)
+    heads = int(c["num_attention_heads"])
+    n_kv, n_head = [], []
+    for b in c["block_configs"]:
+        a = b["attention"]
+        if a.get("no_op") or a.get("replace_with_linear"):
+            n_kv.append(0)
+            n_head.append(0 if a.get("no_op") else heads)
+        else:
+            n_kv.append(heads // int(a["n_heads_in_group"]))
+            n_head.append(heads)
+    kv["attention.head_count"] = n_head
+    kv["attention.head_count_kv"] = n_kv
+    kv["feed_forward_length"] = [SMALL_FF] * len(n_kv)
+    return Skeleton("deci", kv)
+
+
 ARCHS = {
+    "mimo_v2_flash": _mimo2,
+    "gemma4": _gemma4,
+    "gemma4_text": _gemma4,
+    "kimi_linear": _kimi("kimi-linear"),
+    "kimi_k3": _kimi("kimi-k3"),
+    "nemotron-nas": _deci,
     "llama": _llama,
     "mistral": _llama,
     "qwen3": _qwen3moe,
