@@ -12,6 +12,7 @@ from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
 from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
+from ..errors import MacserveError
 from ..sizing.mlx_measure import engine_name
 from ..sizing.report import llama_bytes_at, mlx_check
 
@@ -94,9 +95,16 @@ def llama_truth_cmd(configs, ctx, server):
     )
     for p in configs:
         cfg = json.loads(p.read_text())
-        with tempfile.TemporaryDirectory() as d:
-            got = llama_truth.measure(cfg, server, ctx, Path(d))
-        want, per = llama_bytes_at(cfg, ctx)
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                got = llama_truth.measure(cfg, server, ctx, Path(d))
+        except MacserveError as e:
+            click.echo(f"{p.stem[:44]:44} not measured: {str(e).splitlines()[0][:150]}")
+            continue
+        try:
+            want, per = llama_bytes_at(cfg, ctx)
+        except MacserveError as e:
+            want, per = None, f"inspect: {e}"[:60]
         mine = "n/a" if want is None else f"{want / 2**20:.2f}"
         ok = want is not None and abs(got.mib - want / 2**20) <= got.tolerance_mib
         agree += ok

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import socket
 import subprocess
 import time
@@ -48,6 +49,9 @@ _KV_LINE = re.compile(
     r"(llama_kv_cache|llama_memory_recurrent)\w*: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers"
 )
 _PARTS = re.compile(r"([KVRSP]) \((\w+)\): +([\d.]+) MiB")
+_COUNT = re.compile(r"wrong number of tensors; expected (\d+), got (\d+)")
+_LOADING = re.compile(r"create_tensor: loading tensor (\S+)")
+_POISON = (1,)  # a placeholder shape: llama.cpp answers with the one it wants
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,10 +348,16 @@ def _write(path: Path, sk: Skeleton, tensors: dict[str, tuple]) -> None:
         else:
             w.add_string(key, str(v))
     for name, shape in tensors.items():
-        dt = np.float32 if len(shape) == 1 else np.float16
-        n = int(np.prod(shape)) * np.dtype(dt).itemsize
         # gguf-py takes numpy order (outermost first); llama.cpp reports ne order.
-        w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(dt), n)
+        np_shape, n = tuple(reversed(shape)), int(np.prod(shape))
+        if len(shape) > 1 and shape[0] % 32 == 0:
+            # Matrices as q4_0 (18 B per 32 values): the file, all of it mapped at load, is a
+            # quarter of f16's size. Their values are never used.
+            w.add_tensor_info(
+                name, np_shape, np.dtype(np.float32), n // 32 * 18, gguf.GGMLQuantizationType.Q4_0
+            )
+        else:
+            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * n)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -368,17 +378,29 @@ def _run(server: str, model: Path, ctx: int, extra=(), timeout: float = 120.0, v
         port = s.getsockname()[1]
     argv = [server, "-m", str(model), "--fit", "off", "--no-warmup", "-lv", str(verbosity)]
     argv += ["-c", str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []
+    buf = b""
     deadline = time.monotonic() + timeout
     try:
-        for line in p.stdout:
-            lines.append(line)
-            if "server is listening" in line or "model loaded" in line:
-                return None, "".join(lines)
-            if time.monotonic() > deadline:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
                 break
-        return p.wait(timeout=10), "".join(lines)
+            chunk = os.read(p.stdout.fileno(), 65536)
+            if not chunk:
+                break  # it exited
+            buf += chunk
+            *done, buf = buf.split(b"\n")
+            for raw in done:
+                line = raw.decode("utf-8", "replace")
+                lines.append(line)
+                # The caches are made before the scheduler reserves its graphs: what follows
+                # (a graph over zero weights, a test decode) is of no interest here.
+                if "sched_reserve" in line or "server is listening" in line:
+                    return None, "\n".join(lines)
+        code = p.wait(timeout=10) if p.poll() is None and not buf else p.poll()
+        return code, "\n".join(lines + [buf.decode("utf-8", "replace")])
     finally:
         if p.poll() is None:
             p.terminate()
@@ -387,13 +409,7 @@ def _run(server: str, model: Path, ctx: int, extra=(), timeout: float = 120.0, v
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        with contextlib.suppress(Exception):
-            p.stdout.close()
-
-
-_COUNT = re.compile(r"wrong number of tensors; expected (\d+), got (\d+)")
-_POISON = (1,)
-_LOADING = re.compile(r"create_tensor: loading tensor (\S+)")
+        p.stdout.close()
 
 
 def write_skeleton(config: dict, path: Path, server: str, log=lambda m: None) -> Skeleton:
