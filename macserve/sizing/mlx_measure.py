@@ -8,8 +8,8 @@ checkpoint loads as), the model's own `make_prompt_cache` makes its caches, and 
 forwards (a prefill, then one decode step, as generation does) run through them. The bytes of
 every array each cache object holds then say, per cache:
 
-- what grows per token: the difference between two context lengths 256 tokens apart, both a
-  multiple of mlx-lm's 256-token allocation step and both past every window;
+- what grows per token: the difference between two context lengths 256 tokens apart (mlx-lm
+  allocates growth in steps of 256 tokens), both past every window;
 - what stays fixed per sequence: recurrent states, conv tails, ring buffers (a cache with a
   `max_size`/`window_size`/`chunk_size` is reported as a window of that many rows);
 - whatever the model code does beside that: `deepseek_v32`'s indexer sets
@@ -41,7 +41,7 @@ from pathlib import Path
 from .. import env
 from ..fileio import atomic_write
 
-FORMAT = 1  # bump when what is stored changes
+FORMAT = 2  # bump when what is stored or how it is measured changes
 STEP = 256  # mlx-lm's KVCache / RotatingKVCache allocation step
 _WINDOW_ATTRS = ("max_size", "window_size", "chunk_size", "sliding_window")
 
@@ -255,10 +255,12 @@ def _run(config: dict, name: str, engine: str) -> Measured:
         model = mod.Model(mod.ModelArgs.from_dict(config))
         model.set_dtype(mx.bfloat16)  # a checkpoint's weights, hence the activations
         caches = cache_mod.make_prompt_cache(model)
-        # Measure past every window (ring buffers, chunks), at multiples of the 256 step.
+        # Measure past every window (ring buffers, chunks), 256 tokens apart: growth is
+        # allocated in steps of 256, so the difference is exact. Without windows the first
+        # point is one token (its allocation is one whole step): the recurrent layers of a
+        # hybrid then run 257 tokens, not 512 (their ops loop per token on the CPU).
         widest = max((_window(leaf) for c in caches for leaf in _leaves(c)), default=0)
-        t1 = -(-(widest + 1) // STEP) * STEP
-        t1 = max(t1, STEP)
+        t1 = -(-(widest + 1) // STEP) * STEP if widest else 1
         at = (t1, t1 + STEP)
         first = _bytes_after(model, caches, at[0], mx)
         second = _bytes_after(model, caches, at[1], mx, start=at[0])
@@ -268,7 +270,7 @@ def _run(config: dict, name: str, engine: str) -> Measured:
     leaves = [leaf for c in caches for leaf in _leaves(c)]
     for i, (leaf, a, b) in enumerate(zip(leaves, first, second)):
         per = Fraction(b - a, at[1] - at[0])
-        fixed = a - per * at[0]
+        fixed = a - per * (-(-at[0] // STEP) * STEP)  # growth is held in whole steps
         w = _window(leaf) if per == 0 and fixed else 0
         out.append(
             CacheBytes(i, type(leaf).__name__, per.numerator, per.denominator, int(fixed), w)
