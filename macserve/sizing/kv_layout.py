@@ -33,7 +33,9 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   RotatingKVCache(window) for sliding layers where the model code uses it; ArraysCache with
   conv tails in the model dtype and recurrent states in fp32; MLA caches latent + rope
   (deepseek_v3 family) or expands K and V per head (deepseek_v2, minicpm3, youtu_llm); DSA
-  models keep a bf16 indexer key on every layer, shared or not.
+  models keep a bf16 indexer key on every layer, shared or not, and deepseek_v32's Indexer a
+  zero-filled values array as large. This is the modelled row; where mlx-lm has the model type,
+  inspect shows what it measures instead (mlx_measure.py, `measured_layout`).
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
   (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
   and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); a DSA
@@ -418,7 +420,7 @@ def layout(
     raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
 
 
-def engine_notes(shape: ModelShape, measured: bool = False) -> list[str]:
+def engine_notes(shape: ModelShape) -> list[str]:
     """What the user should know about how a figure was reached for this model."""
     notes = list(shape.notes)
     if shape.source_format == "config":

@@ -71,7 +71,7 @@ def inspect_source(source: str, quant: str | None = None, measure: bool = True) 
     keys = [k for k in CACHE_KEYS if not (src.is_gguf and not k.startswith("llama.cpp"))]
     lays = {k: layout(shape, k) for k in keys}
     mtp = {k: layout(shape, k, mtp=True) for k in keys} if shape.mtp_layers else {}
-    notes = engine_notes(shape, measured=measure)
+    notes = engine_notes(shape)
     if measure and not src.is_gguf:
         notes += _measure_mlx(src.config, lays)
     if src.weights_bytes is None:
