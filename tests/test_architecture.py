@@ -185,16 +185,14 @@ def test_inspect_cold_start_loads_no_heavy_machinery(tmp_path):
 
 def test_measuring_loads_mlx_and_one_model_module_only(tmp_path):
     """The mlx/bf16 measurement (sizing/mlx_measure.py) needs mlx and mlx-lm's model code,
-    not mlx-lm's package __init__ (transformers, the tokenizer stack), nor numpy or the hub;
+    not mlx-lm's package __init__ (transformers: it would show here), nor numpy or the hub;
     once measured, the figures come from $MACSERVE_HOME/cache and mlx stays unloaded."""
     report, mods = _inspect_imports(tmp_path)
     assert report["row_source"]["mlx/bf16"] == "measured"
     assert report["kv_bytes_per_token"]["mlx/bf16"] == 70272
-    assert _top(mods) == ["mlx", "mlx_lm"]
-    assert {m for m in mods if m.startswith("mlx_lm.models.") and "cache" not in m} >= {
-        "mlx_lm.models.deepseek_v3"
-    }
-    assert not {"mlx_lm.utils", "mlx_lm.convert", "mlx_lm.tokenizer_utils"} & set(mods)
+    # mlx stays loaded; mlx-lm's modules are dropped with the stand-in package once the model
+    # module has been used (mlx_measure._import_model_module), and its __init__ never ran.
+    assert _top(mods) == ["mlx"]
     again, mods = _inspect_imports(tmp_path)
     assert again == report
     assert _top(mods) == []

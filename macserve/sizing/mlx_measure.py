@@ -210,11 +210,12 @@ def _import_model_module(name: str):
     # warm cache, `--modelled` and GGUF sources never do). mlx_lm/__init__.py imports
     # mlx_lm.convert and with it transformers (1.8 s here); the model modules need neither.
     # When mlx_lm is not loaded yet, a bare package object stands in for it while the model
-    # module loads (mlx-lm's own files, unmodified), and is dropped afterwards so a later
-    # `import mlx_lm` runs the real __init__.
-    import importlib
+    # module loads (mlx-lm's own files, unmodified); it and the modules loaded under it are
+    # dropped afterwards, so a later `import mlx_lm` runs the real __init__ and gets a whole
+    # package (the modules stay alive through the objects that use them).
 
     stand_in = "mlx_lm" not in sys.modules
+    before = set(sys.modules)
     if stand_in:
         d = mlx_lm_dir()
         spec = importlib.util.spec_from_file_location(
@@ -226,7 +227,9 @@ def _import_model_module(name: str):
         cache_mod = importlib.import_module("mlx_lm.models.cache")
     finally:
         if stand_in:
-            del sys.modules["mlx_lm"]
+            for name in set(sys.modules) - before:
+                if name == "mlx_lm" or name.startswith("mlx_lm."):
+                    del sys.modules[name]
     return mod, cache_mod
 
 
