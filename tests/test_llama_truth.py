@@ -48,7 +48,7 @@ def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
     want, per_token = llama_bytes_at(cfg, CTX)
     assert want is not None, per_token
     # Every logged figure is MiB rounded to 2 decimals: that is the tolerance, no more.
-    assert got.mib == pytest.approx(want / 2**20, abs=got.tolerance_mib), got.lines
+    assert got.mib == pytest.approx(want / 2**20, abs=got.tolerance_mib), (want, got.lines)
     # The caches that grow: one row per cell of the padded context.
     growing = [l for l in got.lines if l.cells == CTX]
     assert growing, got.lines

@@ -27,6 +27,7 @@ import contextlib
 import os
 import re
 import select
+import signal
 import socket
 import subprocess
 import time
@@ -378,7 +379,11 @@ def _run(server: str, model: Path, ctx: int, extra=(), timeout: float = 120.0, v
         port = s.getsockname()[1]
     argv = [server, "-m", str(model), "--fit", "off", "--no-warmup", "-lv", str(verbosity)]
     argv += ["-c", str(ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port), *extra]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Its own session: a crash on a skeleton can make llama.cpp fork a debugger to print a
+    # backtrace, and those children must go with it (killpg below).
+    p = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     lines: list[str] = []
     buf = b""
     deadline = time.monotonic() + timeout
@@ -399,16 +404,20 @@ def _run(server: str, model: Path, ctx: int, extra=(), timeout: float = 120.0, v
                 # (a graph over zero weights, a test decode) is of no interest here.
                 if "sched_reserve" in line or "server is listening" in line:
                     return None, "\n".join(lines)
-        code = p.wait(timeout=10) if p.poll() is None and not buf else p.poll()
-        return code, "\n".join(lines + [buf.decode("utf-8", "replace")])
+        lines.append(buf.decode("utf-8", "replace"))
+        try:
+            return p.wait(timeout=30), "\n".join(lines)
+        except subprocess.TimeoutExpired:  # alive but silent past the deadline
+            return -1, "\n".join(lines + ["(llama-server timed out)"])
     finally:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)  # the group we started, nothing else
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         p.stdout.close()
 
 
@@ -423,13 +432,14 @@ def write_skeleton(config: dict, path: Path, server: str, log=lambda m: None) ->
     sk = skeleton_metadata(config)
     shapes: dict[str, tuple] = {}
     n_layers = int(sk.kv["block_count"])
+    killed = 0
     for runs in range(1, MAX_RUNS + 1):
         _write(path, sk, shapes)
         # -lv 5 (debug): the loader names each tensor it loads.
         code, out = _run(server, path, 256, verbosity=5)
-        # Loaded: the server came up, or at least made its caches (what happens after, a
-        # graph over zero weights, may fail on a skeleton and does not matter here).
-        if code is None or parse_caches(out):
+        # Loaded: it made all its caches and went on to reserve its graphs (_run stops it
+        # there: what follows, a graph over zero weights, does not matter here).
+        if code is None:
             log(f"skeleton: {len(shapes)} tensors, {runs} llama-server runs")
             return sk
         if m := _WRONG.search(out):
@@ -452,9 +462,16 @@ def write_skeleton(config: dict, path: Path, server: str, log=lambda m: None) ->
             for n in unused:
                 del shapes[n]
             continue
+        if code is not None and code < 0 and killed < 2:
+            # Killed by a signal mid-load with nothing said (the OOM killer, on a shared
+            # machine): the same run again, twice at most.
+            killed += 1
+            continue
         errors = [l for l in out.splitlines() if " E " in l or "error" in l.lower()]
         tail = "\n".join((errors or out.splitlines())[-12:])
-        raise MacserveError(f"llama-truth: llama-server refused the skeleton:\n{tail}")
+        raise MacserveError(
+            f"llama-truth: llama-server (exit {code}) refused the skeleton:\n{tail}"
+        )
     raise MacserveError(f"llama-truth: no loadable skeleton after {MAX_RUNS} runs")
 
 
@@ -516,11 +533,18 @@ def measure(
     path = workdir / "skeleton.gguf"
     sk = write_skeleton(config, path, server, log)
     extra = ("-ctk", cache_type, "-ctv", cache_type) if cache_type != "f16" else ()
-    code, out = _run(server, path, ctx, extra)
+    for _ in range(3):
+        code, out = _run(server, path, ctx, extra)
+        # code None: it got past making every cache. Anything else (killed mid-way on a
+        # loaded machine, say) may have logged only some of them: run again.
+        if code is None:
+            break
     lines = parse_caches(out)
-    if not lines:
+    if code is not None or not lines:
         tail = "\n".join(out.splitlines()[-15:])
-        raise MacserveError(f"llama-truth: llama-server did not create its caches:\n{tail}")
+        raise MacserveError(
+            f"llama-truth: llama-server (exit {code}) did not make all its caches:\n{tail}"
+        )
     with contextlib.suppress(OSError):
         os.unlink(path)
     return LlamaCaches(sk.arch, ctx, lines)
