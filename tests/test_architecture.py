@@ -4,6 +4,7 @@ import anywhere is checked, including one hidden inside a function."""
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -141,24 +142,57 @@ def test_imports_are_at_the_top():
     assert not bad, "\n".join(bad)
 
 
-def test_inspect_cold_start_loads_no_heavy_machinery():
-    """`macserve inspect` of a local config imports neither mlx nor the HTTP, service or hub
-    stacks (what made cold starts slow); the wall time is in docs/architecture.md."""
+HEAVY = ("mlx", "mlx_lm", "httpx", "huggingface_hub", "starlette", "uvicorn", "supervisor")
+
+
+def _inspect_imports(tmp_path, *args) -> tuple[dict, list[str]]:
+    """Run `macserve inspect V3 --json *args` in a fresh interpreter: (report, modules loaded)."""
     code = (
         "import sys\n"
         "from macserve.cli import main\n"
         "try:\n"
-        f"    main(['inspect', {str(CONFIGS / 'deepseek-ai__DeepSeek-V3.json')!r}, '--json'])\n"
+        f"    main(['inspect', {str(CONFIGS / 'deepseek-ai__DeepSeek-V3.json')!r}, '--json', *sys.argv[1:]])\n"
         "except SystemExit:\n"
         "    pass\n"
-        "heavy = ('mlx', 'mlx_lm', 'httpx', 'huggingface_hub', 'starlette', 'uvicorn', 'supervisor',"
-        " 'numpy')\n"
-        "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"
+        "print('LOADED', sorted(sys.modules))\n"
     )
+    env = {**os.environ, "MACSERVE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
     r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout[: r.stdout.rindex("LOADED")])
+    cut = r.stdout.rindex("LOADED")
+    return json.loads(r.stdout[:cut]), ast.literal_eval(r.stdout[cut + len("LOADED") :].strip())
+
+
+def _top(mods):
+    return sorted({m.split(".")[0] for m in mods} & set(HEAVY + ("numpy", "transformers")))
+
+
+def test_inspect_cold_start_loads_no_heavy_machinery(tmp_path):
+    """`inspect --modelled` of a local config imports neither mlx nor the HTTP, service or
+    hub stacks (what made cold starts slow); the wall times are in docs/architecture.md."""
+    report, mods = _inspect_imports(tmp_path, "--modelled")
     assert report["kv_bytes_per_token"]["mlx/bf16"] == 70272
-    assert r.stdout.strip().splitlines()[-1] == "LOADED []"
+    assert set(report["row_source"].values()) == {"modelled"}
+    assert _top(mods) == []
+
+
+def test_measuring_loads_mlx_and_one_model_module_only(tmp_path):
+    """The mlx/bf16 measurement (sizing/mlx_measure.py) needs mlx and mlx-lm's model code,
+    not mlx-lm's package __init__ (transformers: it would show here), nor numpy or the hub;
+    once measured, the figures come from $MACSERVE_HOME/cache and mlx stays unloaded."""
+    report, mods = _inspect_imports(tmp_path)
+    assert report["row_source"]["mlx/bf16"] == "measured"
+    assert report["kv_bytes_per_token"]["mlx/bf16"] == 70272
+    # mlx stays loaded; mlx-lm's modules are dropped with the stand-in package once the model
+    # module has been used (mlx_measure._import_model_module), and its __init__ never ran.
+    assert _top(mods) == ["mlx"]
+    again, mods = _inspect_imports(tmp_path)
+    assert again == report
+    assert _top(mods) == []

@@ -165,11 +165,27 @@ def _cold(*args, env_extra=None):
 
 
 def test_cold_local_inspect_imports_neither_mlx_nor_the_hub(record_property):
-    p, seconds = _cold("inspect", V3)
+    # --modelled: no measurement, so nothing of mlx either.
+    p, seconds = _cold("inspect", V3, "--modelled")
     assert p.returncode == 0, p.stderr
     assert "IMPORTED []" in p.stderr, p.stderr
-    record_property("cold_inspect_seconds", round(seconds, 3))  # measured, not asserted
-    print(f"cold `macserve inspect` of a local config: {seconds:.2f} s")
+    record_property("cold_inspect_modelled_seconds", round(seconds, 3))  # measured, not asserted
+    print(f"cold `macserve inspect --modelled` of a local config: {seconds:.2f} s")
+
+
+def test_measured_inspect_imports_mlx_once_then_reads_its_cache(tmp_path, record_property):
+    home = {"MACSERVE_HOME": str(tmp_path / "home")}
+    first, t1 = _cold("inspect", V3, env_extra=home)
+    assert first.returncode == 0, first.stderr
+    # mlx_lm's package object is a stand-in while one model module loads (mlx_measure.py)
+    assert "IMPORTED ['mlx']" in first.stderr, first.stderr
+    assert "measured" in first.stdout
+    assert len(list((tmp_path / "home" / "cache" / "mlx-layout").glob("*.json"))) == 1
+    again, t2 = _cold("inspect", V3, env_extra=home)
+    assert "IMPORTED []" in again.stderr, again.stderr
+    assert again.stdout == first.stdout
+    record_property("cold_inspect_measured_seconds", [round(t1, 3), round(t2, 3)])
+    print(f"cold `macserve inspect` measuring: {t1:.2f} s; with its cache: {t2:.2f} s")
 
 
 @pytest.mark.parametrize("args", [["inspect", "--help"]])

@@ -29,9 +29,13 @@ EXPECTED = {
     "deepseek-ai__DeepSeek-V3": (70272, 70272, 37332, 19764, 13908),
     "moonshotai__Kimi-K2-Instruct": (70272, 70272, 37332, 19764, 13908),
     "zai-org__GLM-4.7-Flash.ABRIDGED": (54144, 54144, 28764, 15228, 10716),
-    "deepseek-ai__DeepSeek-V3.2": (85888, _, _, _, _),
-    "zai-org__GLM-5": (109824, _, _, _, _),
-    "zai-org__GLM-5.2": (109824, _, _, _, _),
+    # DSA: mlx-lm's Indexer keeps a zero-filled `values` array as large as its key on every
+    # layer (deepseek_v32.py: cache.values = mx.zeros_like(cache.keys)), measured by building
+    # the model in mlx-lm: 61 x (1,152 + 256 + 256) and 78 x (1,152 + 256 + 256). The
+    # reference table said 85,888 / 109,824 (no values array) until the engine showed otherwise.
+    "deepseek-ai__DeepSeek-V3.2": (101504, _, _, _, _),
+    "zai-org__GLM-5": (129792, _, _, _, _),
+    "zai-org__GLM-5.2": (129792, _, _, _, _),
     "Qwen__Qwen3-Next-80B-A3B-Thinking": (24576, 24576, 13056, 6912, _),
     "Qwen__Qwen3.5-35B-A3B": (20480, 20480, 10880, 5760, _),
     "Qwen__Qwen3-30B-A3B": (98304, 98304, 52224, 27648, _),
@@ -40,6 +44,23 @@ EXPECTED = {
     "XiaomiMiMo__MiMo-V2-Flash": (23040, _, _, _, _),
     "MiniMaxAI__MiniMax-M2.5": (253952, 253952, 134912, 71424, _),
 }
+# Real configs added with issue 15 (not in EXPECTED.md), derived by hand from the config
+# and confirmed by both engines: mlx-lm (tests/test_inspect_measured.py) and llama-server
+# (tests/test_llama_truth.py).
+ADDED = {
+    # Gemma 4: 5 full layers x 2 global KV heads x (512 + 512) x 2 B; the 25 sliding layers
+    # (window 1024) are state. q8_0: 1,024-value rows = 32 x 34 B; q4_0: 32 x 18 B.
+    "google__gemma-4-26B-A4B": (20480, 20480, 5 * 2 * 1088, 5 * 2 * 576, _),
+    # kimi_k25 wraps a deepseek_v3 text config: 61 MLA layers, as Kimi-K2.
+    "moonshotai__Kimi-K2.5": (70272, 70272, 37332, 19764, 13908),
+    # Kimi-Linear hybrid: 24 MLA layers (512 + 64) of 93; the 69 KDA layers are state.
+    "moonshotai__Kimi-K3": (24 * 1152, 24 * 1152, 24 * 612, 24 * 324, 24 * 228),
+    # Nemotron-NAS: 49 attention layers x 8 KV heads (64 heads / 8 per group) x (128 + 128)
+    # x 2 B; 31 layers have no attention (no_op).
+    "nvidia__Llama-3_3-Nemotron-Super-49B-v1": (200704, 200704, 49 * 2 * 1088, 49 * 2 * 576, _),
+}
+# mlx-lm builds these but inspect cannot classify their layers: the mlx row alone, measured.
+UNCLASSIFIED = {"meta-llama__Llama-4-Scout-17B-16E-Instruct"}
 # EXPECTED.md gives a range for GLM-5.3-Flash's mlx/bf16 figure.
 GLM53_MLX_RANGE = (11264, 14080)
 
@@ -91,7 +112,15 @@ def _shape(name):
 
 def test_every_config_is_covered():
     names = {p.stem for p in CONFIGS.glob("*.json")}
-    assert names == set(EXPECTED) | set(DERIVED)
+    assert names == set(EXPECTED) | set(DERIVED) | set(ADDED) | UNCLASSIFIED
+
+
+@pytest.mark.parametrize("name", sorted(ADDED))
+def test_per_token_figures_of_added_configs(name):
+    shape = _shape(name)
+    for key, want in zip(KEYS, ADDED[name]):
+        if want is not None:
+            assert kv_bytes_per_token(shape, key) == want, key
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -131,6 +160,10 @@ def test_kinds_of_layers():
     assert _shape("deepseek-ai__DeepSeek-V3").counts() == {"mla": 61, "mtp": 1}
     assert _shape("zai-org__GLM-5.2").indexers() == {"owned": 21, "shared": 57}
     assert _shape("zai-org__GLM-5").indexers() == {"owned": 78, "shared": 0}
+    # Issue 15: hybrids that used to fall back to one kind for every layer.
+    assert _shape("moonshotai__Kimi-K3").counts() == {"linear": 69, "mla": 24}
+    assert _shape("google__gemma-4-26B-A4B").counts() == {"sliding": 25, "full": 5}
+    assert _shape("nvidia__Llama-3_3-Nemotron-Super-49B-v1").counts() == {"full": 49, "none": 31}
     v4 = _shape("deepseek-ai__DeepSeek-V4-Flash")
     assert v4.counts() == {"compressed": 43, "mtp": 1}
     ratios = [l.ratio for l in v4.layers if isinstance(l, Compressed)]
@@ -148,6 +181,14 @@ STATE = {  # bytes per sequence that do not grow with context
     # llama.cpp SWA cache: PAD(128 + 512 ubatch, 256) = 768 cells.
     ("openai__gpt-oss-120b", "llama.cpp/f16"): 18 * 768 * 8 * 128 * 2,
     ("XiaomiMiMo__MiMo-V2-Flash", "llama.cpp/f16"): 39 * 768 * 8 * 320 * 2,
+    # Gemma 4 sliding layers: mlx ring of 1,024 tokens; llama.cpp PAD(1024 + 512) = 1,536
+    # cells; 25 layers x 8 KV heads x (256 + 256) x 2 B per token.
+    ("google__gemma-4-26B-A4B", "mlx/bf16"): 25 * 1024 * 8192,
+    ("google__gemma-4-26B-A4B", "llama.cpp/f16"): 25 * 1536 * 8192,
+    # Kimi Delta (69 layers, 96 heads of 128, kernel 4): mlx 3 bf16 conv tails + an fp32
+    # state; llama.cpp both f32.
+    ("moonshotai__Kimi-K3", "mlx/bf16"): 69 * (3 * 96 * 128 * 3 * 2 + 96 * 128 * 128 * 4),
+    ("moonshotai__Kimi-K3", "llama.cpp/f16"): 69 * (3 * 96 * 128 * 3 * 4 + 96 * 128 * 128 * 4),
     # Kimi Delta: 3 convs of 64 x 128 x 3 (bf16) + a 64 x 128 x 128 fp32 state.
     ("zai-org__GLM-5.3-Flash.RECONSTRUCTED", "mlx/bf16"): 34
     * (3 * 8192 * 3 * 2 + 64 * 128 * 128 * 4),

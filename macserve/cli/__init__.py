@@ -73,6 +73,8 @@ BENCH = {
 DEV = {
     "train-tiny": "macserve.cli.dev:train_tiny",
     "export-gguf": "macserve.cli.dev:export_gguf_cmd",
+    "mlx-check": "macserve.cli.dev:mlx_check_cmd",
+    "llama-truth": "macserve.cli.dev:llama_truth_cmd",
 }
 
 

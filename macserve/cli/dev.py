@@ -1,12 +1,20 @@
-"""`macserve dev ...`: developer commands (train the demo model, export its GGUF twin)."""
+"""`macserve dev ...`: developer commands (train the demo model, export its GGUF twin, check
+inspect against the engines)."""
 
+import json
+import tempfile
 from pathlib import Path
 
 import click
 
 from .. import env
+from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
+from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
+from ..errors import MacserveError
+from ..sizing.mlx_measure import engine_name
+from ..sizing.report import llama_bytes_at, mlx_check
 
 
 @click.command("train-tiny")
@@ -32,3 +40,89 @@ def train_tiny(out, minutes, batch, seq_len, lr, seed):
 def export_gguf_cmd(model_dir, out, dtype):
     """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
     click.echo(export_gguf(model_dir, out, dtype))
+
+
+@click.command("mlx-check")
+@click.argument("configs", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--from-mlx-tests",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="mlx-lm's tests/test_models.py: check the config it gives for each model type.",
+)
+def mlx_check_cmd(configs, from_mlx_tests):
+    """inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config."""
+    todo = [(p.name, json.loads(p.read_text())) for p in configs]
+    if from_mlx_tests:
+        todo += sorted(configs_from_mlx_tests(from_mlx_tests).items())
+    if not todo:
+        raise click.UsageError("give config files or --from-mlx-tests")
+    agree = measured = 0
+    click.echo(f"{'config':44} {'module':22} {'measured B/tok, B/seq':>26} {'modelled':>26}")
+    for name, cfg in todo:
+        c = mlx_check(cfg)
+        agree += c.agree
+        measured += c.measured is not None
+        verdict = "agree" if c.agree else (c.why or "DIFFER")
+        click.echo(
+            f"{name[:44]:44} {str(c.module)[:22]:22} {_pair(c.measured):>26} "
+            f"{_pair(c.modelled):>26}  {verdict[:160]}"
+        )
+    click.echo(f"{agree} of {len(todo)} agree ({measured} measured in {engine_name()})")
+
+
+def _pair(p):
+    return "-" if p is None else f"{p[0]:,}, {p[1]:,}"
+
+
+@click.command("llama-truth")
+@click.argument(
+    "configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option("-c", "--ctx", type=click.IntRange(256), default=4096, show_default=True)
+@click.option(
+    "--server",
+    envvar="MACSERVE_LLAMA_SERVER",
+    help="llama-server (default: $MACSERVE_LLAMA_SERVER).",
+)
+def llama_truth_cmd(configs, ctx, server):
+    """llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real
+    llama-server) beside inspect's llama.cpp/f16 figure."""
+    if not server:
+        raise click.UsageError("no llama-server: set MACSERVE_LLAMA_SERVER or pass --server")
+    agree = 0
+    click.echo(
+        f"{'config':44} {'arch':12} {'llama.cpp MiB':>14} {'inspect MiB':>12} {'B/token (llama.cpp ~ inspect)':>32}"
+    )
+    for p in configs:
+        cfg = json.loads(p.read_text())
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                got = llama_truth.measure(cfg, server, ctx, Path(d))
+        except MacserveError as e:
+            click.echo(f"{p.stem[:44]:44} not measured: {str(e).splitlines()[0][:150]}")
+            continue
+        try:
+            want, per = llama_bytes_at(cfg, ctx)
+        except MacserveError as e:
+            want, per = None, f"inspect: {e}"[:60]
+        mine = "n/a" if want is None else f"{want / 2**20:.2f}"
+        ok = want is not None and abs(got.mib - want / 2**20) <= got.tolerance_mib
+        agree += ok
+        grown = sum(l.mib for l in got.lines if l.cells == _pad256(ctx)) * 2**20 / _pad256(ctx)
+        click.echo(
+            f"{p.stem[:44]:44} {got.arch:12} {got.mib:>14.2f} {mine:>12} "
+            f"{f'{grown:,.0f} ~ {float(per):,.0f}' if want is not None else per:>32}  "
+            f"{'agree' if ok else 'DIFFER'}"
+        )
+        for line in got.lines:
+            parts = ", ".join(f"{a} ({t}) {m:.2f}" for a, t, m in line.parts)
+            click.echo(
+                f"    {line.module}: {line.mib:.2f} MiB, {line.cells} cells, {line.layers} layers; {parts}"
+            )
+    click.echo(
+        f"{agree} of {len(configs)} agree at -c {ctx} (each logged figure rounded to 0.01 MiB)"
+    )
+
+
+def _pad256(n):
+    return -(-n // 256) * 256

@@ -39,17 +39,27 @@ from .fmt import tokens_k as _k
     help="Sequences served at once (llama-server -np).",
 )
 @click.option("--ctx", type=click.IntRange(1), help="Check this context length per sequence.")
+@click.option(
+    "--modelled",
+    is_flag=True,
+    help="Do not build the model in mlx-lm to measure its caches: every row from inspect's "
+    "own model of the engines (faster on a first run; no mlx import).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
+def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_json):
     """Size a model's KV cache and the context that fits. Reads config.json, the file
     listing and GGUF headers only, never weights.
 
     SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
     config.json, or a .gguf file.
+
+    The mlx/bf16 row is measured: mlx-lm builds the model from its config with weights it
+    never evaluates, and the caches it allocates are read (kept under $MACSERVE_HOME/cache).
+    The other rows are modelled from the engines' code; the last column says which.
     """
     if hosts is not None or (memory and "," in memory):
         machines = parse_hosts(memory, hosts)
-        rep = inspect_source(source, quant)
+        rep = inspect_source(source, quant, measure=not modelled)
         mh = plan_hosts(rep, machines, weights, parallel, ctx)
         if as_json:
             apply_weights(rep, weights)
@@ -59,7 +69,7 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
         else:
             _print_hosts(rep, mh)
         return
-    rep = inspect_source(source, quant)
+    rep = inspect_source(source, quant, measure=not modelled)
     apply_weights(rep, weights)
     r = report_of(rep, parse_size(memory) if memory else None, parallel, ctx)
     if as_json:
@@ -79,7 +89,7 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, as_json):
 
 
 def _print(r):
-    layers = ", ".join(f"{v} {k}" for k, v in r["layers"].items())
+    layers = ", ".join(f"{v} {k}" for k, v in r["layers"].items()) or "layers not classified"
     idx = r["indexers"]
     if idx:
         layers += f" (DSA indexers: {idx['owned']} owned, {idx['shared']} shared)"
@@ -91,12 +101,13 @@ def _print(r):
     if r["ctx"] and str(r["ctx"]) not in cols:
         cols.append(str(r["ctx"]))
     head = f"{'cache':16} {'KV B/token':>11} {'state/seq':>10} {'max ctx':>10}"
-    head += "".join(f" {'@' + _k(int(c)):>9}" for c in cols) + f" {'@max':>9}"
+    head += "".join(f" {'@' + _k(int(c)):>9}" for c in cols) + f" {'@max':>9}  from"
     click.echo(head)
     for k, per in r["kv_bytes_per_token"].items():
         if per is None:
             click.echo(f"{k:16} {'n/a':>11}  ({r['unsupported'][k]})")
             continue
+        origin = r["row_source"][k]
         mc = r["max_context"][k]
         at = r["memory_at_context"][k]
         row = f"{k:16} {_num(per):>11} {_gib(r['state_bytes_per_sequence'][k]):>10} {mc:>10,}"
@@ -105,11 +116,18 @@ def _print(r):
             f" {_gib(at[c]) if int(c) <= limit or c == str(r['ctx']) else '>limit':>9}"
             for c in cols
         )
-        row += f" {_gib(at[str(mc)]):>9}"
+        row += f" {_gib(at[str(mc)]):>9}  {origin}"
         click.echo(row)
     click.echo(
         f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
         f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else '?'})"
+    )
+    engines = " and ".join(sorted(set(r["measured_with"].values())))
+    click.echo(
+        f"(from: measured = the caches {engines} allocates for this config; modelled = "
+        "inspect's reading of the engine's code, docs/inspect.md)"
+        if engines
+        else "(from: modelled = inspect's reading of the engines' code, docs/inspect.md)"
     )
     mtp = r["mtp"]
     if mtp["layers"]:

@@ -1,12 +1,13 @@
 """Sizing: a model source -> its shape -> what each engine caches -> what fits this Mac.
 
-A leaf wing: it imports nothing of macserve's but errors, env and int2_format, and never mlx
-(`inspect` must start fast).
+A leaf wing: it imports nothing of macserve's but errors, env, fileio and int2_format, and
+mlx only inside mlx_measure's measuring function (`inspect` must start fast).
 
     sources.py      where metadata comes from (config.json, folder, .gguf, hub repo)
     gguf_header.py  a GGUF header from any seekable stream (local or HTTP ranges)
     arch.py         config / GGUF header -> ModelShape (one layer kind per layer)
     kv_layout.py    ModelShape -> each engine's buffers, bytes per token and per sequence
+    mlx_measure.py  what mlx-lm itself allocates for a config (lazy model, its own caches)
     budget.py       this Mac's (or --memory's) GPU budget; parse_size
     report.py       the above end to end: what `inspect` prints and `new` sizes with
     hosts.py        the plan across several Macs (pipeline / tensor splits)

@@ -151,13 +151,21 @@ def _head_dim(c: dict, mt: str) -> int:
     return _int(c, "hidden_size", mt) // _int(c, "num_attention_heads", mt)
 
 
-def _full(c: dict, mt: str) -> Full:
+def _full(c: dict, mt: str, global_layer: bool = False) -> Full:
     hd = _head_dim(c, mt)
     kvh = (
         _int(c, "num_key_value_heads", mt)
-        if "num_key_value_heads" in c
+        if c.get("num_key_value_heads") is not None
         else _int(c, "num_attention_heads", mt)
     )
+    if global_layer and c.get("global_head_dim"):
+        # Gemma 4: full-attention layers have their own head size and, with K = V
+        # projections (`attention_k_eq_v`), their own KV head count; K and V are still
+        # cached apart (V is normalised differently), so both count.
+        hd = _int(c, "global_head_dim", mt)
+        if c.get("attention_k_eq_v") and c.get("num_global_key_value_heads"):
+            kvh = _int(c, "num_global_key_value_heads", mt)
+        return Full(kvh, hd, hd)
     return Full(kvh, hd, _int(c, "v_head_dim", mt) if c.get("v_head_dim") else hd)
 
 
@@ -203,7 +211,8 @@ def _kimi_delta(c: dict, mt: str) -> Linear:
     if not isinstance(lc, dict):
         raise MacserveError(f"{mt}: `linear_attn_config` is not an object")
     heads, hd = _int(lc, "num_heads", mt), _int(lc, "head_dim", mt)
-    kernel = _int(lc, "short_conv_kernel_size", mt)
+    # mlx-lm's kimi_linear and llama.cpp's converter default the kernel to 4.
+    kernel = _int(lc, "short_conv_kernel_size", mt) if "short_conv_kernel_size" in lc else 4
     # Separate q, k, v short convs; a head_dim x head_dim state per head.
     return Linear("kimi_delta", 3 * heads * hd * (kernel - 1), heads * hd * hd)
 
@@ -215,6 +224,12 @@ def _mamba2(c: dict, mt: str) -> Linear:
     groups = int(c.get("n_groups", 1))
     kernel = _int(c, "conv_kernel", mt)
     return Linear("mamba2", (heads * hd + 2 * groups * state) * (kernel - 1), heads * hd * state)
+
+
+def _short_conv(c: dict, mt: str) -> Linear:
+    # LFM2: a depthwise conv over the hidden state keeps its last L - 1 inputs; no
+    # recurrent state.
+    return Linear("short_conv", (_int(c, "conv_L_cache", mt) - 1) * _int(c, "hidden_size", mt), 0)
 
 
 def _linear_for(c: dict, mt: str) -> Linear:
@@ -246,6 +261,7 @@ def _indexer_types(c: dict, mt: str, n: int) -> list[bool] | None:
 
 
 _ATTN = ("full_attention", "attention", "global_attention")
+_CONV = ("conv", "short_conv")
 _SLIDING = ("sliding_attention", "sliding_window_attention", "local_attention")
 _LINEAR = ("linear_attention", "gated_deltanet", "kimi_delta_attention", "mamba")
 _DSA = ("deepseek_sparse_attention", "sparse_attention")
@@ -256,10 +272,13 @@ def _from_layer_types(c: dict, mt: str, n: int) -> list:
     if not isinstance(types, list) or len(types) != n:
         raise MacserveError(f"{mt}: `layer_types` must list one entry per layer ({n})")
     shared = _indexer_types(c, mt, n) or [False] * n
+    lfm2 = "conv_L_cache" in c  # LFM2: any entry but full attention is a short conv
     out = []
     for i, t in enumerate(types):
         if t in _ATTN:
-            out.append(_mla(c, mt) if "kv_lora_rank" in c else _full(c, mt))
+            out.append(_mla(c, mt) if "kv_lora_rank" in c else _full(c, mt, global_layer=True))
+        elif t in _CONV or lfm2:
+            out.append(_short_conv(c, mt))
         elif t in _SLIDING:
             out.append(_sliding(c, mt))
         elif t in _LINEAR:
@@ -336,7 +355,14 @@ _DENSE_TYPES = {
     "apertus",
     "gpt_neox",
     "gpt2",
-    "baichuan_m1",
+    "hunyuan_v1_dense",
+    "mimo",
+    "helium",
+    "bailing_moe",
+    "telechat3",
+    "Klear",
+    "qwen3_vl",
+    "qwen3_vl_moe",
 }
 _DSA_TYPES = {"deepseek_v32", "glm_moe_dsa"}
 
@@ -366,6 +392,17 @@ def shape_from_config(config: dict) -> ModelShape:
         layers, mtp = _compressed(c, mt, n, mtp_n)
     elif "layer_types" in c:
         layers = _from_layer_types(c, mt, n)
+    elif isinstance(c.get("linear_attn_config"), dict) and "kda_layers" in c["linear_attn_config"]:
+        # Kimi-Linear hybrids (kimi_linear, kimi_k3): `kda_layers` and `full_attn_layers`
+        # list 1-based layer numbers; the others are MLA (or full attention).
+        layers = _kimi_hybrid(c, mt, n)
+    elif isinstance(c.get("block_configs"), list):
+        layers = _nas_blocks(c, mt, n)
+    elif "full_attn_idxs" in c and "conv_L_cache" in c:
+        idx = set(c["full_attn_idxs"] or [])
+        layers = [_full(c, mt) if i in idx else _short_conv(c, mt) for i in range(n)]
+    elif c.get("sliding_window_pattern") is not None and c.get("sliding_window"):
+        layers = _sliding_pattern(c, mt, n)
     elif "hybrid_override_pattern" in c:
         layers = []
         for i, ch in enumerate(c["hybrid_override_pattern"]):
@@ -410,6 +447,10 @@ def shape_from_config(config: dict) -> ModelShape:
         )
     if len(layers) != n:
         raise MacserveError(f"{mt}: {len(layers)} layer kinds for num_hidden_layers={n}")
+    shared_kv = int(c.get("num_kv_shared_layers") or 0)
+    if 0 < shared_kv < n:
+        # Gemma 3n / 4: the last layers reuse an earlier layer's K and V and cache nothing.
+        layers = layers[: n - shared_kv] + [NoCache() for _ in range(shared_kv)]
     if mtp is None:
         # An MTP block is one decoder layer with full (or latent) attention.
         attn = next((l for l in layers if isinstance(l, (Full, MLA))), None)
@@ -418,6 +459,59 @@ def shape_from_config(config: dict) -> ModelShape:
         mtp = [attn] * mtp_n
     max_pos = c.get("max_position_embeddings")
     return ModelShape(mt, layers, mtp, int(max_pos) if max_pos else None, "config")
+
+
+def _kimi_hybrid(c: dict, mt: str, n: int) -> list:
+    lc = c["linear_attn_config"]
+    kda = lc.get("kda_layers")
+    if not isinstance(kda, list) or any(not isinstance(x, int) or not 1 <= x <= n for x in kda):
+        raise MacserveError(f"{mt}: `linear_attn_config.kda_layers` must list layers 1..{n}")
+    full = lc.get("full_attn_layers")
+    if isinstance(full, list) and sorted(set(full) | set(kda)) != list(range(1, n + 1)):
+        raise MacserveError(
+            f"{mt}: `kda_layers` and `full_attn_layers` must cover layers 1..{n} between them"
+        )
+    lin = _kimi_delta(c, mt)
+    attn = _mla(c, mt) if "kv_lora_rank" in c else _full(c, mt)
+    return [lin if i + 1 in kda else attn for i in range(n)]
+
+
+def _nas_blocks(c: dict, mt: str, n: int) -> list:
+    """Nemotron-NAS (DeciLM) `block_configs`: per layer, attention may be dropped (`no_op`),
+    replaced by a linear map, or GQA with its own `n_heads_in_group`."""
+    blocks = c["block_configs"]
+    if len(blocks) != n:
+        raise MacserveError(f"{mt}: `block_configs` must have one entry per layer ({n})")
+    heads = _int(c, "num_attention_heads", mt)
+    hd = _head_dim(c, mt)
+    out = []
+    for i, b in enumerate(blocks):
+        a = b.get("attention") if isinstance(b, dict) else None
+        if not isinstance(a, dict):
+            raise MacserveError(f"{mt}: block_configs[{i}] has no `attention` object")
+        if a.get("no_op") or a.get("replace_with_linear"):
+            out.append(NoCache())
+            continue
+        g = a.get("n_heads_in_group")
+        if not isinstance(g, int) or g <= 0 or heads % g:
+            raise MacserveError(f"{mt}: bad `n_heads_in_group` {g!r} at block_configs[{i}]")
+        if a.get("window_length"):
+            raise MacserveError(f"{mt}: windowed attention at block_configs[{i}] is not sized")
+        out.append(Full(heads // g, hd, hd))
+    return out
+
+
+def _sliding_pattern(c: dict, mt: str, n: int) -> list:
+    """`sliding_window_pattern` k (Gemma 3, Cohere 2): layer i is full attention when
+    i % k == k - 1, sliding otherwise (mlx-lm's gemma3_text.make_cache and llama.cpp's
+    set_swa_pattern agree on this)."""
+    k = c["sliding_window_pattern"]
+    if isinstance(k, str) and k and set(k) <= {"L", "G"}:
+        # EXAONE 4: a string of L (local, sliding) and G (global), repeated over the layers.
+        return [_full(c, mt) if k[i % len(k)] == "G" else _sliding(c, mt) for i in range(n)]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise MacserveError(f"{mt}: `sliding_window_pattern` = {k!r} is not a positive integer")
+    return [_full(c, mt) if i % k == k - 1 else _sliding(c, mt) for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   RotatingKVCache(window) for sliding layers where the model code uses it; ArraysCache with
   conv tails in the model dtype and recurrent states in fp32; MLA caches latent + rope
   (deepseek_v3 family) or expands K and V per head (deepseek_v2, minicpm3, youtu_llm); DSA
-  models keep a bf16 indexer key on every layer, shared or not.
+  models keep a bf16 indexer key on every layer, shared or not, and deepseek_v32's Indexer a
+  zero-filled values array as large. This is the modelled row; where mlx-lm has the model type,
+  inspect shows what it measures instead (mlx_measure.py, `measured_layout`).
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
   (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
   and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); a DSA
@@ -43,15 +45,14 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
 from __future__ import annotations
 
 import ast
-import importlib.util
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
-from pathlib import Path
 
 from ..errors import MacserveError
 from ..int2_format import BF16_LATENT, INT2
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
+from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
 CACHE_KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
 LLAMA_UBATCH = 512  # llama-server's default -ub
@@ -86,6 +87,10 @@ class Layout:
     pad: int = CELL_PAD
     pad_compressed: bool = False  # llama.cpp pads every compressed cache to 256 cells too
     pad_window: bool = False  # llama.cpp pads its SWA cache; mlx-lm's ring is exactly `window`
+    # "modelled": inspect's reading of the engine's code (this module); "measured": read
+    # from the caches the engine itself allocates (`engine` names it; mlx_measure.py).
+    origin: str = "modelled"
+    engine: str = ""
 
     @property
     def per_token(self) -> Fraction:
@@ -117,6 +122,22 @@ class Layout:
                 rows = b.rows
             total += rows * b.row
         return total
+
+
+def measured_layout(m, key: str = "mlx/bf16") -> Layout:
+    """A Layout from mlx_measure.Measured: one buffer per growing or fixed part of each cache
+    object the engine made (ring buffers as windows, so short contexts are not overcounted)."""
+    bufs = []
+    for c in m.caches:
+        if c.per_token:
+            bufs.append(Buffer(c.index, c.cls, c.per_token_num, "token", every=c.per_token_den))
+        if c.window and c.fixed % c.window == 0:
+            bufs.append(
+                Buffer(c.index, f"{c.cls} (window)", c.fixed // c.window, "window", rows=c.window)
+            )
+        elif c.fixed:
+            bufs.append(Buffer(c.index, f"{c.cls} (fixed)", c.fixed, "fixed", rows=1))
+    return Layout(key, bufs, origin="measured", engine=m.engine)
 
 
 def _unsupported(key: str, reason: str) -> Layout:
@@ -212,6 +233,7 @@ def _llama_layout(layers: list, key: str, t: str, ubatch: int, swa_full: bool) -
 MLX_MLA_LATENT = {
     "deepseek_v3",
     "deepseek_v32",
+    "kimi_k25",
     "glm4_moe_lite",
     "glm_moe_dsa",
     "kimi_k3",
@@ -232,69 +254,42 @@ class MlxModule:
     name: str | None
     version: str | None
     uses_rotating_cache: bool  # the module's make_cache uses RotatingKVCache
-
-
-@cache
-def _mlx_lm_dir() -> Path | None:
-    # find_spec locates the package without importing it (mlx_lm imports mlx: ~1 s).
-    spec = importlib.util.find_spec("mlx_lm")
-    if not spec or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-@cache
-def _mlx_remapping() -> dict:
-    """mlx_lm.utils.MODEL_REMAPPING, read from its source (importing it imports mlx)."""
-    d = _mlx_lm_dir()
-    try:
-        tree = ast.parse((d / "utils.py").read_text())
-    except (OSError, SyntaxError, TypeError):
-        return {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            getattr(t, "id", None) == "MODEL_REMAPPING" for t in node.targets
-        ):
-            try:
-                return ast.literal_eval(node.value)
-            except ValueError:
-                return {}
-    return {}
+    indexer_zero_values: bool = False  # deepseek_v32's Indexer: values = zeros_like(keys)
 
 
 @cache
 def mlx_module(model_type: str) -> MlxModule:
-    d = _mlx_lm_dir()
+    """The module mlx-lm loads for `model_type`, and whether its code (or a sibling module it
+    takes its model from: gemma3 -> gemma3_text, glm_moe_dsa -> deepseek_v32) makes a
+    RotatingKVCache. Read from mlx-lm's files; importing them would import mlx."""
+    d = mlx_lm_dir()
     if d is None:
         return MlxModule(None, None, False)
-    version = None
-    try:
-        for line in (d / "_version.py").read_text().splitlines():
-            if line.startswith("__version__"):
-                version = line.split("=", 1)[1].strip().strip("\"'")
-    except OSError:
-        pass
-    name = _mlx_remapping().get(model_type, model_type)
+    version = engine_name().partition(" ")[2]
+    name = utils_constant("MODEL_REMAPPING").get(model_type, model_type)
     path = d / "models" / f"{name}.py"
     if not path.exists():
         return MlxModule(None, version, False)
     src = path.read_text()
-    # A module may inherit its cache from another one (glm_moe_dsa -> deepseek_v32).
-    for base in set(_imports(src)):
+    for base in set(_siblings(src)):
         p = d / "models" / f"{base}.py"
         if p.exists():
             src += p.read_text()
-    return MlxModule(name, version, "RotatingKVCache(" in src)
+    return MlxModule(
+        name, version, "RotatingKVCache(" in src, "cache.values = mx.zeros_like(cache.keys)" in src
+    )
 
 
-def _imports(src: str):
-    """Sibling model modules this one takes its Model from (`from .deepseek_v32 import Model`)."""
-    for line in src.splitlines():
-        line = line.strip()
-        if line.startswith("from .") and " import " in line and "Model" in line:
-            mod = line[len("from .") :].split(" ", 1)[0]
-            if mod not in ("cache", "base"):
-                yield mod
+def _siblings(src: str):
+    """Model modules this one imports (`from .deepseek_v32 import Model`, `from . import
+    gemma3_text`), not the shared helpers."""
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            yield from (n for n in names if n not in _HELPERS)
+
+
+_HELPERS = {"cache", "base", "activations", "rope_utils", "switch_layers", "pipeline", "mla"}
 
 
 def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
@@ -353,9 +348,13 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
             # groups of 64 with a bf16 scale and bias, and no zero-filled values array.
             out.append(Buffer(i, "indexer key (int8)", INT2.index_row_bytes(l.indexer), "token"))
         elif l.indexer:
-            # deepseek_v32's Indexer caches every token's key on every layer; it ignores
-            # indexer_types and pools nothing.
+            # deepseek_v32's Indexer caches every token's key on every layer (it ignores
+            # indexer_types and pools nothing) with update_and_fetch(k, k), then sets
+            # `cache.values = mx.zeros_like(cache.keys)`: a zero-filled array as large as
+            # the keys, allocated all the same.
             out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+            if mod.indexer_zero_values:
+                out.append(Buffer(i, "indexer values (zeros)", bf16 * l.indexer, "token"))
         return out
     if isinstance(l, Compressed):
         if int2:
@@ -428,15 +427,8 @@ def engine_notes(shape: ModelShape) -> list[str]:
         mod = mlx_module(shape.model_type)
         if mod.name is None and mod.version:
             notes.append(
-                f"mlx-lm {mod.version} has no module for {shape.model_type!r}: mlx "
-                "figures assume its usual cache classes (docs/inspect.md)"
-            )
-        dsa = [l for l in shape.layers if isinstance(l, MLA) and l.indexer]
-        if dsa and mod.name in ("deepseek_v32", "glm_moe_dsa"):
-            notes.append(
-                "mlx-lm's DSA Indexer also stores a zero-filled values array as "
-                "large as its keys (cache.values = mx.zeros_like(cache.keys)); it is "
-                f"not counted above: +{2 * dsa[0].indexer * len(dsa):,} B/token in mlx/bf16"
+                f"mlx-lm {mod.version} has no module for {shape.model_type!r}: the mlx "
+                "figures are modelled on its usual cache classes (docs/inspect.md)"
             )
     return notes
 

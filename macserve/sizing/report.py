@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
-from .arch import ModelShape, shape_from_config, shape_from_gguf
+from .arch import ModelShape, shape_from_config, shape_from_gguf, text_config
 from .budget import Budget, machine_budget
-from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout
+from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout, measured_layout
 from .kv_layout import max_context as _max_context
+from .mlx_measure import measure as measure_mlx
 from .sources import ModelSource, resolve
 
 TABLE_CONTEXTS = (8192, 32768, 131072)
@@ -57,16 +58,67 @@ def shape_of(src: ModelSource) -> ModelShape:
     return shape_from_gguf(src.gguf_meta) if src.is_gguf else shape_from_config(src.config)
 
 
-def inspect_source(source: str, quant: str | None = None) -> Report:
+def inspect_source(source: str, quant: str | None = None, measure: bool = True) -> Report:
+    """`measure`: the mlx/bf16 row from mlx-lm's own caches (mlx_measure.py) where mlx-lm
+    has the model type; False keeps every row modelled (and mlx unimported)."""
     src = resolve(source, quant)
-    shape = shape_of(src)
+    try:
+        shape = shape_of(src)
+    except MacserveError as e:
+        if not measure or src.is_gguf:
+            raise
+        return _measured_only(src, e)
     keys = [k for k in CACHE_KEYS if not (src.is_gguf and not k.startswith("llama.cpp"))]
     lays = {k: layout(shape, k) for k in keys}
     mtp = {k: layout(shape, k, mtp=True) for k in keys} if shape.mtp_layers else {}
     notes = engine_notes(shape)
+    if measure and not src.is_gguf:
+        notes += _measure_mlx(src.config, lays)
     if src.weights_bytes is None:
         notes.append("weights unknown (a bare config): max context assumes no weights")
     return Report(src, shape, lays, mtp, notes)
+
+
+def _measured_only(src: ModelSource, why: MacserveError) -> Report:
+    """A config inspect cannot classify but mlx-lm can build: the mlx row alone, measured;
+    the other rows say why they are missing. Neither: the classification error stands."""
+    m = measure_mlx(src.config)
+    if not m.ok:
+        raise why
+    tc = text_config(src.config)
+    limit = tc.get("max_position_embeddings")
+    shape = ModelShape(
+        str(src.config.get("model_type")),
+        [],
+        max_position_embeddings=limit if isinstance(limit, int) and limit > 0 else None,
+    )
+    reason = "inspect cannot classify this config's layers (see the note)"
+    lays = {k: Layout(k, supported=False, reason=reason) for k in CACHE_KEYS}
+    lays["mlx/bf16"] = measured_layout(m)
+    notes = [f"layers not classified ({why}); the mlx/bf16 row is {m.engine}'s own allocation"]
+    if src.weights_bytes is None:
+        notes.append("weights unknown (a bare config): max context assumes no weights")
+    return Report(src, shape, lays, {}, notes)
+
+
+def _measure_mlx(config: dict, lays: dict) -> list[str]:
+    """Replace the modelled mlx/bf16 layout by what mlx-lm allocates; notes on what differs."""
+    m = measure_mlx(config)
+    if not m.ok:
+        # No module: engine_notes already says so. A module that fails on this config: say why.
+        return [f"mlx/bf16 modelled: {m.reason}"] if m.module else []
+    modelled = lays["mlx/bf16"]
+    got = measured_layout(m)
+    lays["mlx/bf16"] = got
+    if not modelled.supported:
+        return [f"mlx/bf16 measured in {m.engine}; inspect's own model: {modelled.reason}"]
+    if (modelled.per_token, modelled.state) != (got.per_token, got.state):
+        return [
+            f"inspect's own model of {m.engine} ({as_number(modelled.per_token):,} B/token, "
+            f"{modelled.state:,} B/sequence) differs from what it allocates; the measured "
+            "figures are shown"
+        ]
+    return []
 
 
 def max_context(report: Report, cache_key: str, budget_bytes: int, parallel: int = 1) -> int:
@@ -104,8 +156,9 @@ def report(
     memory_bytes: int | None = None,
     parallel: int = 1,
     ctx: int | None = None,
+    measure: bool = True,
 ) -> dict:
-    return report_of(inspect_source(source, quant), memory_bytes, parallel, ctx)
+    return report_of(inspect_source(source, quant, measure), memory_bytes, parallel, ctx)
 
 
 def report_of(
@@ -130,6 +183,8 @@ def report_of(
         "state_bytes_per_sequence": per_key(lambda l: l.state),
         "max_context": p.max_context,
         "unsupported": {k: lay.reason for k, lay in rep.layouts.items() if not lay.supported},
+        "row_source": {k: lay.origin for k, lay in rep.layouts.items()},
+        "measured_with": {k: lay.engine for k, lay in rep.layouts.items() if lay.engine},
         "mtp": {
             "layers": len(shape.mtp_layers),
             "kv_bytes_per_token": {
@@ -154,3 +209,43 @@ def report_of(
         "files": rep.source.files,
         "gguf_header_bytes_read": rep.source.header_bytes_read or None,
     }
+
+
+@dataclass(frozen=True)
+class MlxCheck:
+    """inspect's modelled mlx/bf16 layout of a config against what mlx-lm allocates."""
+
+    model_type: str
+    module: str | None
+    measured: tuple | None  # (B/token, B/sequence), None when not measured
+    modelled: tuple | None  # (B/token, B/sequence), None when inspect cannot model it
+    why: str = ""  # why one side is missing
+
+    @property
+    def agree(self) -> bool:
+        return self.measured is not None and self.measured == self.modelled
+
+
+def mlx_check(config: dict) -> MlxCheck:
+    """For `macserve dev mlx-check`: measure (never from the on-disk cache) and model."""
+    mt = str(config.get("model_type"))
+    m = measure_mlx(config, use_cache=False)
+    measured = (as_number(m.per_token), m.fixed) if m.ok else None
+    why = "" if m.ok else f"measure: {m.reason}"
+    try:
+        lay = layout(shape_from_config(config), "mlx/bf16")
+        modelled = (as_number(lay.per_token), lay.state) if lay.supported else None
+        if not lay.supported:
+            why = why or f"model: {lay.reason}"
+    except MacserveError as e:
+        modelled, why = None, why or f"model: {e}"
+    return MlxCheck(mt, m.module, measured, modelled, why)
+
+
+def llama_bytes_at(config: dict, ctx: int, cache_key: str = "llama.cpp/f16") -> tuple:
+    """inspect's llama.cpp figures for `config` at `-c ctx -np 1`, for `macserve dev
+    llama-truth`: (total cache bytes, bytes per token), or (None, reason) if unsupported."""
+    lay = layout(shape_from_config(config), cache_key)
+    if not lay.supported:
+        return None, lay.reason
+    return lay.bytes_at(ctx), lay.per_token
