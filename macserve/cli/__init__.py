@@ -58,6 +58,8 @@ COMMANDS = {
     "restart": _S + "restart",
     "logs": _S + "logs",
     "rm": _S + "rm",
+    "pull": _S + "pull",
+    "parse-args": _S + "parse_args",
     "preflight": "macserve.cli.preflight:preflight",
     "serve": "macserve.cli.serve:serve",
     "chat": "macserve.cli.chat:chat",
