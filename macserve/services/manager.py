@@ -121,7 +121,7 @@ def wait_ready(
         elif fresh and st.pid != first_pid:
             # Died and respawned between two polls: it would only keep doing that.
             return False, f"it exited and was started again (pid {first_pid} -> {st.pid})"
-        if fresh and st.state in ("running", "starting"):
+        if fresh and st.state == "running":  # supervisord: it outlived startsecs
             if provider.ready(profile, timeout=min(5.0, max(1.0, timeout - elapsed))):
                 return True, ""
             why = provider.failed(profile)
@@ -179,9 +179,17 @@ class _Interrupts:
             self.holding = False
 
 
-def _broken(st: Status) -> bool:
-    """The service was failing before we touched it (crash loop, given up, exited)."""
-    return st.installed and (st.failed or st.died or st.state in ("exited", "failed"))
+def _broken(st: Status, profile: Profile) -> str | None:
+    """Why the service was already failing before we touched it (given up, exited, in a crash
+    loop: respawned quickly twice or more in a row and not answering), or None."""
+    if not st.installed:
+        return None
+    if st.failed or st.died or st.state in ("exited", "failed"):
+        return _death(st)
+    delay = run.backing_off(st.name)
+    if delay >= 2 * run.BACKOFF_FIRST and not providers.for_profile(profile).ready(profile, 2.0):
+        return f"it kept exiting and was being restarted with a {delay:.0f}s back-off"
+    return None
 
 
 # ---- new ------------------------------------------------------------------------------------------
@@ -569,6 +577,7 @@ def set_values(
             return out
         backend = get_backend()
         before = backend.status(name)
+        broken = _broken(before, edit.old)  # now: the restart resets what it is read from
         _save(st, edit.new, edit.new_secrets)
         if not restart:
             out.notes.append("saved; not restarted (--no-restart)")
@@ -577,7 +586,7 @@ def set_values(
             out.notes.append(f"saved; {name} is {before.state}, so nothing was restarted")
             return out
         with _Interrupts() as sig:
-            return _restart_or_roll_back(st, backend, edit, before, timeout, tick, sig, out)
+            return _restart_or_roll_back(st, backend, edit, before, broken, timeout, tick, sig, out)
 
 
 def _save(st: ProfileStore, profile: Profile, secrets: dict[str, str]) -> None:
@@ -585,7 +594,9 @@ def _save(st: ProfileStore, profile: Profile, secrets: dict[str, str]) -> None:
     st.save(profile)
 
 
-def _restart_or_roll_back(st, backend, edit: _Edit, before: Status, timeout, tick, sig, out):
+def _restart_or_roll_back(
+    st, backend, edit: _Edit, before: Status, broken: str | None, timeout, tick, sig, out
+):
     name = edit.new.name
     tick = tick or (lambda e, s: None)
     offset = logs.size(log_path(name))
@@ -609,12 +620,12 @@ def _restart_or_roll_back(st, backend, edit: _Edit, before: Status, timeout, tic
             else f"new settings for {name} failed: {_why(edit.new, why, tail)}"
         )
         _save(st, edit.old, edit.old_secrets)  # the profile is what it was before this set
-        if _broken(before):
+        if broken:
             # Putting back settings that were failing is no rollback: leave it stopped.
             backend.stop(name)
             raise SetFailed(
                 f"{head}; the previous settings were already failing before this change "
-                f"({_death(before)}), so they are back in the profile but not restarted: "
+                f"({broken}), so they are back in the profile but not restarted: "
                 f"{name} is stopped (fix it with macserve set {name} ..., then macserve start "
                 f"{name})",
                 tail,
@@ -715,6 +726,13 @@ def remove(name: str) -> None:
 
 
 # ---- where a client talks to a profile -----------------------------------------------------------
+
+
+def has_profile(name: str) -> bool:
+    try:
+        return store().exists(name)
+    except MacserveError:  # not even a valid name (a prompt with spaces)
+        return False
 
 
 def endpoint(name: str | None) -> tuple[str, str | None]:

@@ -44,6 +44,17 @@ def reset_backoff(name: str) -> None:
         _state_path(name).unlink()
 
 
+def backing_off(name: str) -> float:
+    """The back-off of the current respawn (0: the last start was not a quick respawn): a
+    service in a crash loop shows this even in the moments its supervisor calls it running."""
+    try:
+        state = json.loads(_state_path(name).read_text())
+    except (OSError, ValueError):
+        return 0.0
+    delay = float(state.get("delay") or 0)
+    return delay if time.time() - float(state.get("start") or 0) < STABLE_AFTER else 0.0
+
+
 def backoff_delay(last_start: float | None, last_delay: float, now: float) -> float:
     """Seconds to wait before this start, given when the previous one happened."""
     if last_start is None or now - last_start >= STABLE_AFTER:
