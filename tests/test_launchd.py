@@ -326,7 +326,9 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     assert (st.state, st.died, st.signal, st.exit_code) == ("exited", True, "Killed: 9", None)
     ok, why = manager.wait_ready(p, timeout=600, backend=b)
     assert not ok
-    assert why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
+    assert (
+        why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
+    )
     state["dev.macserve.big"].update(signal=None, exit=1)
     launchctl.state.write_text(json.dumps(state))
     assert manager.wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")

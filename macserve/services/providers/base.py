@@ -126,7 +126,8 @@ def edit_flags(
     """`EXTRA_ARGS+=` / `EXTRA_ARGS-=`: each flag in `add` replaces the same flag (any alias) in
     place, or is appended; each flag in `drop` is removed with its value."""
     groups = flag_groups(args, table)
-    gone = {c for c, _ in flag_groups(drop, table) if c}
+    # flags to drop are named without values: each is looked up alone
+    gone = {table.get(normalize_flag(f), (normalize_flag(f), None))[0] for f in drop if is_flag(f)}
     groups = [(c, g) for c, g in groups if c is None or c not in gone]
     for canon, new in flag_groups(add, table):
         at = [i for i, (c, _) in enumerate(groups) if canon is not None and c == canon]
