@@ -8,13 +8,15 @@ files the model needs are fetched:
 - GGUF (a :QUANT, or a repo of GGUF files only): the parts of that one quant;
 - MLX / safetensors: mlx-lm's own download patterns (`mlx_lm.utils.DEFAULT_ALLOW_PATTERNS`,
   the same list its offline completeness check uses), plus the engine's shipped INT2
-  calibration `latent-rotation.safetensors`.
+  calibration `latent-rotation.safetensors`, then any weight file the index names that those
+  patterns missed (`mtp.safetensors`: the MTP layers the engine drafts with).
 
 With HF_HUB_OFFLINE set nothing is fetched: the cached copy is used if it is complete.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,17 +72,37 @@ def pull(source: str, quant: str | None = None) -> Pulled:
         path = Path(cached.local_path)
         return Pulled(repo, quant, snap, (), path if cached.is_gguf else snap)
     patterns, gguf = _wanted(repo, quant)
+    snap = _download(repo, patterns)
+    if gguf is None:
+        # Weight files the index names beyond mlx-lm's patterns (the MTP layers the engine
+        # drafts with, e.g. mtp.safetensors): a second pass fetches just those.
+        missing = [s for s in _indexed_shards(snap) if not (snap / s).is_file()]
+        if missing:
+            _download(repo, missing)
+            patterns += missing
+    return Pulled(repo, quant, snap, tuple(patterns), snap / gguf if gguf else snap)
+
+
+def _download(repo: str, patterns: list[str]) -> Path:
     # 0.3-0.5 s to import; only a download needs it (the module docstring of sizing/sources.py)
     from huggingface_hub import snapshot_download
 
     try:
-        snap = snapshot_download(
-            repo,
-            allow_patterns=patterns,
-            cache_dir=str(env.hf_hub_cache()),
-            endpoint=env.hf_endpoint(),
+        return Path(
+            snapshot_download(
+                repo,
+                allow_patterns=patterns,
+                cache_dir=str(env.hf_hub_cache()),
+                endpoint=env.hf_endpoint(),
+            )
         )
     except Exception as e:  # hub, network and disk errors come in many types: one line
         raise MacserveError(f"{repo}: download failed: {type(e).__name__}: {e}") from None
-    snap = Path(snap)
-    return Pulled(repo, quant, snap, tuple(patterns), snap / gguf if gguf else snap)
+
+
+def _indexed_shards(folder: Path) -> list[str]:
+    try:
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        return sorted(set(index["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []
