@@ -59,6 +59,7 @@ COMMANDS = {
     "logs": _S + "logs",
     "rm": _S + "rm",
     "pull": _S + "pull",
+    "doctor": _S + "doctor",
     "parse-args": _S + "parse_args",
     "preflight": "macserve.cli.preflight:preflight",
     "serve": "macserve.cli.serve:serve",

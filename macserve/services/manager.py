@@ -25,9 +25,18 @@ import psutil
 
 from .. import env
 from ..errors import MacserveError
+from ..sizing.report import inspect_source
 from . import plan as sizing_plan
 from . import providers, run
-from .profiles import KEYS, SECRET_KEYS, Profile, ProfileStore, check_name, check_secret
+from .profiles import (
+    KEYS,
+    MODELLESS,
+    SECRET_KEYS,
+    Profile,
+    ProfileStore,
+    check_name,
+    check_secret,
+)
 from .providers.base import edit_flags, flag_groups
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .supervisors import Status, get_backend, log_path, logs, spec_for
@@ -750,6 +759,51 @@ def endpoint(name: str | None) -> tuple[str, str | None]:
         name = names[0]
     profile = st.load(name)
     return base_url(profile), st.load_secrets(name).get("API_KEY")
+
+
+# ---- what a profile needs in memory --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A profile's memory as inspect counts it: weights + its cache at its configured context."""
+
+    name: str
+    weights_bytes: int | None = None
+    cache_bytes: int | None = None
+    ctx: int | None = None
+    cache_key: str | None = None
+    note: str = ""
+    error: str | None = None
+
+    @property
+    def total_bytes(self) -> int | None:
+        if self.weights_bytes is None and self.cache_bytes is None:
+            return None
+        return (self.weights_bytes or 0) + (self.cache_bytes or 0)
+
+
+def footprint(name: str) -> Footprint:
+    p = store().load(name)
+    prov = providers.for_profile(p)
+    if p.provider in MODELLESS:
+        return Footprint(name, note="an RPC worker: the head sends it layers to hold")
+    key = prov.cache_key(p)
+    try:
+        rep = inspect_source(p.model)
+    except MacserveError as e:
+        return Footprint(name, cache_key=key, error=str(e))
+    ctx, note = prov.context_of(p), ""
+    if ctx is None:
+        ctx = rep.shape.max_position_embeddings
+        note = "no context set: counted at the model's limit"
+        if prov.context_args(1) is None:
+            note = f"{prov.label} grows its cache per request: counted up to the model's limit"
+    lay = rep.layouts.get(key)
+    cache = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
+    if p.multi_host:
+        note = (note + "; " if note else "") + "the whole model, before it is split over HOSTS"
+    return Footprint(name, rep.weights_bytes, cache, ctx, key, note)
 
 
 # ---- ls / status / show -------------------------------------------------------------------------

@@ -117,6 +117,16 @@ def flag_groups(
     return out
 
 
+def flag_value(args: tuple[str, ...] | list[str], *names: str) -> str | None:
+    """The value of the last of `names` in `args` (`-c 512`, `--ctx-size=512`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        flag, eq, v = a.partition("=")
+        if normalize_flag(flag) in names:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
 def edit_flags(
     args: list[str],
     add: list[str],
@@ -348,6 +358,16 @@ class BaseProvider:
 
     def context_args(self, n_ctx: int) -> list[str] | None:
         return None
+
+    # What the server will cache, for footprints (doctor, the router): sizing's cache key
+    # and the context the profile configures (None: the server has no such flag).
+    default_cache_key = "mlx/bf16"
+
+    def context_of(self, profile: Profile) -> int | None:
+        return None
+
+    def cache_key(self, profile: Profile) -> str:
+        return self.default_cache_key
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return []

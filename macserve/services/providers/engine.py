@@ -17,7 +17,7 @@ from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, is_flag, normalize_flag
+from .base import BaseProvider, flag_value, is_flag, normalize_flag
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 
@@ -105,6 +105,14 @@ class Engine(BaseProvider):
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["--ctx", str(n_ctx)]
+
+    def context_of(self, profile: Profile) -> int | None:
+        v = flag_value(profile.extra_args, "--ctx")
+        return int(v) if v and v.isdigit() else None
+
+    def cache_key(self, profile: Profile) -> str:
+        kv = flag_value(profile.extra_args, "--kv")
+        return "macserve/int2" if kv == "int2" else "mlx/bf16"
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return ["--mtp-k", "1"] if mtp_layers > 0 else []

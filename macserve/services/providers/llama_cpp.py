@@ -22,7 +22,7 @@ import socket
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, help_flags, help_text
+from .base import BaseProvider, flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -142,6 +142,17 @@ class LlamaCpp(BaseProvider):
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["-c", str(n_ctx)]
+
+    default_cache_key = "llama.cpp/f16"
+
+    def context_of(self, profile: Profile) -> int | None:
+        # -c is the whole KV cache, shared by the -np slots; 0 (or none) = the model's limit
+        v = flag_value(profile.extra_args, "-c", "--ctx-size")
+        return int(v) if v and v.isdigit() and int(v) > 0 else None
+
+    def cache_key(self, profile: Profile) -> str:
+        kind = flag_value(profile.extra_args, "-ctk", "--cache-type-k") or "f16"
+        return f"llama.cpp/{kind}" if kind in ("f16", "q8_0", "q4_0") else self.default_cache_key
 
     def error_line(self, lines: list[str]) -> str | None:
         # llama.cpp logs "0.00.038.759 E llama_adapter_lora_init: failed to open ...": the first
