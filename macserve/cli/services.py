@@ -415,7 +415,7 @@ def doctor(as_json, memory):
     verdict = "fits" if rep.fits else "DOES NOT FIT"
     click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")
     click.echo(
-        f"raise:    {rep.raise_command}  (RAM less 8 GB; lasts until reboot; to keep it: "
+        f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; to keep it: "
         f"{rep.persist})"
     )
     for n in rep.notes:
