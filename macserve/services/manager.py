@@ -412,16 +412,20 @@ def _create(
     backend = get_backend()
     offset = logs.size(log_path(name))
     run.reset_backoff(name)
-    try:
-        backend.apply(_spec(profile))
-        ok, why = wait_ready(profile, timeout, tick=tick or (lambda e, s: None), backend=backend)
-    except KeyboardInterrupt:
-        ok, why = False, "interrupted"
+    with _Interrupts() as sig:
+        try:
+            backend.apply(_spec(profile))
+            ok, why = wait_ready(
+                profile, timeout, tick=tick or (lambda e, s: None), backend=backend
+            )
+        except KeyboardInterrupt:
+            ok, why = False, "interrupted"
+        if not ok:
+            with sig.hold():
+                tail = logs.tail(log_path(name), TAIL_LINES, since=offset)
+                why = _why(profile, why, tail)
+                backend.stop(name)  # do not leave a crash loop behind
     if not ok:
-        tail = logs.tail(log_path(name), TAIL_LINES, since=offset)
-        why = _why(profile, why, tail)
-        with _Interrupts() as sig, sig.hold():
-            backend.stop(name)  # do not leave a crash loop behind
         raise SetFailed(
             f"{name} did not become healthy: {why}; service stopped, profile kept "
             f"(fix with macserve set {name} ..., then macserve start {name})",
