@@ -252,10 +252,19 @@ def parse_args(ctx, command, args):
     cmd = ctx.find_root().command.get_command(ctx, command)
     if cmd is None:
         raise MacserveError(f"no command {command!r}")
+    what = f"macserve {command}"
     try:
-        cmd.make_context(f"macserve {command}", list(args))
+        cmd.make_context(what, list(args))
+    except click.NoSuchOption as e:
+        raise MacserveError(
+            f"{what} does not accept {e.option_name} (checked by its parser)"
+        ) from None
+    except click.BadOptionUsage as e:
+        if "requires an argument" in e.message:
+            raise MacserveError(f"{e.option_name} expects a value") from None
+        raise MacserveError(f"{what}: {e.format_message()}") from None
     except click.ClickException as e:
-        raise MacserveError(e.format_message()) from None
+        raise MacserveError(f"{what}: {e.format_message()}") from None
 
 
 @click.command()

@@ -101,7 +101,7 @@ class Engine(BaseProvider):
         if r.returncode != 0:
             lines = (r.stderr or r.stdout).strip().splitlines()
             why = lines[-1].removeprefix("error: ") if lines else f"exit {r.returncode}"
-            raise MacserveError(f"{self.label}: {why}")
+            raise MacserveError(why)
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["--ctx", str(n_ctx)]
