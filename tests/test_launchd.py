@@ -1,8 +1,11 @@
-"""launchd backend: the rendered plist, key by key, and the exact launchctl command sequences.
+"""launchd backend: the plist (built with plistlib, parsed back key by key), the domain choice,
+and the exact launchctl command sequences.
 
 launchctl is the one fake in the test suite: a small script that appends its argv as a JSON line
-to a file, keeps which labels are loaded in a JSON state file, and answers `print` the way
-launchctl does (a tab-indented property block, or exit 113 for an unknown service).
+to a file, keeps the loaded jobs in a JSON state file, and answers the way launchctl does:
+`print` a tab-indented property block (or exit 113 for an unknown service), `bootstrap` exit 5
+when the plist's LimitLoadToSessionType does not name the domain's session type (as launchd
+refuses it), `kill` ends the job's process (recording launchd's "last terminating signal").
 """
 
 import json
@@ -13,8 +16,9 @@ import textwrap
 
 import pytest
 
+from macserve.services import manager
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import log_path, spec_for
+from macserve.services.supervisors import launchd, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
 UID = os.getuid()
@@ -33,33 +37,52 @@ STAND_IN = textwrap.dedent("""\
         state = {{}}
     def save():
         json.dump(state, open(state_file, "w"))
+    def job(target):
+        dom, _, label = target.rpartition("/")
+        j = state.get(label)
+        return label, (j if j and j["domain"] == dom else None)
+    SESSION = {{"gui": "Aqua", "user": "Background"}}
     verb = args[0]
     if verb == "bootstrap":
-        label = plistlib.load(open(args[2], "rb"))["Label"]
-        if label in state:
+        d = plistlib.load(open(args[2], "rb"))
+        label = d["Label"]
+        if label in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
             print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
-        state[label] = {{"pid": 4242, "runs": 1}}; save()
+        pid = state.get("_pid", 4242)
+        state["_pid"] = pid + 1
+        state[label] = {{"domain": args[1], "pid": pid, "runs": 1, "state": "running"}}; save()
     elif verb == "bootout":
-        label = args[1].rsplit("/", 1)[1]
-        if label not in state:
+        label, j = job(args[1])
+        if j is None:
             print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
         del state[label]; save()
+    elif verb == "kill":
+        label, j = job(args[2])
+        if j is None:
+            sys.exit(113)
+        if args[1] == "SIGKILL" or not os.environ.get("FAKE_LAUNCHCTL_IGNORE_TERM"):
+            j.update(state="not running", pid=None,
+                     signal={{"SIGTERM": "Terminated: 15", "SIGKILL": "Killed: 9"}}[args[1]])
+            save()
     elif verb == "kickstart":
-        label = args[-1].rsplit("/", 1)[1]
-        if label not in state:
+        label, j = job(args[-1])
+        if j is None:
             print("Could not find service", file=sys.stderr); sys.exit(113)
-        if "-k" in args:
-            state[label]["pid"] += 1; state[label]["runs"] += 1; save()
     elif verb == "print":
-        label = args[1].rsplit("/", 1)[1]
-        if label not in state:
+        label, j = job(args[1])
+        if j is None:
             print(f"Could not find service \\"{{label}}\\" in domain for user gui: {uid}", file=sys.stderr)
             sys.exit(113)
-        s = state[label]
-        print(f"{{args[1]}} = {{{{\\n\\tactive count = 1\\n\\tpath = /x.plist\\n\\ttype = LaunchAgent\\n"
-              f"\\tstate = running\\n\\n\\tprogram = /usr/bin/python3\\n\\targuments = {{{{\\n\\t\\tpython3\\n\\t}}}}\\n\\n"
-              f"\\truns = {{s['runs']}}\\n\\tpid = {{s['pid']}}\\n\\tlast exit code = (never exited)\\n\\n"
-              f"\\tspawn type = interactive (4)\\n\\tendpoints = {{{{\\n\\t\\tstate = active\\n\\t}}}}\\n}}}}")
+        lines = ["active count = 1", "path = /x.plist", "type = LaunchAgent",
+                 f"state = {{j['state']}}", "", "program = /usr/bin/python3",
+                 "arguments = {{", "\\tpython3", "}}", "", f"runs = {{j['runs']}}"]
+        if j.get("pid"):
+            lines.append(f"pid = {{j['pid']}}")
+        lines.append(f"last exit code = {{j.get('exit', '(never exited)')}}")
+        if j.get("signal"):
+            lines.append(f"last terminating signal = {{j['signal']}}")
+        lines += ["", "spawn type = interactive (4)", "endpoints = {{", "\\tstate = active", "}}"]
+        print(args[1] + " = {{\\n" + "".join("\\t" + l + "\\n" for l in lines) + "}}")
     elif verb in ("enable", "disable"):
         pass
     else:
@@ -78,7 +101,8 @@ def launchctl(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LAUNCHCTL_STATE", str(tmp_path / "launchctl.state"))
     monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "LaunchAgents"))
     monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "launchd")
-    monkeypatch.delenv("MACSERVE_LAUNCHD_DOMAIN", raising=False)
+    for var in ("MACSERVE_LAUNCHD_DOMAIN", "SSH_CONNECTION", "SSH_TTY"):
+        monkeypatch.delenv(var, raising=False)
 
     def take():
         """The calls made since the last take()."""
@@ -88,6 +112,7 @@ def launchctl(tmp_path, monkeypatch):
         calls.unlink()
         return out
 
+    take.state = tmp_path / "launchctl.state"
     return take
 
 
@@ -106,7 +131,7 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
         "MACSERVE_LLAMA_SERVER", "/opt/llama & co/llama-server"
     )  # needs XML escaping
     spec = _spec(_profile())
-    d = plistlib.loads(render_plist(spec).encode())
+    d = plistlib.loads(render_plist(spec, DOMAIN))
     assert d["Label"] == "dev.macserve.big"
     assert d["ProgramArguments"] == [sys.executable, "-m", "macserve", "run", "big"]
     assert os.path.isabs(d["ProgramArguments"][0])
@@ -123,6 +148,11 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     assert env["MACSERVE_HOME"] == str(macserve_home)
     assert env["MACSERVE_LLAMA_SERVER"] == "/opt/llama & co/llama-server"
     assert env["MACSERVE_ROTATE_LOGS"] == str(log_path("big"))
+    assert env["MACSERVE_SUPERVISED"] == "1"
+    assert d["LimitLoadToSessionType"] == "Aqua"  # the gui domain's session
+    assert plistlib.loads(render_plist(spec, f"user/{UID}"))["LimitLoadToSessionType"] == (
+        "Background"
+    )
     assert d["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
     assert d["RunAtLoad"] is True
     assert d["ThrottleInterval"] == 30
@@ -137,6 +167,7 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
         "ProgramArguments",
         "EnvironmentVariables",
         "WorkingDirectory",
+        "LimitLoadToSessionType",
         "RunAtLoad",
         "KeepAlive",
         "ThrottleInterval",
@@ -152,7 +183,7 @@ def test_provider_env_lands_in_the_plist(macserve_home):
     from macserve.services import providers
 
     p = _profile(provider="mlx", model="mlx-community/Foo-4bit")
-    d = plistlib.loads(render_plist(_spec(p, providers.get("mlx").env(p))).encode())
+    d = plistlib.loads(render_plist(_spec(p, providers.get("mlx").env(p)), DOMAIN))
     assert d["EnvironmentVariables"]["PYTHONUNBUFFERED"] == "1"
 
 
@@ -175,55 +206,132 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     target = f"{DOMAIN}/dev.macserve.big"
     plist = tmp_path / "LaunchAgents" / "dev.macserve.big.plist"
     p = _profile()
+    # a graceful stop: SIGTERM, wait until the process is gone, then bootout and wait until
+    # launchd forgets the job (never `kickstart -k`, which is SIGKILL at once)
+    graceful = [
+        ["print", target],
+        ["kill", "SIGTERM", target],
+        ["print", target],
+        ["bootout", target],
+        ["print", target],
+    ]
+    fresh = [["enable", target], ["bootstrap", DOMAIN, str(plist)]]
 
     # install: write the plist, enable (a disabled job refuses to bootstrap), bootstrap
     b.apply(_spec(p))
     assert plist.exists() and oct(plist.stat().st_mode & 0o777) == "0o644"
-    assert launchctl() == [["print", target], ["enable", target], ["bootstrap", DOMAIN, str(plist)]]
+    assert launchctl() == [["print", target]] + fresh
     st = b.status("big")
-    assert (st.state, st.pid, st.runs) == ("running", 4242, 1)
+    assert (st.state, st.pid, st.runs, st.died) == ("running", 4242, 1, False)
     launchctl()
 
-    # set, plist unchanged (only the profile changed; `macserve run` rereads it): kickstart -k
+    # restart with the plist unchanged (a profile edit; `macserve run` rereads the profile):
+    # still a fresh job, so its run record is the new process's
     b.apply(_spec(p.updated({"EXTRA_ARGS": "-c 4096"})))
-    assert launchctl() == [["print", target], ["kickstart", "-k", target]]
+    assert launchctl() == graceful + fresh
     assert b.status("big").pid == 4243
     launchctl()
 
-    # set with a plist change (mlx adds PYTHONUNBUFFERED): kickstart would not reread the
-    # plist, so bootout, wait until launchd no longer knows it, then bootstrap the new file
+    # the plist changed (mlx adds PYTHONUNBUFFERED): graceful stop, bootout, then bootstrap
+    # of the new file (kickstart would keep running the old definition)
     before = plist.read_bytes()
     b.apply(_spec(p.updated({"PROVIDER": "mlx"}), {"PYTHONUNBUFFERED": "1"}))
     assert plist.read_bytes() != before
-    assert launchctl() == [
-        ["print", target],
-        ["bootout", target],
-        ["print", target],
-        ["enable", target],
-        ["bootstrap", DOMAIN, str(plist)],
-    ]
+    assert launchctl() == graceful + fresh
+    assert plistlib.loads(plist.read_bytes())["EnvironmentVariables"]["PYTHONUNBUFFERED"] == "1"
 
-    # stop: bootout, wait, disable (so it does not come back at login)
+    # stop: graceful, bootout, disable (so it does not come back at login)
     b.stop("big")
-    assert launchctl() == [
-        ["print", target],
-        ["bootout", target],
-        ["print", target],
-        ["disable", target],
-    ]
+    assert launchctl() == graceful + [["disable", target]]
     assert b.status("big").state == "stopped" and plist.exists()
     launchctl()
 
     # start again: enable + bootstrap
     b.start("big")
-    assert launchctl() == [["print", target], ["enable", target], ["bootstrap", DOMAIN, str(plist)]]
+    assert launchctl() == [["print", target]] + fresh
 
-    # remove: bootout, wait, delete the plist
+    # remove: graceful, bootout, delete the plist
     b.uninstall("big")
-    assert launchctl() == [["print", target], ["bootout", target], ["print", target]]
+    assert launchctl() == graceful
     assert not plist.exists()
     assert b.status("big").state == "not installed"
     assert launchctl() == []  # no plist: status does not even ask launchctl
+
+
+def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, monkeypatch):
+    b = LaunchdBackend()
+    b.grace = 0.3
+    b.apply(_spec(_profile()))
+    launchctl()
+    monkeypatch.setenv("FAKE_LAUNCHCTL_IGNORE_TERM", "1")
+    b.uninstall("big")
+    calls = launchctl()
+    target = f"{DOMAIN}/dev.macserve.big"
+    kills = [c for c in calls if c[0] == "kill"]
+    assert kills == [["kill", "SIGTERM", target], ["kill", "SIGKILL", target]]
+    assert calls.index(["kill", "SIGKILL", target]) < calls.index(["bootout", target])
+
+
+def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, monkeypatch):
+    """Over SSH with the console someone else's (or nobody's): user/<uid>, a Background plist;
+    the unit is then found there from any shell, and moves when restarted from the GUI."""
+    monkeypatch.setattr(launchd, "console_uid", lambda: UID + 1)
+    assert launchd.domain() == DOMAIN  # no SSH: gui
+    monkeypatch.setenv("SSH_CONNECTION", "10.0.0.2 50000 10.0.0.1 22")
+    assert launchd.domain() == f"user/{UID}"
+    monkeypatch.setattr(launchd, "console_uid", lambda: UID)
+    assert launchd.domain() == DOMAIN  # SSH, but this user is logged in at the screen
+    monkeypatch.setattr(launchd, "console_uid", lambda: UID + 1)
+
+    b = LaunchdBackend()
+    plist = tmp_path / "LaunchAgents" / "dev.macserve.big.plist"
+    b.apply(_spec(_profile()))
+    user = f"user/{UID}/dev.macserve.big"
+    assert launchctl() == [
+        ["print", user],
+        ["enable", user],
+        ["bootstrap", f"user/{UID}", str(plist)],
+    ]
+    assert plistlib.loads(plist.read_bytes())["LimitLoadToSessionType"] == "Background"
+
+    monkeypatch.delenv("SSH_CONNECTION")  # a GUI shell sees the same job
+    st = b.status("big")
+    assert (st.state, st.pid) == ("running", 4242)
+    launchctl()
+    b.apply(_spec(_profile()))  # restarted from the GUI: out of user/, into gui/
+    gui = f"{DOMAIN}/dev.macserve.big"
+    assert launchctl() == [
+        ["print", user],
+        ["kill", "SIGTERM", user],
+        ["print", user],
+        ["bootout", user],
+        ["print", user],
+        ["enable", gui],
+        ["bootstrap", DOMAIN, str(plist)],
+    ]
+    assert plistlib.loads(plist.read_bytes())["LimitLoadToSessionType"] == "Aqua"
+
+
+def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
+    """launchd's "last terminating signal" (jetsam's SIGKILL, a Metal abort) is read: the
+    health wait stops at the first poll instead of waiting out its timeout."""
+    b = LaunchdBackend()
+    p = _profile()
+    ProfileStore().save(p)
+    b.apply(_spec(p))
+    state = json.loads(launchctl.state.read_text())
+    state["dev.macserve.big"].update(state="not running", pid=None, signal="Killed: 9")
+    launchctl.state.write_text(json.dumps(state))
+    st = b.status("big")
+    assert (st.state, st.died, st.signal, st.exit_code) == ("exited", True, "Killed: 9", None)
+    ok, why = manager.wait_ready(p, timeout=600, backend=b)
+    assert not ok
+    assert (
+        why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
+    )
+    state["dev.macserve.big"].update(signal=None, exit=1)
+    launchctl.state.write_text(json.dumps(state))
+    assert manager.wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
 
 
 def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
@@ -233,8 +341,7 @@ def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
     from macserve.cli import main
 
     ProfileStore().save(_profile())
-    LaunchdBackend().install(_spec(_profile()))
-    LaunchdBackend()._bootstrap("big")
+    LaunchdBackend().apply(_spec(_profile()))
     launchctl()
     r = CliRunner().invoke(main, ["ls", "--json"])
     assert r.exit_code == 0, r.stderr
@@ -244,5 +351,11 @@ def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
     r = CliRunner().invoke(main, ["rm", "big"])
     assert r.exit_code == 0, r.stderr
     target = f"{DOMAIN}/dev.macserve.big"
-    assert launchctl() == [["print", target], ["bootout", target], ["print", target]]
+    assert launchctl() == [
+        ["print", target],
+        ["kill", "SIGTERM", target],
+        ["print", target],
+        ["bootout", target],
+        ["print", target],
+    ]
     assert not ProfileStore().exists("big")

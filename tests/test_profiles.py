@@ -258,3 +258,81 @@ def test_example_profiles_in_the_repo_parse():
     for f in files:
         p = parse(f.read_text(), f.stem)
         assert p.provider in profiles.PROVIDER_NAMES and p.extra_args is not None
+
+
+# ---- secrets, single-flag edits -----------------------------------------------------------
+
+
+def test_secrets_file_is_0600_and_round_trips(macserve_home):
+    st = ProfileStore()
+    st.save(Profile("a", dict(BASE)))
+    st.save_secrets("a", {"API_KEY": "sk-a1", "HF_TOKEN": "hf_b2"})
+    path = st.secrets_path("a")
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert st.load_secrets("a") == {"API_KEY": "sk-a1", "HF_TOKEN": "hf_b2"}
+    assert "sk-a1" not in st.path("a").read_text()
+    path.chmod(0o644)  # widened by a copy or an editor: narrowed again when read
+    st.load_secrets("a")
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert st.names() == ["a"]
+    with pytest.raises(MacserveError, match="API_KEY: expected one word") as e:
+        st.save_secrets("a", {"API_KEY": "two words"})
+    assert "two words" not in str(e.value)  # a secret is never echoed
+    st.save_secrets("a", {})
+    assert not path.exists()
+    st.save_secrets("a", {"API_KEY": "sk-a1"})
+    st.delete("a")
+    assert not path.exists()
+
+
+def test_parse_assignments_secrets_and_flag_edits():
+    from macserve.services.manager import Changes, parse_assignments
+
+    c = parse_assignments(("API_KEY=sk-1", "port=9000", "EXTRA_ARGS+=-c 512 --jinja"))
+    assert c == Changes({"PORT": "9000"}, {"API_KEY": "sk-1"}, ("-c", "512", "--jinja"), ())
+    assert parse_assignments(("EXTRA_ARGS-=--jinja",)).drop_args == ("--jinja",)
+    with pytest.raises(MacserveError, match="only EXTRA_ARGS takes"):
+        parse_assignments(("PORT+=1",))
+    with pytest.raises(MacserveError, match="not both"):
+        parse_assignments(("EXTRA_ARGS=-c 1", "EXTRA_ARGS+=-c 2"))
+
+
+def test_set_edits_single_flags_and_names_lost_ones(macserve_home, llama_server, tmp_path):
+    model = tmp_path / "a.gguf"
+    model.write_bytes(b"GGUF")
+    st = ProfileStore()
+    st.save(Profile("a", dict(BASE, MODEL=str(model), EXTRA_ARGS="-c 1024 --spec-type draft-mtp")))
+    # -c and --ctx-size are one flag (aliases on one --help line): replaced in place
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--ctx-size 512 -t 2")
+    assert code == 0, err
+    assert st.load("a").extra_args == ("--ctx-size", "512", "--spec-type", "draft-mtp", "-t", "2")
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS-=-t")
+    assert code == 0, err
+    assert st.load("a").extra_args == ("--ctx-size", "512", "--spec-type", "draft-mtp")
+    # replacing the whole value is allowed, and says which flags went
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-np 1")
+    assert code == 0, err
+    assert "EXTRA_ARGS no longer has --ctx-size 512, --spec-type draft-mtp" in out
+
+
+def test_set_api_key_where_the_server_cannot_enforce_it(macserve_home, tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    ProfileStore().save(Profile("m", {"PROVIDER": "mlx", "MODEL": str(folder), "PORT": "8090"}))
+    before = snapshot(macserve_home)
+    code, out, err = _cli("set", "m", "--", "API_KEY=sk-x")
+    assert code == 2
+    assert err.strip() == (
+        "error: mlx_lm.server has no API key support, so API_KEY would not be enforced: "
+        "bind it to HOST=127.0.0.1 (the default) or use PROVIDER=macserve"
+    )
+    # MODEL is checked for mlx too: a folder with a config.json, or a repo id
+    code, out, err = _cli("set", "m", "--", "MODEL=/nonexistent")
+    assert (code, err.strip()) == (
+        2,
+        "error: MODEL /nonexistent: not a model folder with a config.json",
+    )
+    code, out, err = _cli("set", "m", "--", "MODEL=not a repo")
+    assert code == 2 and "neither a model folder nor a repo id" in err
+    assert snapshot(macserve_home) == before

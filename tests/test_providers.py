@@ -234,3 +234,105 @@ def test_follow_prints_new_lines_and_survives_truncation(tmp_path):
     log.write_text("four\n")  # truncated and rewritten, as rotation does
     t.join(timeout=10)
     assert got == ["two", "three", "four"]
+
+
+def test_the_servers_own_error_line():
+    """The one-line error names what the server said: llama.cpp's first E line (the cause;
+    the E lines after it are its callers giving up), a Python server's last error line."""
+    llama = [
+        "macserve run tiny: /x/llama-server -m /m.gguf",
+        "0.00.036.264 W model has unused tensor blk.4.nextn.shared_head_norm.weight",
+        "0.00.038.759 E llama_adapter_lora_init: failed to open '/n/a.gguf': No such file or directory",
+        "0.00.038.789 E cmn  common_init_: failed to load lora adapter '/n/a.gguf'",
+        "0.00.041.734 E srv  llama_server: exiting due to model loading error",
+    ]
+    assert providers.get("llama.cpp").error_line(llama) == (
+        "llama_adapter_lora_init: failed to open '/n/a.gguf': No such file or directory"
+    )
+    engine = [
+        "macserve run bad: /usr/bin/python3 -m macserve serve /m --ctx 99999",
+        "error: --ctx 99999 is more than the model's limit 1024",
+    ]
+    assert providers.get("macserve").error_line(engine) == (
+        "--ctx 99999 is more than the model's limit 1024"
+    )
+    mlx = ["Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: no model"]
+    assert providers.get("mlx").error_line(mlx) == "ValueError: no model"
+    assert providers.get("mlx").error_line(["INFO all fine"]) is None
+
+
+def test_edit_flags_by_alias_and_arity():
+    from macserve.services.providers.base import edit_flags, flag_table
+
+    table = flag_table(LLAMA_HELP)
+    assert table["-c"] == table["--ctx-size"] == ("--ctx-size", True)
+    args = ["-c", "1024", "--jinja", "-sm", "row"]
+    assert edit_flags(args, ["--ctx-size", "512"], [], table) == [
+        "--ctx-size",
+        "512",
+        "--jinja",
+        "-sm",
+        "row",
+    ]
+    assert edit_flags(args, [], ["--split-mode", "--jinja"], table) == ["-c", "1024"]
+    # --jinja and --no-jinja share a help line: one switch, replaced in place; an unknown flag
+    # takes the next word when it is no flag (a negative number is a value)
+    assert edit_flags(args, ["--no-jinja", "-x", "-5"], [], table) == [
+        "-c",
+        "1024",
+        "--no-jinja",
+        "-sm",
+        "row",
+        "-x",
+        "-5",
+    ]
+
+
+def test_secret_flags_move_out_of_extra_args():
+    p = Profile(
+        "a",
+        {
+            "PROVIDER": "llama.cpp",
+            "MODEL": "/m.gguf",
+            "PORT": "1",
+            "EXTRA_ARGS": "-c 8 --api-key k1 -hft=h2",
+        },
+    )
+    prov = providers.for_profile(p)
+    moved, found = prov.move_secrets(p)
+    assert moved.extra_args == ("-c", "8") and found == {"API_KEY": "k1", "HF_TOKEN": "h2"}
+    assert prov.secret_env(found) == {"LLAMA_API_KEY": "k1", "HF_TOKEN": "h2"}
+    assert providers.get("macserve").secret_env({"API_KEY": "k"}) == {"MACSERVE_API_KEY": "k"}
+
+
+def test_backoff_delays():
+    from macserve.services.run import BACKOFF_MAX, STABLE_AFTER, backoff_delay
+
+    assert backoff_delay(None, 0, 1000.0) == 0  # first start
+    assert backoff_delay(999.0, 0, 1000.0) == 1  # a quick respawn
+    assert backoff_delay(990.0, 1, 1000.0) == 2
+    assert backoff_delay(990.0, 4, 1000.0) == 8
+    assert backoff_delay(990.0, BACKOFF_MAX, 1000.0) == BACKOFF_MAX
+    assert backoff_delay(1000.0 - STABLE_AFTER, 64, 1000.0) == 0  # it ran long: healthy
+
+
+@pytest.mark.parametrize("text", ["512", "0.5"])
+def test_sizes_need_a_unit(text):
+    from macserve.sizing.budget import parse_size
+
+    with pytest.raises(MacserveError, match="needs a unit"):
+        parse_size(text)
+    assert parse_size("512B") == 512 and parse_size("1.5 GiB") == 3 * 2**29
+
+
+def test_inspect_memory_without_a_unit_exits_2():
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+
+    from .conftest import CONFIGS
+
+    r = CliRunner().invoke(
+        main, ["inspect", str(CONFIGS / "deepseek-ai__DeepSeek-V3.json"), "--memory", "512"]
+    )
+    assert r.exit_code == 2 and r.stderr.strip() == ("error: '512' needs a unit: 512GB, 512MB, ...")

@@ -22,7 +22,7 @@ from ..services import manager
     "--api-key",
     envvar=env.API_KEY,
     show_envvar=True,
-    help="Bearer key [default: --api-key from the profile's EXTRA_ARGS].",
+    help="Bearer key [default: the profile's API_KEY].",
 )
 @click.option(
     "--timeout",
@@ -33,11 +33,15 @@ from ..services import manager
 )
 def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
     """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
-    one profile, it is the default. With PROMPT ('-' reads stdin), print one answer and a
-    stats line on stderr, then exit. Inside: /clear /system /stats /save /exit /help."""
+    one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
+    print one answer and a stats line on stderr, then exit. Inside: /clear /system /stats
+    /save /exit /help."""
     url = c.url_of(target) if target else None
     profile_key = None
     if url is None:
+        if target is not None and prompt is None and not manager.has_profile(target):
+            # `chat "a prompt"`: no profile has that name, so it is the prompt for the only one
+            target, prompt = None, target
         url, profile_key = manager.endpoint(target)
     client = c.Client(url, api_key or profile_key, timeout=timeout)
     session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)

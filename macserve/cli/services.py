@@ -15,11 +15,16 @@ import click
 
 from ..errors import MacserveError
 from ..services import manager
+from ..services import pull as hub
+from ..services.doctor import doctor as doctor_report
 from ..services.run import exec_profile
 from ..services.supervisors import backend_name, log_path
 from ..services.supervisors import logs as service_logs
+from ..sizing.budget import parse_size
 from .fmt import age as _age
+from .fmt import context as _context
 from .fmt import short_size as _mem
+from .fmt import size as _size
 
 TIMEOUT = click.option(
     "--timeout",
@@ -72,6 +77,19 @@ def _run_waiting(label, fn, *args, **kw):
         w.done()
 
 
+def _read_secret(key: str) -> str:
+    """A secret from stdin: prompted without echo on a terminal, else the first line."""
+    if sys.stdin.isatty():
+        return click.prompt(key, hide_input=True, err=True)
+    return sys.stdin.readline().strip()
+
+
+def pull_model(source, quant):
+    """`new`'s download step: `pull` with progress on stderr; the local path to serve."""
+    click.echo(f"pulling {source} ...", err=True)
+    return hub.pull(source, quant).model_path
+
+
 def _ctx(value):
     if value is None or value == "auto":
         return "auto"
@@ -99,10 +117,18 @@ def _ctx(value):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--extra-args", default="", help="More server flags, e.g. '--threads 8'.")
 @click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option(
+    "--api-key",
+    help="Require this key (Authorization: Bearer KEY); kept in the profile's 0600 secrets "
+    "file and given to the server in its environment. '-' reads it from stdin.",
+)
 @TIMEOUT
-def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, timeout):
-    """Write a profile for SOURCE sized to this Mac, install the service and start it."""
+def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, timeout, api_key):
+    """Write a profile for SOURCE sized to this Mac, install the service and start it.
+    A Hugging Face repo is downloaded first (macserve pull), with progress."""
     ctx = _ctx(ctx)
+    if api_key == "-":
+        api_key = _read_secret("API_KEY")
     nm = name or manager.default_name(source, quant)
     out = _run_waiting(
         nm,
@@ -117,6 +143,8 @@ def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, ti
         extra_args=extra_args,
         start=not no_start,
         timeout=timeout,
+        api_key=api_key,
+        pull=pull_model,
     )
     for n in out.notes:
         click.echo(f"note: {n}", err=True)
@@ -178,19 +206,65 @@ def worker(name, host, port, extra_args, no_start, timeout):
 def set_(name, items, no_restart, timeout):
     """Change a profile and restart its service: set NAME -- KEY=VALUE ... | set NAME KEY VALUE.
 
-    The new values are checked first (keys, port, provider, and EXTRA_ARGS against the server's
-    --help). If the restarted service does not become healthy, the previous profile is put
-    back, restarted and checked, the failed run's log is shown and the exit code is 2.
-    An empty value (KEY=) removes an optional key.
+    The new values are checked first (keys, ports, provider, and EXTRA_ARGS against the
+    server). If the restarted service does not become healthy (or the wait is interrupted),
+    the previous profile is put back, restarted and checked, the failed run's log is shown and
+    the exit code is 2. An empty value (KEY=) removes an optional key.
+
+    EXTRA_ARGS+='FLAG VALUE ...' sets or replaces single flags; EXTRA_ARGS-='FLAG ...' removes
+    them. API_KEY=... and HF_TOKEN=... go to the profile's 0600 secrets file ('-' reads the
+    value from stdin).
     """
     changes = manager.parse_assignments(items)
+    secrets = {k: (_read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
+    changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
     out = _run_waiting(
         name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
     )
     for n in out.notes:
         click.echo(f"{name}: {n}")
-    if not out.notes:
+    if out.pid:
         click.echo(f"{name}: restarted, healthy at {out.url}/v1 (pid {out.pid})")
+
+
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
+def pull(source, quant):
+    """Download a Hugging Face model (org/name or org/name:QUANT) into the Hugging Face cache:
+    only the files that quant or the MLX layout needs, with progress, resuming a partial
+    download. `new` and `inspect` then use the cached copy, also offline."""
+    p = hub.pull(source, quant)
+    click.echo(f"{p.repo}{':' + p.quant if p.quant else ''}: {p.model_path}")
+
+
+@click.command(
+    name="parse-args",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+)
+@click.argument("command")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def parse_args(ctx, command, args):
+    """Parse ARGS with `macserve COMMAND`'s own click options, without running it: how the
+    services check a `macserve serve` profile (services never import the CLI)."""
+    cmd = ctx.find_root().command.get_command(ctx, command)
+    if cmd is None:
+        raise MacserveError(f"no command {command!r}")
+    what = f"macserve {command}"
+    try:
+        cmd.make_context(what, list(args))
+    except click.NoSuchOption as e:
+        raise MacserveError(
+            f"{what} does not accept {e.option_name} (checked by its parser)"
+        ) from None
+    except click.BadOptionUsage as e:
+        if "requires an argument" in e.message:
+            raise MacserveError(f"{e.option_name} expects a value") from None
+        raise MacserveError(f"{what}: {e.format_message()}") from None
+    except click.ClickException as e:
+        raise MacserveError(f"{what}: {e.format_message()}") from None
 
 
 @click.command()
@@ -267,6 +341,9 @@ def show(name, as_json):
         return
     click.echo(f"# {r['file']}")
     click.echo(r["text"].rstrip("\n"))
+    for key, names in r["secrets"].items():
+        given = f"the server's {', '.join(names)}" if names else "not used by this provider"
+        click.echo(f"# secret:  {key} set, in {r['secrets_file']} (mode 0600; {given})")
     click.echo(f"# command: {shlex.join(r['argv'])}")
     click.echo(f"# health:  {r['health_url']}")
     click.echo(
@@ -302,6 +379,56 @@ def restart(name, no_wait, timeout):
     """Restart a profile's service (reloading its unit if that changed)."""
     out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
     click.echo(f"{name}: restarted at {out.url}/v1 (pid {out.pid})")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--memory", help="Check for a Mac with this much RAM (e.g. 192GB), not this one.")
+def doctor(as_json, memory):
+    """Do the services that start at login fit the GPU memory? The wired limit and RAM, each
+    profile's weights + cache at its context (inspect's figures), and the sysctl to raise it."""
+    rep = doctor_report(parse_size(memory) if memory else None)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=2))
+        return
+    limit = (
+        "not a Mac"
+        if rep.wired_limit_mb is None
+        else f"iogpu.wired_limit_mb={rep.wired_limit_mb}"
+        + (" (macOS default)" if rep.wired_limit_mb == 0 else "")
+    )
+    click.echo(f"memory:   {_size(rep.total_memory_bytes)} RAM; {limit}")
+    click.echo(f"budget:   {_size(rep.budget_bytes)} for the GPU ({rep.budget_source})")
+    if rep.profiles:
+        head = ["PROFILE", "STATE", "AT LOGIN", "CONTEXT", "CACHE", "WEIGHTS", "KV", "TOTAL"]
+        lines = [head]
+        for p in rep.profiles:
+            lines.append(
+                [
+                    p["name"],
+                    p["state"],
+                    "yes" if p["at_login"] else "no",
+                    _context(p["ctx"]),
+                    p["cache_key"] or "-",
+                    _size(p["weights_bytes"]),
+                    _size(p["cache_bytes"]),
+                    _size(p["total_bytes"]),
+                ]
+            )
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        for line in lines:
+            click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        for p in rep.profiles:
+            for why in filter(None, (p["error"], p["note"])):
+                click.echo(f"  {p['name']}: {why}")
+    verdict = "fits" if rep.fits else "DOES NOT FIT"
+    click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")
+    click.echo(
+        f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; to keep it: "
+        f"{rep.persist})"
+    )
+    for n in rep.notes:
+        click.echo(f"note: {n}")
 
 
 @click.command()

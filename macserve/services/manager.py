@@ -3,23 +3,41 @@ rm, and the rows behind ls/status/show. The CLI only parses and prints.
 
 Flow: profiles -> providers (argv, flag check) -> supervisors (the backend) -> health wait.
 Nothing on disk changes until the new values have passed validation and the provider's check.
+
+Reusable by name (the router builds on these): `start(name)`, `stop(name)`, `restart(name)`,
+`wait_ready(profile, timeout)`, `footprint(name)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
+import signal
 import socket
+import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from .. import env
 from ..errors import MacserveError
+from ..sizing.report import inspect_source
 from . import plan as sizing_plan
-from . import providers
-from .profiles import KEYS, Profile, ProfileStore, check_name
+from . import providers, run
+from .profiles import (
+    KEYS,
+    MODELLESS,
+    SECRET_KEYS,
+    Profile,
+    ProfileStore,
+    check_name,
+    check_secret,
+)
+from .providers.base import edit_flags, flag_groups
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .supervisors import Status, get_backend, log_path, logs, spec_for
 
@@ -28,11 +46,11 @@ DEFAULT_PORT = 8080
 # loads for minutes does not get its log filled with probe requests. The wait is bounded by a
 # deadline, never by a fixed sleep.
 POLL, POLL_MAX = 0.25, 2.0
-CRASH_RUNS = 2  # launchd: this many failed respawns after a restart = the settings do not start
+TAIL_LINES = 30  # log lines shown with a failure
 
 
 class SetFailed(MacserveError):
-    """New settings did not become healthy; the previous profile was restored."""
+    """New settings did not become healthy; what happened to the previous ones is in the message."""
 
     def __init__(self, msg: str, log_tail: list[str], restored: bool):
         super().__init__(msg)
@@ -63,6 +81,23 @@ def base_url(profile: Profile) -> str:
 # ---- waiting for health -------------------------------------------------------------------------
 
 
+def _death(st: Status) -> str:
+    """Why a supervised process is gone, from the supervisor's own record."""
+    if st.signal:
+        hint = {
+            "Killed: 9": ": the system may have run out of memory (jetsam)",
+            "Abort trap: 6": ": it aborted (a Metal or assertion failure; see the log)",
+        }.get(st.signal, "")
+        return f"it was killed by signal {st.signal}{hint}"
+    if st.failed:
+        return f"the supervisor gave up starting it ({st.detail or st.state})"
+    if st.exit_code is not None:
+        return f"it exited with code {st.exit_code}"
+    if st.detail.startswith("exited"):
+        return f"it {st.detail}"
+    return f"it exited ({st.detail or st.state})"
+
+
 def wait_ready(
     profile: Profile,
     timeout: float,
@@ -72,33 +107,30 @@ def wait_ready(
 ) -> tuple[bool, str]:
     """Poll until the service runs a new process that passes the provider's readiness probe.
 
-    Gives up early when the supervisor has given up (supervisord FATAL) or launchd keeps
-    respawning a process that exits non-zero: waiting out the deadline would not help.
+    Gives up at the first sign that the new process will not come up by itself: it died (the
+    supervisor's record says so, or a second new pid replaced the first), the supervisor gave
+    up, or the provider reports the server up but unable to serve.
     """
     backend = backend or get_backend()
     provider = providers.for_profile(profile)
     start = time.monotonic()
-    runs0 = None
+    first_pid = None
     interval = POLL
     while True:
         st = backend.status(profile.name)
-        if runs0 is None:
-            runs0 = st.runs
         elapsed = time.monotonic() - start
         tick(elapsed, st)
-        if st.failed:
-            return False, f"the supervisor gave up starting it ({st.detail or st.state})"
-        if (
-            st.runs is not None
-            and runs0 is not None
-            and st.runs - runs0 >= CRASH_RUNS
-            and st.state != "running"
-            and st.exit_code
-        ):
-            return False, f"it keeps exiting (last exit code {st.exit_code})"
         if st.state == "not installed":
             return False, "the service is not installed"
-        if st.state == "running" and st.pid and st.pid != old_pid:
+        if st.died or st.failed:
+            return False, _death(st)
+        fresh = st.pid is not None and st.pid != old_pid
+        if fresh and first_pid is None:
+            first_pid = st.pid
+        elif fresh and st.pid != first_pid:
+            # Died and respawned between two polls: it would only keep doing that.
+            return False, f"it exited and was started again (pid {first_pid} -> {st.pid})"
+        if fresh and st.state == "running":  # supervisord: it outlived startsecs
             if provider.ready(profile, timeout=min(5.0, max(1.0, timeout - elapsed))):
                 return True, ""
             why = provider.failed(profile)
@@ -108,6 +140,65 @@ def wait_ready(
             return False, f"not healthy within {timeout:.0f}s (state: {st.state})"
         time.sleep(interval)
         interval = min(POLL_MAX, interval * 1.5)
+
+
+def _why(profile: Profile, why: str, tail: list[str]) -> str:
+    """`why` with the server's own error line in front, when its log has one."""
+    line = providers.for_profile(profile).error_line(tail)
+    return f"{line} ({why})" if line else why
+
+
+class _Interrupts:
+    """Ctrl-C, SIGTERM and SIGHUP as KeyboardInterrupt while `set` waits, so every way out of
+    the wait goes through the rollback; held back (and remembered) while the previous settings
+    are being put back. Signal handlers exist only in the main thread; elsewhere a no-op."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.holding = False
+        self.held: list[int] = []
+        self.saved: dict | None = None
+
+    def _handler(self, signum, frame):
+        if self.holding:
+            self.held.append(signum)
+            return
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.saved = {s: signal.getsignal(s) for s in self.SIGNALS}
+            for s in self.SIGNALS:
+                signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved:
+            for s, h in self.saved.items():
+                signal.signal(s, h)
+        return False
+
+    @contextlib.contextmanager
+    def hold(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+
+
+def _broken(st: Status, profile: Profile) -> str | None:
+    """Why the service was already failing before we touched it (given up, exited, in a crash
+    loop: respawned quickly twice or more in a row and not answering), or None."""
+    if not st.installed:
+        return None
+    if st.failed or st.died or st.state in ("exited", "failed"):
+        return _death(st)
+    delay = run.backing_off(st.name)
+    if delay >= 2 * run.BACKOFF_FIRST and not providers.for_profile(profile).ready(profile, 2.0):
+        return f"it kept exiting and was being restarted with a {delay:.0f}s back-off"
+    return None
 
 
 # ---- new ------------------------------------------------------------------------------------------
@@ -125,9 +216,18 @@ def default_name(source: str, quant: str | None) -> str:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port and a server could bind it. SO_REUSEADDR as servers set it
+    (so a closed connection in TIME_WAIT does not count), plus a connect, because with it
+    macOS lets 127.0.0.1:P bind beside a listener on 0.0.0.0:P."""
+    with (
+        contextlib.suppress(OSError),
+        socket.create_connection((providers.url_host(host).strip("[]"), port), timeout=1.0),
+    ):
+        return False
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host.strip("[]"), port))
         return True
     except OSError:
         return False
@@ -154,7 +254,11 @@ def new(
     start=True,
     timeout=300.0,
     tick=None,
+    api_key: str | None = None,
+    pull=None,
 ) -> Outcome:
+    """`pull(source, quant) -> local path`, when given, downloads a hub model first (with
+    progress) so the service starts from the local copy instead of downloading in its wait."""
     name = check_name(name) if name else default_name(source, quant)
     st = store()
     if st.exists(name):
@@ -197,15 +301,25 @@ def new(
         args += shlex.split(extra_args or "")
     except ValueError as e:
         raise MacserveError(f"--extra-args does not parse: {e}") from None
+    model = plan.model
+    if pull is not None and plan.remote:
+        model = str(pull(source, quant))  # sized first: a model that cannot fit is not downloaded
+        notes.append(f"serving the downloaded copy in the Hugging Face cache: {model}")
     values = {
         "PROVIDER": plan.provider,
-        "MODEL": plan.model,
+        "MODEL": model,
         "HOST": host,
         "PORT": None,
         "EXTRA_ARGS": shlex.join(args),
     }
+    secrets = {}
+    if api_key:
+        secrets["API_KEY"] = api_key
+    if env.hf_token():
+        secrets["HF_TOKEN"] = env.hf_token()
+        notes.append(f"HF_TOKEN from this shell kept for the service in {st.secrets_path(name)}")
     comment = f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")
-    return _create(st, name, values, comment, port, start, timeout, tick, notes)
+    return _create(st, name, values, comment, port, start, timeout, tick, notes, secrets)
 
 
 def new_worker(
@@ -244,9 +358,20 @@ def new_worker(
         timeout,
         tick,
         [],
+        {},
     )
     out.url = f"{host}:{store().load(name).port}"
     return out
+
+
+def _moved_note(st: ProfileStore, name: str, prov, moved: Mapping[str, str]) -> str:
+    how = ", ".join(
+        f"{k} as {prov.api_key_env if k == 'API_KEY' else 'HF_TOKEN'}" for k in sorted(moved)
+    )
+    return (
+        f"moved {', '.join(sorted(moved))} out of EXTRA_ARGS into {st.secrets_path(name)} "
+        f"(mode 0600); the server gets {how} in its environment, never on its command line"
+    )
 
 
 def _create(
@@ -259,34 +384,48 @@ def _create(
     timeout: float,
     tick,
     notes: list[str],
+    secrets: dict[str, str],
 ) -> Outcome:
     """Write a new profile (port picked or checked, flags checked), then install and start it."""
     host = values["HOST"]
     with st.lock():
         if st.exists(name):
             raise MacserveError(f"profile {name} exists")
-        used = {_port_of(n) for n in st.names()}
+        used = _ports_used(st)
         if port is None:
-            port = pick_port(host, used)
-        elif port in used:
-            raise MacserveError(f"port {port} is already used by another profile")
-        elif start and not port_free(host, port):
-            raise MacserveError(f"port {port} on {host} is in use by another program")
+            port = pick_port(host, set(used))
+        else:
+            _check_port(host, port, used, start)
         profile = Profile(name, {**values, "PORT": str(port)}, (comment,))
-        providers.for_profile(profile).check_args(
-            profile
-        )  # a profile that cannot start is never written
+        prov = providers.for_profile(profile)
+        profile, moved = prov.move_secrets(profile)
+        if moved:
+            notes.append(_moved_note(st, name, prov, moved))
+        secrets = {**secrets, **moved}
+        prov.check_secrets(secrets)
+        prov.check_args(profile)  # a profile that cannot start is never written
+        st.save_secrets(name, secrets)  # first: the profile never exists without its key
         st.save(profile)
     out = Outcome(name, base_url(profile), notes)
     if not start:
         return out
     backend = get_backend()
     offset = logs.size(log_path(name))
-    backend.apply(_spec(profile))
-    ok, why = wait_ready(profile, timeout, tick=tick or (lambda e, s: None), backend=backend)
+    run.reset_backoff(name)
+    with _Interrupts() as sig:
+        try:
+            backend.apply(_spec(profile))
+            ok, why = wait_ready(
+                profile, timeout, tick=tick or (lambda e, s: None), backend=backend
+            )
+        except KeyboardInterrupt:
+            ok, why = False, "interrupted"
+        if not ok:
+            with sig.hold():
+                tail = logs.tail(log_path(name), TAIL_LINES, since=offset)
+                why = _why(profile, why, tail)
+                backend.stop(name)  # do not leave a crash loop behind
     if not ok:
-        tail = logs.tail(log_path(name), 20, since=offset)
-        backend.stop(name)  # do not leave a crash loop behind
         raise SetFailed(
             f"{name} did not become healthy: {why}; service stopped, profile kept "
             f"(fix with macserve set {name} ..., then macserve start {name})",
@@ -297,18 +436,40 @@ def _create(
     return out
 
 
-def _port_of(name: str) -> int | None:
-    try:
-        return store().load(name).port
-    except MacserveError:
-        return None
+def _ports_used(st: ProfileStore, but: str | None = None) -> dict[int, str]:
+    """{port: profile} of every other profile."""
+    out = {}
+    for n in st.names():
+        if n == but:
+            continue
+        with contextlib.suppress(MacserveError):
+            out[st.load(n).port] = n
+    return out
+
+
+def _check_port(host: str, port: int, used: Mapping[int, str], bind_check: bool = True) -> None:
+    if port in used:
+        raise MacserveError(f"port {port} is already used by profile {used[port]}")
+    if bind_check and not port_free(host, port):
+        raise MacserveError(f"port {port} on {host} is in use by another program")
 
 
 # ---- set ------------------------------------------------------------------------------------------
 
 
-def parse_assignments(items: tuple[str, ...]) -> dict[str, str]:
-    """`KEY=VALUE ...` or `KEY VALUE`."""
+@dataclass(frozen=True)
+class Changes:
+    """What `set` was asked to do: profile values, secrets, and single-flag edits of
+    EXTRA_ARGS (`EXTRA_ARGS+=...` sets or replaces those flags, `EXTRA_ARGS-=...` removes them)."""
+
+    values: Mapping[str, str] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict)
+    add_args: tuple[str, ...] = ()
+    drop_args: tuple[str, ...] = ()
+
+
+def parse_assignments(items: tuple[str, ...]) -> Changes:
+    """`KEY=VALUE ...` or `KEY VALUE`; `EXTRA_ARGS+=FLAGS`, `EXTRA_ARGS-=FLAGS`."""
     if not items:
         raise MacserveError("nothing to set: give KEY=VALUE ... or KEY VALUE")
     if all("=" in i for i in items):
@@ -317,97 +478,229 @@ def parse_assignments(items: tuple[str, ...]) -> dict[str, str]:
         pairs = [list(items)]
     else:
         raise MacserveError("expected KEY=VALUE ... or KEY VALUE")
-    out = {}
+    values, secrets, add, drop = {}, {}, [], []
     for k, v in pairs:
         k = k.strip()
+        op = k[-1] if k[-1:] in ("+", "-") else ""
+        k = k.rstrip("+-").strip()
         if not k:
             raise MacserveError("empty key")
-        out[k.upper() if k.upper() in KEYS else k] = v  # `set NAME port 8081` is fine
-    return out
+        if k.upper() in KEYS or k.upper() in SECRET_KEYS:
+            k = k.upper()  # `set NAME port 8081` is fine
+        if op:
+            if k != "EXTRA_ARGS":
+                raise MacserveError(f"{k}{op}= : only EXTRA_ARGS takes += and -=")
+            try:
+                (add if op == "+" else drop).extend(shlex.split(v))
+            except ValueError as e:
+                raise MacserveError(f"EXTRA_ARGS{op}= does not parse: {e}") from None
+        elif k in SECRET_KEYS:
+            if v:
+                check_secret(k, v)
+            secrets[k] = v
+        else:
+            values[k] = v
+    if "EXTRA_ARGS" in values and (add or drop):
+        raise MacserveError("give EXTRA_ARGS= or EXTRA_ARGS+=/-=, not both")
+    return Changes(values, secrets, tuple(add), tuple(drop))
 
 
-def _prepare(
-    st: ProfileStore, name: str, changes: dict[str, str], checked: Profile | None = None
-) -> tuple[Profile, Profile]:
-    """(old, new) profiles; the new one checked by its provider unless it equals `checked`
-    (a check is slow for multi-host profiles: it inspects the model and ssh-checks hosts)."""
+@dataclass
+class _Edit:
+    old: Profile
+    new: Profile
+    old_secrets: dict[str, str]
+    new_secrets: dict[str, str]
+    notes: list[str]
+
+    @property
+    def changed(self) -> bool:
+        return self.new.values != self.old.values or self.new_secrets != self.old_secrets
+
+
+def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | None = None) -> _Edit:
+    """The edit `changes` makes to profile `name`, checked like a start would check it: keys,
+    secrets the server can take, ports, flags. The provider's check is skipped when the result
+    equals `checked` (it is slow for multi-host profiles: it inspects the model, ssh-checks hosts)."""
     old = st.load(name)
-    new = old.updated(changes)
-    if new.values != old.values and new != checked:
-        providers.for_profile(new).check_args(new)  # refuse before anything is written or restarted
-    return old, new
+    old_secrets = st.load_secrets(name)
+    values = dict(changes.values)
+    notes: list[str] = []
+    prov = providers.get(values.get("PROVIDER") or old.provider)
+    if changes.add_args or changes.drop_args:
+        args = edit_flags(
+            list(old.extra_args), list(changes.add_args), list(changes.drop_args), prov.flags()
+        )
+        values["EXTRA_ARGS"] = shlex.join(args)
+    new = old.updated(values)
+    prov = providers.for_profile(new)
+    new, moved = prov.move_secrets(new)
+    if moved:
+        notes.append(_moved_note(st, name, prov, moved))
+    secrets = {**old_secrets, **moved, **changes.secrets}
+    secrets = {k: v for k, v in secrets.items() if v}
+    prov.check_secrets(secrets)
+    if "EXTRA_ARGS" in changes.values:
+        lost = _lost_flags(old, new, prov)
+        if lost:
+            notes.append(
+                f"EXTRA_ARGS no longer has {', '.join(lost)} (EXTRA_ARGS= replaces the whole "
+                "value; EXTRA_ARGS+='FLAG VALUE' changes single flags)"
+            )
+    if (new.port, new.host) != (old.port, old.host):
+        _check_port(new.host, new.port, _ports_used(st, but=name), new.port != old.port)
+    edit = _Edit(old, new, old_secrets, secrets, notes)
+    if new.values != old.values and (checked is None or new != checked.new):
+        prov.check_args(new)  # refuse before anything is written or restarted
+    return edit
+
+
+def _lost_flags(old: Profile, new: Profile, prov) -> list[str]:
+    try:
+        table = prov.flags()
+    except MacserveError:
+        table = {}
+    kept = {c for c, _ in flag_groups(list(new.extra_args), table) if c}
+    return [
+        shlex.join(g) for c, g in flag_groups(list(old.extra_args), table) if c and c not in kept
+    ]
+
+
+def _as_changes(changes) -> Changes:
+    if isinstance(changes, Changes):
+        return changes
+    values = {k: v for k, v in changes.items() if k not in SECRET_KEYS}
+    return Changes(values, {k: v for k, v in changes.items() if k in SECRET_KEYS})
 
 
 def set_values(
-    name: str, changes: dict[str, str], restart: bool = True, timeout: float = 300.0, tick=None
+    name: str, changes, restart: bool = True, timeout: float = 300.0, tick=None
 ) -> Outcome:
+    """Check, write, restart, wait; on failure or interrupt put the previous profile (and
+    secrets) back. `changes`: a `Changes`, or a {KEY: value} dict."""
+    changes = _as_changes(changes)
     st = store()
-    _, checked = _prepare(st, name, changes)  # bad input fails here, before the lock file exists
+    checked = _prepare(st, name, changes)  # bad input fails here, before the lock file exists
     with st.lock(name):
         # Again under the lock: the file may have moved on (then the result is checked again).
-        old, new = _prepare(st, name, changes, checked)
-        out = Outcome(name, base_url(new))
-        if new.values == old.values:
+        edit = _prepare(st, name, changes, checked)
+        out = Outcome(name, base_url(edit.new), list(edit.notes))
+        if not edit.changed:
             out.notes.append("no change")
             return out
-        st.save(new)
         backend = get_backend()
         before = backend.status(name)
+        broken = _broken(before, edit.old)  # now: the restart resets what it is read from
+        _save(st, edit.new, edit.new_secrets)
         if not restart:
             out.notes.append("saved; not restarted (--no-restart)")
             return out
         if before.state in ("not installed", "stopped"):
             out.notes.append(f"saved; {name} is {before.state}, so nothing was restarted")
             return out
-        offset = logs.size(log_path(name))
-        tick = tick or (lambda e, s: None)
-        try:
-            backend.apply(_spec(new))
-            ok, why = wait_ready(new, timeout, old_pid=before.pid, tick=tick, backend=backend)
-        except MacserveError as e:
-            ok, why = False, str(e)
-        if ok:
-            out.pid = backend.status(name).pid
-            return out
-        # Roll back: the previous profile, restarted, checked healthy again.
-        tail = logs.tail(log_path(name), 30, since=offset)
-        st.save(old)
-        failed = backend.status(name).pid
-        try:
-            backend.apply(_spec(old))
-            restored, why2 = wait_ready(old, timeout, old_pid=failed, tick=tick, backend=backend)
-        except MacserveError as e:
-            restored, why2 = False, str(e)
-        state = (
-            "previous settings restored and healthy"
-            if restored
-            else f"previous settings restored but not healthy: {why2}"
+        with _Interrupts() as sig:
+            return _restart_or_roll_back(st, backend, edit, before, broken, timeout, tick, sig, out)
+
+
+def _save(st: ProfileStore, profile: Profile, secrets: dict[str, str]) -> None:
+    st.save_secrets(profile.name, secrets)
+    st.save(profile)
+
+
+def _restart_or_roll_back(
+    st, backend, edit: _Edit, before: Status, broken: str | None, timeout, tick, sig, out
+):
+    name = edit.new.name
+    tick = tick or (lambda e, s: None)
+    offset = logs.size(log_path(name))
+    interrupted = False
+    try:
+        run.reset_backoff(name)
+        backend.apply(_spec(edit.new))
+        ok, why = wait_ready(edit.new, timeout, old_pid=before.pid, tick=tick, backend=backend)
+    except KeyboardInterrupt:
+        ok, why, interrupted = False, "", True
+    except MacserveError as e:
+        ok, why = False, str(e)
+    if ok:
+        out.pid = backend.status(name).pid
+        return out
+    with sig.hold():
+        tail = [] if interrupted else logs.tail(log_path(name), TAIL_LINES, since=offset)
+        head = (
+            f"interrupted while the new settings for {name} were starting"
+            if interrupted
+            else f"new settings for {name} failed: {_why(edit.new, why, tail)}"
         )
-        raise SetFailed(f"new settings for {name} failed: {why}; {state}", tail, restored)
+        _save(st, edit.old, edit.old_secrets)  # the profile is what it was before this set
+        if broken:
+            # Putting back settings that were failing is no rollback: leave it stopped.
+            backend.stop(name)
+            raise SetFailed(
+                f"{head}; the previous settings were already failing before this change "
+                f"({broken}), so they are back in the profile but not restarted: "
+                f"{name} is stopped (fix it with macserve set {name} ..., then macserve start "
+                f"{name})",
+                tail,
+                False,
+            )
+        failed_pid = backend.status(name).pid
+        try:
+            run.reset_backoff(name)
+            backend.apply(_spec(edit.old))
+        except MacserveError as e:
+            raise SetFailed(
+                f"{head}; previous settings restored but could not be restarted: {e}", tail, False
+            ) from None
+    try:
+        restored, why2 = wait_ready(
+            edit.old, timeout, old_pid=failed_pid, tick=tick, backend=backend
+        )
+    except KeyboardInterrupt:
+        raise SetFailed(
+            f"{head}; previous settings restored and restarting (interrupted again before it "
+            f"was healthy: see macserve status {name})",
+            tail,
+            False,
+        ) from None
+    state = (
+        "previous settings restored and healthy"
+        if restored
+        else f"previous settings restored but not healthy: {why2}"
+    )
+    raise SetFailed(f"{head}; {state}", tail, restored)
 
 
 # ---- start / stop / restart / rm --------------------------------------------------------------
 
 
 def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    profile = store().load(name)
-    providers.for_profile(profile).check_args(profile)
+    """Install the unit if needed and start it; a unit that changed is reloaded first."""
+    st = store()
+    profile = st.load(name)
+    prov = providers.for_profile(profile)
+    prov.check_secrets(st.load_secrets(name))
+    prov.check_args(profile)
     backend = get_backend()
-    backend.install(_spec(profile))
     before = backend.status(name)
-    if before.state == "running":
+    if before.state == "running" and not backend.install(_spec(profile)):
         return Outcome(name, base_url(profile), ["already running"], before.pid)
     offset = logs.size(log_path(name))
-    backend.start(name)
-    return _finish(profile, backend, timeout, wait, tick, None, offset)
+    run.reset_backoff(name)
+    backend.apply(_spec(profile))
+    return _finish(profile, backend, timeout, wait, tick, before.pid, offset)
 
 
 def restart(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    profile = store().load(name)
-    providers.for_profile(profile).check_args(profile)
+    st = store()
+    profile = st.load(name)
+    prov = providers.for_profile(profile)
+    prov.check_secrets(st.load_secrets(name))
+    prov.check_args(profile)
     backend = get_backend()
     before = backend.status(name)
     offset = logs.size(log_path(name))
+    run.reset_backoff(name)
     backend.apply(_spec(profile))
     return _finish(profile, backend, timeout, wait, tick, before.pid, offset)
 
@@ -419,10 +712,9 @@ def _finish(profile, backend, timeout, wait, tick, old_pid, offset) -> Outcome:
             profile, timeout, old_pid=old_pid, tick=tick or (lambda e, s: None), backend=backend
         )
         if not ok:
+            tail = logs.tail(log_path(profile.name), TAIL_LINES, since=offset)
             raise SetFailed(
-                f"{profile.name} is not healthy: {why}",
-                logs.tail(log_path(profile.name), 20, since=offset),
-                False,
+                f"{profile.name} is not healthy: {_why(profile, why, tail)}", tail, False
             )
     out.pid = backend.status(profile.name).pid
     return out
@@ -443,9 +735,17 @@ def remove(name: str) -> None:
     with st.lock(name):
         get_backend().uninstall(name)
         st.delete(name)
+        run.reset_backoff(name)
 
 
 # ---- where a client talks to a profile -----------------------------------------------------------
+
+
+def has_profile(name: str) -> bool:
+    try:
+        return store().exists(name)
+    except MacserveError:  # not even a valid name (a prompt with spaces)
+        return False
 
 
 def endpoint(name: str | None) -> tuple[str, str | None]:
@@ -462,16 +762,52 @@ def endpoint(name: str | None) -> tuple[str, str | None]:
             )
         name = names[0]
     profile = st.load(name)
-    return base_url(profile), _api_key(profile.extra_args)
+    return base_url(profile), st.load_secrets(name).get("API_KEY")
 
 
-def _api_key(args) -> str | None:
-    for i, a in enumerate(args):
-        if a == "--api-key" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--api-key="):
-            return a.split("=", 1)[1]
-    return None
+# ---- what a profile needs in memory --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A profile's memory as inspect counts it: weights + its cache at its configured context."""
+
+    name: str
+    weights_bytes: int | None = None
+    cache_bytes: int | None = None
+    ctx: int | None = None
+    cache_key: str | None = None
+    note: str = ""
+    error: str | None = None
+
+    @property
+    def total_bytes(self) -> int | None:
+        if self.weights_bytes is None and self.cache_bytes is None:
+            return None
+        return (self.weights_bytes or 0) + (self.cache_bytes or 0)
+
+
+def footprint(name: str) -> Footprint:
+    p = store().load(name)
+    prov = providers.for_profile(p)
+    if p.provider in MODELLESS:
+        return Footprint(name, note="an RPC worker: the head sends it layers to hold")
+    key = prov.cache_key(p)
+    try:
+        rep = inspect_source(p.model)
+    except MacserveError as e:
+        return Footprint(name, cache_key=key, error=str(e))
+    ctx, note = prov.context_of(p), ""
+    if ctx is None:
+        ctx = rep.shape.max_position_embeddings
+        note = "no context set: counted at the model's limit"
+        if prov.context_args(1) is None:
+            note = f"{prov.label} grows its cache per request: counted up to the model's limit"
+    lay = rep.layouts.get(key)
+    cache = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
+    if p.multi_host:
+        note = (note + "; " if note else "") + "the whole model, before it is split over HOSTS"
+    return Footprint(name, rep.weights_bytes, cache, ctx, key, note)
 
 
 # ---- ls / status / show -------------------------------------------------------------------------
@@ -505,7 +841,7 @@ def row(name: str, health: bool = False, backend=None) -> dict:
         p = None
         r["error"] = str(e)
     s: Status = backend.status(name)
-    r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, detail=s.detail)
+    r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=s.detail)
     r.update(_proc_info(s.pid if s.state in ("running", "starting") else None))
     if health:
         r["healthy"] = bool(
@@ -527,12 +863,16 @@ def show(name: str) -> dict:
         argv = prov.argv(p)
     except MacserveError as e:
         argv = [f"<{e}>"]
+    secrets = st.load_secrets(name)
     r = row(name)
     r.update(
         file=str(st.path(name)),
         text=st.path(name).read_text(),
         values=dict(p.values),
         argv=argv,
+        # names only: the values stay in the 0600 file
+        secrets={k: sorted(prov.secret_env({k: secrets[k]})) for k in sorted(secrets)},
+        secrets_file=str(st.secrets_path(name)) if secrets else None,
         health_url=prov.health_url(p),
         log=str(log_path(name)),
         backend=get_backend().name,

@@ -29,6 +29,7 @@ class Plan:
     budget_bytes: int
     model_max: int | None = None
     notes: list[str] = field(default_factory=list)
+    remote: bool = False  # a hub repo id, not a local path: `new` pulls it first
 
 
 def plan(
@@ -64,7 +65,8 @@ def plan(
         if n_ctx < 1:
             raise MacserveError("--ctx must be a positive number or auto")
     p = Path(source).expanduser()
-    if p.exists():
+    remote = not p.exists()
+    if not remote:
         model = str(p.resolve())
     else:
         model = f"{source}:{quant}" if quant and is_gguf and ":" not in source else source
@@ -78,6 +80,7 @@ def plan(
         fits,
         r["budget_bytes"],
         r.get("model_max_context"),
+        remote=remote,
     )
     if fits is not None and n_ctx > fits:
         pl.notes.append(

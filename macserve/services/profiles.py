@@ -20,6 +20,9 @@ Keys:
               `macserve inspect --memory A,B` prints the split in proportion to each host's budget
   PARALLEL    reserved; validated as a positive integer, not used yet.
 
+Secrets (`set NAME -- API_KEY=...`, `HF_TOKEN=...`) live in `profiles/NAME.secrets`, mode 0600,
+the same KEY=VALUE format; never in the profile, a unit file, argv or a log.
+
 A `Profile` is frozen and typed: every value is parsed and checked once, when it is built
 (`profile.hosts`, `profile.split`, `profile.port`, ...); nothing downstream re-parses the text.
 Checks that depend on the provider (which BACKEND, which HOSTS form) are the provider's own
@@ -65,6 +68,9 @@ KEYS = (
     "PARALLEL",
 )
 REQUIRED = ("PROVIDER", "MODEL", "PORT")
+# Kept out of the profile (which is 0644 and printed by `show`), in NAME.secrets beside it, mode
+# 0600; `macserve run` puts them in the server's environment, never on its command line.
+SECRET_KEYS = ("API_KEY", "HF_TOKEN")
 DEFAULT_HOST = "127.0.0.1"
 BACKENDS = ("rpc", "ring", "jaccl")  # multi-Mac transports: rpc for llama.cpp, the rest mlx
 SHARDINGS = ("pipeline", "tensor")
@@ -215,6 +221,13 @@ class Profile:
         return "\n".join(out).rstrip("\n") + "\n"
 
 
+def check_secret(key: str, value: str) -> None:
+    if key not in SECRET_KEYS:
+        raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
+    if not value or any(c.isspace() for c in value) or not value.isprintable():
+        raise MacserveError(f"{key}: expected one word without spaces or control characters")
+
+
 def local_model_path(model: str) -> Path | None:
     """MODEL as a local path if it looks like one (absolute, ~, ./, or an existing file/dir)."""
     if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
@@ -315,8 +328,50 @@ class ProfileStore:
         return path
 
     def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path(name).unlink()
+        for p in (self.path(name), self.secrets_path(name)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+    # ---- secrets: API_KEY, HF_TOKEN in NAME.secrets (0600) ------------------------------------
+
+    def secrets_path(self, name: str) -> Path:
+        return self.dir / f"{check_name(name)}.secrets"
+
+    def load_secrets(self, name: str) -> dict[str, str]:
+        p = self.secrets_path(name)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return {}
+        if st.st_mode & 0o077:
+            p.chmod(0o600)  # a copy or a hand edit widened it: a secret is for this user only
+        out = {}
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            s = line.strip()
+            if not s or s.startswith("#"):
+                continue
+            m = _KEY_LINE.match(line)
+            parts = shlex.split(m.group(2)) if m else []
+            if not m or m.group(1) not in SECRET_KEYS or len(parts) > 1:
+                raise MacserveError(
+                    f"{p}: line {i}: expected one of {', '.join(SECRET_KEYS)}=VALUE"
+                )
+            if parts:
+                out[m.group(1)] = parts[0]
+        return out
+
+    def save_secrets(self, name: str, secrets: Mapping[str, str]) -> None:
+        """Write (mode 0600 from the first byte: mkstemp) or, with nothing left, delete."""
+        values = {k: v for k, v in secrets.items() if v}
+        for k, v in values.items():
+            check_secret(k, v)
+        p = self.secrets_path(name)
+        if not values:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            return
+        text = "".join(f"{k}={shlex.quote(values[k])}\n" for k in SECRET_KEYS if k in values)
+        atomic_write(p, text, 0o600)
 
     def names(self) -> list[str]:
         if not self.dir.is_dir():

@@ -78,7 +78,8 @@ _UNITS = {
 
 
 def parse_size(text: str) -> int:
-    """'256GB' -> bytes. Mac memory is sold in binary units: 1 GB here is 2**30 bytes."""
+    """'256GB' -> bytes. Mac memory is sold in binary units: 1 GB here is 2**30 bytes. The unit
+    is required (`512` alone would be 512 bytes, never what was meant); `512B` says bytes."""
     s = text.strip().upper().replace("IB", "B").replace(" ", "")
     unit = next((u for u in _UNITS if s.endswith(u)), "")
     num, mult = s[: len(s) - len(unit)], _UNITS.get(unit, 1)
@@ -88,4 +89,6 @@ def parse_size(text: str) -> int:
         raise MacserveError(f"not a size: {text!r} (try 256GB)") from None
     if v <= 0 or not math.isfinite(v):
         raise MacserveError(f"not a size: {text!r} (try 256GB)")
+    if not unit:
+        raise MacserveError(f"{text!r} needs a unit: {text.strip()}GB, {text.strip()}MB, ...")
     return int(v * mult)

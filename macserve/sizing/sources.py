@@ -375,13 +375,8 @@ def _fetch_json(repo: str, filename: str) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def resolve(source: str, quant: str | None = None) -> ModelSource:
-    """A path if it exists, else a hub repo id (`org/name` or `org/name:QUANT`)."""
-    p = Path(source).expanduser()
-    if p.exists():
-        return _local(p, quant)
-    if source.endswith((".json", ".gguf")) or source.startswith((".", "/", "~")):
-        raise MacserveError(f"{source}: no such file")
+def split_source(source: str, quant: str | None = None) -> tuple[str, str | None]:
+    """(repo id, quant) of `org/name`, `org/name:QUANT` (and --quant); refuses anything else."""
     repo = source
     if ":" in source:
         repo, _, q = source.rpartition(":")
@@ -390,4 +385,84 @@ def resolve(source: str, quant: str | None = None) -> ModelSource:
         quant = quant or q or None
     if not _REPO.fullmatch(repo):
         raise MacserveError(f"{source}: no such file, and not a Hugging Face repo id (org/name)")
+    return repo, quant
+
+
+def resolve(source: str, quant: str | None = None) -> ModelSource:
+    """A path if it exists, else a hub repo id (`org/name` or `org/name:QUANT`): from the
+    Hugging Face cache when it holds what the model needs, else from the hub."""
+    p = Path(source).expanduser()
+    if p.exists():
+        return _local(p, quant)
+    if source.endswith((".json", ".gguf")) or source.startswith((".", "/", "~")):
+        raise MacserveError(f"{source}: no such file")
+    repo, quant = split_source(source, quant)
+    cached = cached_source(repo, quant)
+    if cached is not None:
+        return cached
+    if env.hf_offline():
+        raise MacserveError(
+            f"{repo}: not in the Hugging Face cache ({env.hf_hub_cache()}) and HF_HUB_OFFLINE "
+            f"is set: run macserve pull {source} while online"
+        )
     return _remote(repo, quant)
+
+
+# ---------------------------------------------------------------------------------------
+# the Hugging Face cache: what `macserve pull` (or any huggingface_hub download) left in
+# HF_HUB_CACHE, read without the network. Layout (huggingface_hub's): models--ORG--NAME/
+# refs/main holds the commit, snapshots/<commit>/ the files (links to blobs/, made only once a
+# file is complete, so a file there is whole).
+
+
+def hub_snapshot(repo: str, revision: str = "main") -> Path | None:
+    """The cached snapshot folder of `repo` at `revision`, if the cache has one."""
+    root = env.hf_hub_cache() / ("models--" + repo.replace("/", "--"))
+    try:
+        commit = (root / "refs" / revision).read_text().strip()
+    except OSError:
+        return None
+    snap = root / "snapshots" / commit
+    return snap if commit and snap.is_dir() else None
+
+
+def gguf_files(where: str, names: list[str], quant: str | None) -> tuple[str, list[str]]:
+    """(the file holding the header, every part) of the GGUF model `quant` among `names`."""
+    return _pick_gguf(where, names, quant)
+
+
+def _complete_mlx(folder: Path) -> bool:
+    """config.json and every weight file the index names (or at least one) are there."""
+    if not (folder / "config.json").is_file():
+        return False
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return False
+        return all((folder / s).is_file() for s in shards)
+    return any(folder.glob("*.safetensors"))
+
+
+def cached_source(repo: str, quant: str | None = None) -> ModelSource | None:
+    """`repo` (and `quant`) from the Hugging Face cache, or None when it lacks what is needed."""
+    snap = hub_snapshot(repo)
+    if snap is None:
+        return None
+    ggufs = [str(p.relative_to(snap)) for p in snap.rglob("*.gguf")]
+    if quant or (ggufs and not (snap / "config.json").exists()):
+        if not ggufs:
+            return None
+        try:
+            first, _ = _pick_gguf(repo, ggufs, quant)
+        except MacserveError:
+            return None
+        src = read_gguf_file(snap / first)
+        src.name = f"{repo}:{quant}" if quant else repo
+        return src
+    if not _complete_mlx(snap):
+        return None
+    src = _local(snap, None)
+    src.name = repo
+    return src

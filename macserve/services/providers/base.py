@@ -62,6 +62,93 @@ def flags_from_help(text: str) -> dict[str, bool]:
     return flags
 
 
+def flag_table(text: str) -> dict[str, tuple[str, bool]]:
+    """{flag: (its canonical name, takes_value)}: the aliases on one help line (`-c, --ctx-size N`)
+    share the canonical name (the last one listed), so `-c` and `--ctx-size` are one flag."""
+    table: dict[str, tuple[str, bool]] = {}
+    for line in text.splitlines():
+        m = _OPT_LINE.match(line)
+        if not m:
+            continue
+        spec = re.sub(r",\s+", ", ", m.group(2).strip())
+        spec = re.split(r"\s{2,}", spec, maxsplit=1)[0]
+        parts = [p.strip() for p in spec.split(", ")]
+        takes = any(" " in p or "=" in p for p in parts)
+        names = [p.split(" ", 1)[0].split("=", 1)[0] for p in parts]
+        names = [n for n in names if re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*", n)]
+        for n in names:
+            table[n] = (names[-1], takes)
+    return table
+
+
+def is_flag(arg: str) -> bool:
+    return arg.startswith("-") and arg != "-" and not re.fullmatch(r"-\d.*", arg)
+
+
+def normalize_flag(flag: str) -> str:
+    # llama.cpp (and click) accept --ctx_size for --ctx-size
+    return flag.replace("_", "-") if flag.startswith("--") else flag
+
+
+def flag_groups(
+    args: list[str], table: dict[str, tuple[str, bool]]
+) -> list[tuple[str | None, list[str]]]:
+    """EXTRA_ARGS as (canonical flag or None for a stray value, [flag, value?]) groups. A flag
+    the table does not know takes the next word when that word is not a flag."""
+    out: list[tuple[str | None, list[str]]] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not is_flag(a):
+            out.append((None, [a]))
+            i += 1
+            continue
+        flag, eq, _ = a.partition("=")
+        norm = normalize_flag(flag)
+        canon, takes = table.get(norm, (norm, None))
+        if takes is None:
+            takes = i + 1 < len(args) and not is_flag(args[i + 1])
+        if takes and not eq and i + 1 < len(args):
+            out.append((canon, [a, args[i + 1]]))
+            i += 2
+        else:
+            out.append((canon, [a]))
+            i += 1
+    return out
+
+
+def flag_value(args: tuple[str, ...] | list[str], *names: str) -> str | None:
+    """The value of the last of `names` in `args` (`-c 512`, `--ctx-size=512`), or None."""
+    value = None
+    for i, a in enumerate(args):
+        flag, eq, v = a.partition("=")
+        if normalize_flag(flag) in names:
+            value = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def edit_flags(
+    args: list[str],
+    add: list[str],
+    drop: list[str],
+    table: dict[str, tuple[str, bool]],
+) -> list[str]:
+    """`EXTRA_ARGS+=` / `EXTRA_ARGS-=`: each flag in `add` replaces the same flag (any alias) in
+    place, or is appended; each flag in `drop` is removed with its value."""
+    groups = flag_groups(args, table)
+    # flags to drop are named without values: each is looked up alone
+    gone = {table.get(normalize_flag(f), (normalize_flag(f), None))[0] for f in drop if is_flag(f)}
+    groups = [(c, g) for c, g in groups if c is None or c not in gone]
+    for canon, new in flag_groups(add, table):
+        at = [i for i, (c, _) in enumerate(groups) if canon is not None and c == canon]
+        if at:
+            groups[at[0]] = (canon, new)
+            groups = [g for i, g in enumerate(groups) if i not in at[1:]]
+        else:
+            groups.append((canon, new))
+    return [a for _, g in groups for a in g]
+
+
 def help_text(cmd: list[str], key_path: str) -> str:
     """`cmd --help` output, cached on disk per binary path + mtime + size (help runs are slow:
     mlx_lm imports mlx). A rebuilt or upgraded binary gets a new key, so the cache never lies."""
@@ -146,6 +233,22 @@ def check_flags(
             i += 1
 
 
+# click's and macserve's one-line errors ("Error: ...", "error: ..."), and the last line of a
+# Python traceback ("ValueError: ...").
+_ERROR_LINE = re.compile(r"^(?:[Ee]rror|ERROR): (.+)$")
+_EXC_LINE = re.compile(r"^((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit): .+)$")
+
+
+def python_error(lines: list[str]) -> str | None:
+    """The last error line a Python server (macserve serve, mlx_lm.server) printed."""
+    for line in reversed(lines):
+        s = line.strip()
+        m = _ERROR_LINE.match(s) or _EXC_LINE.match(s)
+        if m:
+            return m.group(1)
+    return None
+
+
 class BaseProvider:
     """Shared behaviour: --host/--port, GET health probe, --help flag check, and a refusal of
     the multi-Mac keys for providers that do not run across hosts."""
@@ -156,6 +259,10 @@ class BaseProvider:
     multi_host = False  # takes HOSTS (and BACKEND, SHARDING, SPLIT)
     # flag -> profile key: flags that macserve derives from the profile and EXTRA_ARGS may not repeat
     reserved: dict[str, str] = {"--host": "HOST", "--port": "PORT"}
+    # The variable the server reads its API key from (None: it has no API key support).
+    api_key_env: str | None = None
+    # Flags that carry a secret: found in EXTRA_ARGS, they are moved to the secrets file.
+    secret_flags: dict[str, str] = {}
 
     def command(self) -> list[str]:  # the server executable (+ fixed args), for argv and --help
         raise NotImplementedError
@@ -177,6 +284,46 @@ class BaseProvider:
     def env(self, profile: Profile) -> dict[str, str]:
         return {}
 
+    def secret_env(self, secrets: dict[str, str]) -> dict[str, str]:
+        """The secrets as the server's environment (`macserve run` adds them at exec)."""
+        out = {}
+        if secrets.get("API_KEY") and self.api_key_env:
+            out[self.api_key_env] = secrets["API_KEY"]
+        if secrets.get("HF_TOKEN"):
+            out["HF_TOKEN"] = secrets["HF_TOKEN"]  # huggingface_hub's and llama.cpp's variable
+        return out
+
+    def check_secrets(self, secrets: dict[str, str]) -> None:
+        if secrets.get("API_KEY") and not self.api_key_env:
+            raise MacserveError(
+                f"{self.label} has no API key support, so API_KEY would not be enforced: "
+                "bind it to HOST=127.0.0.1 (the default) or use PROVIDER=macserve"
+            )
+
+    def move_secrets(self, profile: Profile) -> tuple[Profile, dict[str, str]]:
+        """(the profile without secret flags in EXTRA_ARGS, {secret key: value} found there)."""
+        args, found, i = list(profile.extra_args), {}, 0
+        kept = []
+        while i < len(args):
+            flag, eq, value = args[i].partition("=")
+            key = self.secret_flags.get(normalize_flag(flag))
+            if key and eq:
+                found[key] = value
+                i += 1
+            elif key and i + 1 < len(args):
+                found[key] = args[i + 1]
+                i += 2
+            else:
+                kept.append(args[i])
+                i += 1
+        if not found:
+            return profile, {}
+        return profile.updated({"EXTRA_ARGS": shlex.join(kept)}), found
+
+    def flags(self) -> dict[str, tuple[str, bool]]:
+        """{flag: (canonical name, takes a value)} from the installed server's --help."""
+        return flag_table(help_text(self.command(), self.binary_path()))
+
     def health_url(self, profile: Profile) -> str:
         return base_url(profile) + self.health_path
 
@@ -188,6 +335,10 @@ class BaseProvider:
 
     def failed(self, profile: Profile) -> str | None:
         return None
+
+    def error_line(self, lines: list[str]) -> str | None:
+        """The server's own reason for failing, from its log lines (None if none is recognized)."""
+        return python_error(lines)
 
     def validate(self, profile: Profile) -> None:
         """The provider's own rules for the profile's keys, without I/O (one-line errors)."""
@@ -201,12 +352,22 @@ class BaseProvider:
             list(profile.extra_args),
             flags_from_help(text),
             self.label,
-            self.reserved,
+            {**self.reserved, **self.secret_flags},
             removed_flags(text),
         )
 
     def context_args(self, n_ctx: int) -> list[str] | None:
         return None
+
+    # What the server will cache, for footprints (doctor, the router): sizing's cache key
+    # and the context the profile configures (None: the server has no such flag).
+    default_cache_key = "mlx/bf16"
+
+    def context_of(self, profile: Profile) -> int | None:
+        return None
+
+    def cache_key(self, profile: Profile) -> str:
+        return self.default_cache_key
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return []

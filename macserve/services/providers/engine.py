@@ -8,13 +8,16 @@ detection are all readiness needs.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider
+from .base import BaseProvider, flag_value, is_flag, normalize_flag
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 
@@ -23,6 +26,8 @@ class Engine(BaseProvider):
     label = "macserve serve"
     reserved = {"--host": "HOST", "--port": "PORT", "--split": "SPLIT"}
     multi_host = True
+    api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
+    secret_flags = {"--api-key": "API_KEY"}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "macserve", "serve"]
@@ -58,19 +63,56 @@ class Engine(BaseProvider):
         validate_hosts(profile)
 
     def check_args(self, profile: Profile) -> None:
+        self.validate(profile)
         # The engine serves local folders only; refusing here beats a crash loop.
         path = local_model_path(profile.model)
         if path is None or not (path / "config.json").is_file():
             raise MacserveError(
                 f"{profile.model}: macserve serve needs a local model folder with a config.json"
             )
-        super().check_args(profile)
+        taken = {**self.reserved, **self.secret_flags}
+        for a in profile.extra_args:
+            flag = normalize_flag(a.partition("=")[0])
+            if is_flag(a) and flag in taken:
+                raise MacserveError(
+                    f"{flag} is set by macserve from the profile; use the {taken[flag]} key"
+                )
+        self.parse(BaseProvider.argv(self, profile)[len(self.command()) :])
         if profile.multi_host:
             check_hosts(profile)
             preflight.check(profile)
 
+    def parse(self, args: list[str]) -> None:
+        """`serve`'s own click parser on `args` (types, ranges, choices, unknown options), run
+        as `macserve parse-args serve ...` in a subprocess: services never import the CLI."""
+        here = str(Path(__file__).resolve().parents[3])  # this checkout (or site-packages)
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "macserve", "parse-args", "serve", "--", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONPATH=path),
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise MacserveError(f"could not check the macserve serve options: {e}") from None
+        if r.returncode != 0:
+            lines = (r.stderr or r.stdout).strip().splitlines()
+            why = lines[-1].removeprefix("error: ") if lines else f"exit {r.returncode}"
+            raise MacserveError(why)
+
     def context_args(self, n_ctx: int) -> list[str]:
         return ["--ctx", str(n_ctx)]
+
+    def context_of(self, profile: Profile) -> int | None:
+        v = flag_value(profile.extra_args, "--ctx")
+        return int(v) if v and v.isdigit() else None
+
+    def cache_key(self, profile: Profile) -> str:
+        kv = flag_value(profile.extra_args, "--kv")
+        return "macserve/int2" if kv == "int2" else "mlx/bf16"
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return ["--mtp-k", "1"] if mtp_layers > 0 else []

@@ -22,12 +22,13 @@ import socket
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, help_flags, help_text
+from .base import BaseProvider, flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 RPC_PORT = 50052  # rpc-server's default
 RPC_CONNECT_TIMEOUT = 3.0
+_LOG_ERROR = re.compile(r"^\s*[\d.]+ E (.+)$")
 
 
 def _from_env(var: str, p: str | None) -> str | None:
@@ -89,6 +90,8 @@ class LlamaCpp(BaseProvider):
         "--hf-repo": "MODEL",
         "--rpc": "HOSTS",
     }
+    api_key_env = "LLAMA_API_KEY"  # llama-server --help: "--api-key KEY ... (env: LLAMA_API_KEY)"
+    secret_flags = {"--api-key": "API_KEY", "--hf-token": "HF_TOKEN", "-hft": "HF_TOKEN"}
 
     def command(self) -> list[str]:
         return [find_llama_server()]
@@ -139,6 +142,26 @@ class LlamaCpp(BaseProvider):
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["-c", str(n_ctx)]
+
+    default_cache_key = "llama.cpp/f16"
+
+    def context_of(self, profile: Profile) -> int | None:
+        # -c is the whole KV cache, shared by the -np slots; 0 (or none) = the model's limit
+        v = flag_value(profile.extra_args, "-c", "--ctx-size")
+        return int(v) if v and v.isdigit() and int(v) > 0 else None
+
+    def cache_key(self, profile: Profile) -> str:
+        kind = flag_value(profile.extra_args, "-ctk", "--cache-type-k") or "f16"
+        return f"llama.cpp/{kind}" if kind in ("f16", "q8_0", "q4_0") else self.default_cache_key
+
+    def error_line(self, lines: list[str]) -> str | None:
+        # llama.cpp logs "0.00.038.759 E llama_adapter_lora_init: failed to open ...": the first
+        # E line is the cause, the ones after it are the callers giving up.
+        for line in lines:
+            m = _LOG_ERROR.match(line)
+            if m:
+                return " ".join(m.group(1).split())
+        return super().error_line(lines)
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         # Only builds whose --help lists draft-mtp can use the model's own MTP heads.

@@ -21,21 +21,25 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import httpx
 
+from ... import env
 from ...errors import MacserveError
+from ...sizing import sources
 from .. import preflight
-from ..profiles import Profile
+from ..profiles import Profile, local_model_path
 from .base import BaseProvider, base_url
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
 SPLIT_SHIM = "macserve.engine.pipeline"
 LAUNCH_SHIM = "macserve.services.providers.mlx_launch"
+_HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class MlxLm(BaseProvider):
@@ -83,6 +87,7 @@ class MlxLm(BaseProvider):
         validate_hosts(profile)
 
     def check_args(self, profile: Profile) -> None:
+        check_model_folder(profile.model)
         super().check_args(profile)
         if profile.multi_host:
             check_hosts(profile)
@@ -112,6 +117,23 @@ class MlxLm(BaseProvider):
 
     def context_args(self, n_ctx: int) -> None:
         return None  # mlx_lm.server has no context flag
+
+
+def check_model_folder(model: str) -> None:
+    """MODEL is an MLX model folder (with config.json) or a Hugging Face repo id; offline, the
+    repo must be in the Hugging Face cache. mlx_lm.server would otherwise exit at start."""
+    local = local_model_path(model)
+    if local is not None:
+        if not (local / "config.json").is_file():
+            raise MacserveError(f"MODEL {model}: not a model folder with a config.json")
+        return
+    if not _HF_REPO.fullmatch(model):
+        raise MacserveError(f"MODEL {model!r} is neither a model folder nor a repo id (org/name)")
+    if env.hf_offline() and sources.cached_source(model) is None:
+        raise MacserveError(
+            f"MODEL {model}: HF_HUB_OFFLINE is set and it is not in the Hugging Face cache "
+            f"(macserve pull {model} while online)"
+        )
 
 
 def _split_text(profile: Profile) -> str:

@@ -57,6 +57,11 @@ class Status:
     exit_code: int | None = None
     runs: int | None = None  # launchd only: how many times the job was spawned
     failed: bool = False  # the supervisor gave up (supervisord FATAL)
+    # The process of the current run is gone (exited, or killed: supervisord BACKOFF/EXITED/
+    # FATAL; launchd: loaded, not running, with a last exit code or terminating signal). Every
+    # (re)start begins a fresh run, so after one this means the new process died.
+    died: bool = False
+    signal: str | None = None  # launchd's "last terminating signal", e.g. "Killed: 9"
     detail: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -112,7 +117,12 @@ def package_root() -> Path | None:
 
 
 def spec_for(profile: Profile, provider_env: dict[str, str]) -> ServiceSpec:
-    variables = {"PATH": service_path(), "MACSERVE_HOME": str(env.home())}
+    # MACSERVE_SUPERVISED: `macserve run` backs off between quick respawns only under a supervisor.
+    variables = {
+        "PATH": service_path(),
+        "MACSERVE_HOME": str(env.home()),
+        "MACSERVE_SUPERVISED": "1",
+    }
     root = package_root()
     if root is not None:
         variables["PYTHONPATH"] = str(root)

@@ -8,8 +8,33 @@ import time
 from collections import deque
 from pathlib import Path
 
+from ... import env
+from ...errors import MacserveError
+
 MAX_BYTES = 10 * 1024 * 1024
 BACKUPS = 3
+CHECK_SECONDS = 60.0  # how often a running launchd service's log size is checked
+
+
+def _positive(name: str, text: str | None, default, kind):
+    if text is None:
+        return default
+    try:
+        v = kind(text)
+    except ValueError:
+        v = 0
+    if not v > 0:
+        raise MacserveError(f"{name}={text}: expected a positive number")
+    return v
+
+
+def max_bytes() -> int:
+    """Rotate above this: MACSERVE_LOG_MAX_BYTES, else 10 MiB."""
+    return _positive("MACSERVE_LOG_MAX_BYTES", env.log_max_bytes(), MAX_BYTES, int)
+
+
+def check_seconds() -> float:
+    return _positive("MACSERVE_LOG_CHECK_SECONDS", env.log_check_seconds(), CHECK_SECONDS, float)
 
 
 def rotate(path: Path, max_bytes: int = MAX_BYTES, backups: int = BACKUPS) -> bool:

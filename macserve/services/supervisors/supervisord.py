@@ -36,7 +36,8 @@ from supervisor.xmlrpc import SupervisorTransport
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
-from .base import ServiceSpec, Status
+from . import logs
+from .base import ServiceSpec, Status, service_path
 
 PREFIX = "macserve-"
 START_SECS = 2
@@ -83,13 +84,13 @@ class SupervisorBackend:
     # ---- files -------------------------------------------------------------------------------
 
     def program_conf(self, spec: ServiceSpec) -> str:
-        env = ",".join(f"{k}={_env_value(v)}" for k, v in sorted(spec.env.items()))
+        variables = ",".join(f"{k}={_env_value(v)}" for k, v in sorted(spec.env.items()))
         return "\n".join(
             [
                 f"[program:{PREFIX}{spec.name}]",
                 f"command={_sv(shlex.join(spec.argv))}",
                 f"directory={_sv(spec.workdir)}",
-                f"environment={env}",
+                f"environment={variables}",
                 "autostart=true",
                 # restart after a crash or non-zero exit, not after a clean exit (launchd: KeepAlive
                 # {SuccessfulExit: false, Crashed: true})
@@ -104,7 +105,7 @@ class SupervisorBackend:
                 "killasgroup=true",
                 "redirect_stderr=true",
                 f"stdout_logfile={_sv(spec.log)}",
-                "stdout_logfile_maxbytes=10MB",
+                f"stdout_logfile_maxbytes={logs.max_bytes()}",
                 "stdout_logfile_backups=3",
                 "",
             ]
@@ -208,6 +209,7 @@ class SupervisorBackend:
                 text=True,
                 cwd=self.home,
                 timeout=60,
+                env=daemon_env(),
             )
             if r.returncode != 0:
                 msg = (r.stderr or r.stdout).strip().splitlines()
@@ -310,6 +312,8 @@ class SupervisorBackend:
             self._update(self.rpc())
         else:
             path.unlink(missing_ok=True)
+        if not any(self.programs.glob("*.conf")):
+            self.shutdown()  # the last service gone: no private supervisord left behind
 
     def status(self, name: str) -> Status:
         if not self.installed(name):
@@ -321,21 +325,39 @@ class SupervisorBackend:
         except xmlrpc.client.Fault:
             return Status(name, True, "stopped", detail="not loaded into supervisord")
         state = _STATE.get(info["statename"], info["statename"].lower())
+        ended = info["statename"] in ("EXITED", "FATAL", "BACKOFF")
         return Status(
             name,
             True,
             state,
             pid=info["pid"] or None,
-            exit_code=info["exitstatus"]
-            if info["statename"] in ("EXITED", "FATAL", "BACKOFF")
-            else None,
+            # supervisord records the exit status only of a process that outlived startsecs
+            # (EXITED); one that died sooner (BACKOFF, then FATAL) keeps the previous value.
+            exit_code=info["exitstatus"] if info["statename"] == "EXITED" else None,
             failed=info["statename"] == "FATAL",
-            detail=info.get("spawnerr") or info.get("description", ""),
+            died=ended,
+            detail=(
+                f"exited within {START_SECS}s of starting"
+                if info["statename"] in ("BACKOFF", "FATAL")
+                else info.get("spawnerr") or info.get("description", "")
+            ),
         )
 
     def _need(self, name: str) -> None:
         if not self.installed(name):
             raise MacserveError(f"service {name} is not installed (macserve start installs it)")
+
+
+# What supervisord itself inherits from the shell that happens to start it: the basics of a
+# login, nothing else. Its programs get their environment from their `environment=` line (the
+# same set launchd gets), so a key or token in that shell never reaches a service.
+_DAEMON_ENV = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
+
+
+def daemon_env() -> dict[str, str]:
+    out = {k: os.environ[k] for k in _DAEMON_ENV if os.environ.get(k)}
+    out["PATH"] = service_path()
+    return out
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,59 @@
+"""`macserve doctor` on this machine, with profiles from local folders and from the local fake
+hub: each footprint is inspect's own figure for that model, cache and context; the profiles
+that start at login are summed against the budget; the sysctl to raise it is printed."""
+
+import json
+
+from .conftest import TINY_MODEL
+from .test_pull import GGUF_REPO, MLX_REPO, ggufs, hub  # noqa: F401
+from .test_services_e2e import cli, free_port, services, status  # noqa: F401
+
+
+def inspect_total(source, ctx, key):
+    r = cli("inspect", source, "--json", "--ctx", str(ctx))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    return d["weights_bytes"], d["memory_at_context"][key][str(ctx)], d["budget_bytes"]
+
+
+def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_home):  # noqa: F811
+    port = free_port()
+    r = cli("new", f"{GGUF_REPO}:F32", "--name", "g", "--port", str(port), "--extra-args", "-t 1")
+    assert r.returncode == 0, r.stderr
+    services.append(status("g")["pid"])
+    for args in (
+        [str(TINY_MODEL), "--provider", "macserve", "--name", "e", "--ctx", "512"],
+        [MLX_REPO, "--name", "m"],
+    ):
+        r = cli("new", *args, "--no-start")
+        assert r.returncode == 0, r.stderr
+    r = cli("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    rows = {p["name"]: p for p in d["profiles"]}
+    assert {n: p["at_login"] for n, p in rows.items()} == {"e": False, "g": True, "m": False}
+    # each footprint is what inspect says for that source, cache type and context
+    expect = {
+        "g": (f"{GGUF_REPO}:F32", 1024, "llama.cpp/f16"),  # -c 1024: new's choice
+        "e": (str(TINY_MODEL), 512, "mlx/bf16"),
+        "m": (MLX_REPO, 1024, "mlx/bf16"),  # no context flag: up to the model's limit
+    }
+    for name, (source, ctx, key) in expect.items():
+        weights, total, budget = inspect_total(source, ctx, key)
+        p = rows[name]
+        assert (p["ctx"], p["cache_key"]) == (ctx, key), name
+        assert (p["weights_bytes"], p["total_bytes"]) == (weights, total), name
+        assert d["budget_bytes"] == budget  # this machine's budget, as inspect figures it
+    assert "grows its cache per request" in rows["m"]["note"]
+    need = rows["g"]["total_bytes"]
+    assert d["at_login_bytes"] == need and d["fits"]
+    assert d["raise_command"] == f"sudo sysctl iogpu.wired_limit_mb={d['suggested_wired_limit_mb']}"
+    # a Mac whose default budget (2/3 of RAM this small) is below what starts at login
+    small = json.loads(cli("doctor", "--json", "--memory", f"{need}B").stdout)
+    assert small["budget_bytes"] < need and not small["fits"]
+    roomy = json.loads(cli("doctor", "--json", "--memory", f"{2 * need}B").stdout)
+    assert roomy["budget_bytes"] >= need and roomy["fits"]
+    text = cli("doctor", "--memory", f"{need}B").stdout
+    assert ": DOES NOT FIT" in text and "raise:    sudo sysctl iogpu.wired_limit_mb=" in text
+    assert "docs/services.md#gpu-wired-limit" in text
+    assert cli("rm", "g").returncode == 0
