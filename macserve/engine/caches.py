@@ -10,9 +10,11 @@ needs no `--rotation`. That default is decided in `CacheSpec.for_model` and nowh
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..errors import MacserveError
@@ -99,6 +101,32 @@ def make_caches(
         return latents
     bits = quant.index_bits if quant.quantized else None
     return [CacheList(c, IndexerKeyCache(bits, quant.group_size)) for c in latents]
+
+
+def clone(cache):
+    """A copy of one layer's cache that shares memory until either side writes: ours through
+    their `clone`, mlx-lm's (KVCache and kin) by new array objects over the same buffers, as
+    MLX arrays are copy-on-write under slice assignment."""
+    if isinstance(cache, CacheList):
+        return CacheList(*[clone(c) for c in cache.caches])
+    if hasattr(cache, "clone"):
+        return cache.clone()
+    new = copy.copy(cache)
+    for k, v in vars(cache).items():
+        if isinstance(v, mx.array):
+            setattr(new, k, v[...])
+        elif isinstance(v, list):
+            setattr(new, k, [x[...] if isinstance(x, mx.array) else x for x in v])
+    return new
+
+
+def cache_bytes(cache) -> int:
+    """Every array one layer's cache holds, as allocated."""
+    if isinstance(cache, CacheList):
+        return sum(cache_bytes(c) for c in cache.caches)
+    if isinstance(cache, RotatedLatentCache | IndexerKeyCache):
+        return cache.nbytes
+    return sum(v.nbytes for v in vars(cache).values() if isinstance(v, mx.array))
 
 
 def model_dtype(model):

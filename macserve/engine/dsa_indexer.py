@@ -57,6 +57,11 @@ class IndexerKeyCache(_BaseCache):
     def arrays(self) -> list[mx.array]:
         return self.keys_rows.arrays()
 
+    def clone(self) -> IndexerKeyCache:
+        new = IndexerKeyCache(self.keys_rows.bits, self.keys_rows.group_size)
+        new.keys_rows, new.offset, new.dims = self.keys_rows.clone(), self.offset, self.dims
+        return new
+
     def update_and_fetch(self, keys, values):
         """For attention code that is not ours."""
         self.append(keys)

@@ -117,6 +117,14 @@ class Rows:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts or ())
 
+    def clone(self) -> Rows:
+        """Shares the buffers until either side writes (MLX copies a buffer on write when
+        another array still holds it)."""
+        new = Rows(self.bits, self.group_size, self.step)
+        new.parts = None if self.parts is None else tuple(p[...] for p in self.parts)
+        new.length = self.length
+        return new
+
 
 def _copy(x: mx.array) -> mx.array:
     """A copy of rows with a buffer of its own. A slice shares its parent's buffer, and so
@@ -195,6 +203,15 @@ class RotatedLatentCache(_BaseCache):
     def codes_end(self) -> int:
         """Tokens [sink, codes_end) are held as codes."""
         return self.quant.sink + self.codes_lat.length
+
+    def clone(self) -> RotatedLatentCache:
+        """An independent cache holding the same tokens, sharing memory until written (the
+        prompt cache keeps one and hands out clones)."""
+        new = RotatedLatentCache(self.quant, self.rotation, self.clip)
+        new.offset, new._dims, new.win_start = self.offset, self._dims, self.win_start
+        for name in ("sink_lat", "sink_pe", "codes_lat", "codes_pe", "win_lat", "win_pe"):
+            setattr(new, name, getattr(self, name).clone())
+        return new
 
     def _stores(self):
         return (

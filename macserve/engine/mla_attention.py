@@ -37,6 +37,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList
 
 from . import dsa_indexer
+from .batch import SequenceBatch
 from .latent_cache import RotatedLatentCache
 
 # Transient bytes one block of scores may take (heads x queries x keys); a prefill chunk's
@@ -286,6 +287,13 @@ def _patched_class(base: type) -> type:
     if base not in _patched:
 
         def __call__(self, x, mask=None, cache=None):
+            if isinstance(cache, SequenceBatch):
+                # One decode token per sequence: the rows share the projections' weights
+                # (read once for all), each attends through its own cache and offset.
+                if x.shape[1] != 1:
+                    raise ValueError("a SequenceBatch decodes one token per sequence")
+                rows = [self(x[b : b + 1], None, c) for b, c in enumerate(cache.caches)]
+                return mx.concatenate(rows, axis=0)
             if isinstance(cache, RotatedLatentCache):
                 return quantized_attention(self, x, mask, cache, getattr(self, "_observer", None))
             if isinstance(cache, CacheList) and isinstance(cache[0], RotatedLatentCache):
