@@ -346,7 +346,64 @@ def bench_engine(
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return
-    click.echo(json.dumps(res, indent=1))
+    _print_engine(res)
+
+
+def _gb(b):
+    return "n/a" if b is None else f"{b / 2**30:.2f} GB"
+
+
+def _print_engine(r: dict) -> None:
+    click.echo(f"{r['model']}, computing in {r['dtype']}")
+    up = r["upcasts"]
+    click.echo(
+        f"conversions a bf16 decode step's attention adds reading its cache: "
+        f"int2 {up['attention_read']['int2']}, bf16 {up['attention_read']['bf16']} "
+        f"(whole step: {up['whole_step']['int2']} / {up['whole_step']['bf16']}; "
+        f"logits {up['logits_dtype']['int2']})"
+    )
+    click.echo(
+        f"{'context':>8} {'int2 peak':>10} {'bf16 peak':>10} {'int2 transient':>15} "
+        f"{'bf16 transient':>15}  (last 2,048-token prefill chunk)"
+    )
+    for n, peak in r["prefill_peak_bytes"].items():
+        tr = r["prefill_transient_bytes"][n]
+        bf = (
+            _gb(peak["bf16"])
+            if peak["bf16"] is not None
+            else f">{_gb(r['bf16_prefill_transient_lower_bound'][n])}*"
+        )
+        click.echo(
+            f"{int(n):>8,} {_gb(peak['int2']):>10} {bf:>10} {_gb(tr['int2']):>15} "
+            f"{_gb(tr['bf16']):>15}"
+        )
+    click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
+    held = r["held_bytes_per_token_per_layer"]
+    click.echo(
+        "held bytes per token per layer: "
+        + ", ".join(
+            f"{int(n):,}: int2 {v['int2']:.0f} / bf16 {v['bf16']:.0f}" for n, v in held.items()
+        )
+    )
+    cs = r["chunk_vs_steps_max_logit_diff"]
+    click.echo(
+        f"chunk vs single steps, max |logit diff|: int2 {cs['int2']:.3g}, bf16 {cs['bf16']:.3g}"
+    )
+    click.echo(
+        "decode tok/s: "
+        + ", ".join(
+            f"{int(n):,}: int2 {v['int2']:.2f} / bf16 {v['bf16']:.2f} ({v['int2'] / v['bf16']:.2f}x)"
+            for n, v in r["decode_tok_s"].items()
+        )
+    )
+    m = r["mtp"]
+    if "verify_cost_ratio" in m:
+        click.echo(
+            f"MTP: verify 2 tokens / 1 = {m['verify_cost_ratio']:.2f}, MTP layer / trunk "
+            f"layer = {m['mtp_layer_cost_ratio']:.2f}, acceptance {m['acceptance']}, "
+            f"projected k=1 speedup for {m['trunk_layers']} layers: "
+            f"{m.get('projected_speedup_k1', float('nan')):.2f}x"
+        )
 
 
 def _demo_acceptance() -> float:

@@ -67,15 +67,19 @@ class Rows:
         return tuple(mx.quantize(x, group_size=self.group(x.shape[-1]), bits=self.bits))
 
     def append(self, x: mx.array, exact: bool = False) -> None:
-        """Add x's rows. `exact`: grow to just the rows needed (a prefill chunk) instead of a
-        step of headroom."""
+        """Add x's rows, growing the buffer when they do not fit: a decode step grows it by
+        `step` rows of headroom; a prefill chunk (`exact`) to what it needs, code rows rounded
+        up to CODE_STEP and bf16 rows exactly (the window is compacted right after)."""
         new = self.encode(x)
         n = x.shape[2]
         if self.length + n > self.capacity:
             need = self.length + n
-            cap = -(-need // CODE_STEP) * CODE_STEP if exact and self.bits else need
             if not exact:
                 cap = need + self.step
+            elif self.bits is not None:
+                cap = -(-need // CODE_STEP) * CODE_STEP
+            else:
+                cap = need
             grown = []
             for i, p in enumerate(new):
                 buf = mx.zeros((*p.shape[:2], cap, p.shape[3]), p.dtype)

@@ -115,10 +115,11 @@ class _Merge:
 
 
 def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=None) -> list:
-    """[(kind, first token, latent parts, rope parts, visible)] per block of keys the last L queries read;
-    blocks none of them can see are left out. A decode step gets each segment whole.
-    `visible` is True (every query sees every row) or a (.., L, rows) bool mask; `chosen`
-    (B, 1, L, tokens): the DSA selection, applied on top."""
+    """[(kind, first token, latent parts, rope parts, visible)] per block of keys the last L
+    queries read; blocks none of them can see are left out. A decode step (and a
+    verification of a few tokens) gets each segment whole. `visible` is True (every query
+    sees every row) or a (.., L, rows) bool mask; `chosen` (B, 1, L, tokens): the DSA
+    selection, applied on top."""
     bk = max(64, BLOCK_BYTES // max(1, heads * L * itemsize)) if L > 1 else 1 << 62
     out = []
     for kind, start, lat, pe in cache.segments(L):
@@ -136,6 +137,14 @@ def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=
                 bl, bp = tuple(x[..., a:b, :] for x in lat), tuple(x[..., a:b, :] for x in pe)
             out.append((kind, start + a, bl, bp, vis))
     return out
+
+
+def _tiled(blks) -> bool:
+    """A segment was cut into blocks: the running state must be evaluated block by block
+    (`_Merge.settle`). Without tiling (decode, a few-token verification) it stays lazy, so
+    MTP rounds can be built ahead while the previous one computes."""
+    kinds = [b[0] for b in blks]
+    return len(kinds) != len(set(kinds))
 
 
 def _dense(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
@@ -191,7 +200,7 @@ def _absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
             return values(p).reshape(B, H, L, -1)
 
         merge.add(s, flat_values)
-        if L > 1 and len(blks) > 1:
+        if L > 1 and _tiled(blks):
             merge.settle()
     return merge.result().astype(dtype)
 
@@ -210,7 +219,7 @@ def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
         s = (q_nope @ k.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)).astype(mx.float32)
         s = _mask(s, vis)
         merge.add(s, lambda p, v=v: (p.astype(dtype) @ v).astype(mx.float32))
-        if len(blks) > 1:
+        if _tiled(blks):
             merge.settle()
     return merge.result().astype(dtype)
 

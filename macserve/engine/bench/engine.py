@@ -33,7 +33,7 @@ import mlx.core as mx
 import psutil
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...int2_format import INT2, LatentQuant
+from ...int2_format import BF16_LATENT, INT2, LatentQuant
 from .. import mla_attention
 from ..caches import make_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
@@ -107,11 +107,14 @@ def to_dtype(s: Setup, dtype) -> None:
 
 
 def caches(s: Setup, which: str) -> list:
+    """ "bf16": mlx-lm's own cache; "int2": the rotated INT2 latent cache; "bf16_latent": the
+    same class with quantization off (every token stored in bf16, unrotated)."""
     if which == "bf16":
         return make_prompt_cache(s.model)
-    return make_caches(
-        s.model, s.quant, [r.astype(model_dtype(s.model)) for r in s.rotations], [None] * s.layers
-    )
+    if which == "bf16_latent":
+        return make_caches(s.model, BF16_LATENT)
+    rots = [r.astype(model_dtype(s.model)) for r in s.rotations]
+    return make_caches(s.model, s.quant, rots, [None] * s.layers)
 
 
 def fill(cs: list, n: int, s: Setup, seed: int = 0, step: int = CHUNK) -> None:
@@ -237,23 +240,31 @@ def prefill_memory(s: Setup, ctx: int, chunk: int = CHUNK) -> dict:
 
 
 def chunk_vs_steps(s: Setup, n: int = CHUNK, prefix: int = 0) -> dict:
-    """Max |logit| difference between n tokens fed as one chunk and fed one by one."""
-    out = {}
+    """Max |log-probability| difference between n tokens fed as one chunk and fed one by one,
+    and the mean KL between the two. "bf16_latent" stores every row in bf16 as the INT2 cache's
+    windows do: on a CPU, where the engine computes in float32, mlx-lm's cache holds float32
+    and its difference is float32 rounding only, while any bf16-stored cache also shows rows
+    whose bf16 rounding flipped between the chunk's and the single step's arithmetic."""
+    out, kl = {}, {}
     toks = mx.random.randint(0, s.model.args.vocab_size, (1, prefix + n), key=mx.random.key(7))
-    for which in CACHES:
+    for which in (*CACHES, "bf16_latent"):
         a, b = caches(s, which), caches(s, which)
         if prefix:
             for cs in (a, b):
                 mx.eval(s.model(toks[:, :prefix], cache=cs), [c.state for c in cs])
         chunk = s.model(toks[:, prefix:], cache=a)[0].astype(mx.float32)
+        chunk = chunk - mx.logsumexp(chunk, axis=-1, keepdims=True)
         mx.eval(chunk, [c.state for c in a])
-        diff = 0.0
+        diff = total_kl = 0.0
         for i in range(n):
             step = s.model(toks[:, prefix + i : prefix + i + 1], cache=b)[0, 0].astype(mx.float32)
+            step = step - mx.logsumexp(step)
             d = mx.abs(step - chunk[i]).max()
-            mx.eval(d, [c.state for c in b])
-            diff = max(diff, d.item())
-        out[which] = diff
+            k = (mx.exp(step) * (step - chunk[i])).sum()
+            mx.eval(d, k, [c.state for c in b])
+            diff, total_kl = max(diff, d.item()), total_kl + k.item()
+        out[which], kl[which] = diff, total_kl / n
+    out["mean_kl_steps_to_chunk"] = kl
     return out
 
 
@@ -359,12 +370,13 @@ def run(
     progress("conversions in a decode step (bf16 model)")
     res["upcasts"] = upcasts(s)
     res["upcasts_per_decode_step"] = res["upcasts"]["attention_read"]
-    to_dtype(s, engine_dtype())
-    res["dtype"] = str(model_dtype(s.model)).rsplit(".", 1)[-1]
     progress("held bytes")
+    # What a Mac holds: the model's bf16 (the INT2 cache stores bf16 rows whatever computes).
     res["held_bytes_per_token_per_layer"] = {
         str(n): held_bytes_per_token_per_layer(s, n) for n in c["held"]
     }
+    to_dtype(s, engine_dtype())
+    res["dtype"] = str(model_dtype(s.model)).rsplit(".", 1)[-1]
     peak, transient, predicted = {}, {}, {}
     for n in c["prefill"]:
         progress(f"prefill memory at {n:,}")
