@@ -36,6 +36,7 @@ from .test_services_e2e import cli, free_port, poll
 # it), the demo model as GGUF, the recording launchctl.
 services = test_services_e2e.services
 model_gguf = test_services_e2e.model_gguf
+tiny_mlx_f32 = test_services_e2e.tiny_mlx_f32
 launchctl = test_launchd.launchctl
 
 
@@ -44,8 +45,9 @@ def state(name) -> str:
     return get_backend().status(name).state
 
 
-def listing(url) -> dict:
-    r = httpx.get(url + "/v1/models", timeout=30)
+def listing(url, key=None) -> dict:
+    auth = {"authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(url + "/v1/models", headers=auth, timeout=30)
     assert r.status_code == 200, r.text
     return {m["id"]: m for m in r.json()["data"]}
 
@@ -60,12 +62,15 @@ def starts(home, name) -> int:
     return log_text(home, name).count(f"macserve run {name}: ")
 
 
-def gpt(url, **kw):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120, **kw)
+KEY = "sk-router-test-7"  # the router's own key, where a test sets one
 
 
-def claude(url):
-    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+def gpt(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def claude(url, key="none"):
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=120)
 
 
 def budget_between(fits: int, not_fits: int) -> int:
@@ -256,7 +261,8 @@ def test_router_failures_races_keep_alive_and_disconnects(
     macserve_home,
     tmp_path,
 ):
-    """A profile that cannot start returns its server's own error line (and is left stopped);
+    """Keys: the router's own, the profile's sent upstream in its place. A profile that
+    cannot start returns its server's own error line (and is left stopped);
     one bigger than the whole budget is refused; two racing requests start a profile once,
     the streaming one kept alive with SSE comments; a client that goes away mid-stream
     disconnects the server too."""
@@ -274,15 +280,25 @@ def test_router_failures_races_keep_alive_and_disconnects(
     fp = {n: manager.footprint(n).total_bytes for n in ("tiny", "gguf")}
     assert fp["tiny"] < fp["gguf"]
     ram = budget_between(fp["tiny"], fp["gguf"])
+    # tiny's server wants its own key; the router wants another, and swaps one for the other
+    assert cli("set", "tiny", "--", "API_KEY=sk-tiny-upstream").returncode == 0
 
     port = free_port()
     args = ["router", "--port", str(port), "--memory", f"{ram}B", "--keep-alive", "0.3"]
-    with router_process(macserve_home, args, port) as router:
+    variables = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        MACSERVE_SERVICE_BACKEND="supervisor",
+        MACSERVE_API_KEY=KEY,
+    )
+    with router_process(macserve_home, args, port, variables) as router:
         url = router.url
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny"}, timeout=30)
+        assert r.status_code == 401 and state("tiny") == "not installed"
 
         # cannot start: a 5xx carrying the engine's own error line; no crash loop left
         with pytest.raises(openai.APIStatusError) as e:
-            gpt(url).chat.completions.create(
+            gpt(url, KEY).chat.completions.create(
                 model="bad", messages=[{"role": "user", "content": "Hail."}], max_tokens=4
             )
         assert e.value.status_code == 502
@@ -290,12 +306,13 @@ def test_router_failures_races_keep_alive_and_disconnects(
         msg = e.value.response.json()["error"]["message"]
         assert f"could not load {broken}: RuntimeError: [load_safetensors]" in msg, msg
         assert state("bad") == "stopped"
-        assert listing(url)["bad"]["error"]
+        assert listing(url, KEY)["bad"]["error"]
 
         # bigger than the budget alone: refused at once, nothing started
         r = httpx.post(
             url + "/v1/messages",
             json={"model": "gguf", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-api-key": KEY},
             timeout=30,
         )
         assert r.status_code == 400 and r.json()["type"] == "error"
@@ -303,16 +320,17 @@ def test_router_failures_races_keep_alive_and_disconnects(
         assert state("gguf") == "not installed"
 
         # an unknown model, and no model: clear 4xx in each API's shape
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, timeout=30)
+        auth = {"authorization": f"Bearer {KEY}"}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, headers=auth)
         assert r.status_code == 404 and "known: bad, gguf, tiny" in r.json()["error"]["message"]
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=auth)
         assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
 
         # two requests race for the stopped tiny: one start; the streaming one is kept alive
         results = {}
 
         def plain():
-            results["plain"] = gpt(url).chat.completions.create(
+            results["plain"] = gpt(url, KEY).chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "Hail."}], max_tokens=4
             )
 
@@ -324,6 +342,7 @@ def test_router_failures_races_keep_alive_and_disconnects(
             url + "/v1/chat/completions",
             json={"model": "tiny", "messages": [{"role": "user", "content": "Hail."}],
                   "max_tokens": 4, "stream": True},
+            headers=auth,
             timeout=120,
         ) as resp:  # fmt: skip
             assert resp.status_code == 200
@@ -343,6 +362,7 @@ def test_router_failures_races_keep_alive_and_disconnects(
             "POST",
             url + "/v1/completions",
             json={"model": "tiny", "prompt": "HAMLET.", "max_tokens": 200, "stream": True},
+            headers=auth,
             timeout=120,
         ) as resp:
             for line in resp.iter_lines():
@@ -354,6 +374,28 @@ def test_router_failures_races_keep_alive_and_disconnects(
             timeout=30,
         )
         assert httpx.get(url + "/health", timeout=5).status_code == 200
+        # the upstream key went only where it belongs: tiny refuses a request without it
+        r = httpx.post(tiny_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert r.status_code == 401
+
+
+def test_router_mlx_profile(tiny_mlx_f32, services, macserve_home):
+    """mlx_lm.server behind the router: chat works (the router sends mlx-lm its own name for
+    the model it serves), and the Messages API, which mlx_lm.server lacks, is a clear 400."""
+    r = cli("new", str(tiny_mlx_f32), "--name", "mlx", "--port", str(free_port()), "--no-start")
+    assert r.returncode == 0, r.stderr
+    port = free_port()
+    with router_process(macserve_home, ["router", "--port", str(port)], port) as router:
+        with pytest.raises(anthropic.BadRequestError, match="has no Anthropic Messages API"):
+            claude(router.url).messages.create(
+                model="mlx", max_tokens=4, messages=[{"role": "user", "content": "Hail."}]
+            )
+        assert state("mlx") == "not installed"
+        out = gpt(router.url).chat.completions.create(
+            model="mlx", messages=[{"role": "user", "content": "Hail."}], max_tokens=4
+        )
+        assert out.usage.completion_tokens >= 1
+        assert listing(router.url)["mlx"]["state"] == "running"
 
 
 def test_router_drives_launchd(launchctl, macserve_home, tmp_path):

@@ -22,7 +22,9 @@ to finish (up to the start timeout). A profile bigger than the whole budget is r
 
 Idle stop: a reaper stops a profile whose last request ended more than its TTL ago (the
 profile's TTL key, else the router's --ttl). A profile found running that the router never
-served counts as used when first seen.
+served counts as used when first seen. The reaper also stops idle profiles, least recently
+used first, while more runs than the budget holds (supervisord starts every installed service
+when it starts; a `macserve start` by hand).
 """
 
 from __future__ import annotations
@@ -414,10 +416,34 @@ class Pool:
             idle = m.idle(now)
             if ttl is not None and idle is not None and idle > ttl and self._evictable(m):
                 stops.append(self.stop(m, f"idle {idle:.1f}s, past its TTL of {ttl:g}s"))
-        self.publish()
         if stops:
             await asyncio.gather(*stops)  # side by side: each waits for its process to exit
-            self.publish()
+        await self._trim()
+        self.publish()
+
+    async def _trim(self) -> None:
+        """More in memory than the budget (supervisord starts every installed service when it
+        starts itself; someone ran `macserve start`): stop idle ones, least recently used
+        first, until it fits. A start under way makes its own room instead."""
+        if self.admission.locked():
+            return
+        budget = self.budget.budget_bytes
+        holders = [
+            (m, (await self.footprint(m)).total_bytes or 0)
+            for m in list(self.models.values())
+            if m.admitted or m.state in IN_MEMORY
+        ]
+        used = sum(b for _, b in holders)
+        victims = sorted(
+            (h for h in holders if self._evictable(h[0])), key=lambda h: h[0].last_used
+        )
+        for v, b in victims:
+            if used <= budget:
+                break
+            await self.stop(
+                v, f"over the memory budget ({size(used)} of {size(budget)}), least recently used"
+            )
+            used -= b
 
     async def reap_forever(self) -> None:
         while True:
