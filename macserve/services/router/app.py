@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from ...errors import MacserveError
 from .. import providers
-from .pool import Lease, Model, Pool, RouteError, Settings
+from .pool import Lease, Model, Pool, RouteError, Settings, size
 
 log = logging.getLogger("macserve.router")
 
@@ -443,10 +443,11 @@ def run(settings: Settings) -> None:
     app = create_app(settings)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
     log.info(
-        "listening on http://%s:%d (ttl %gs, budget %s)",
+        "listening on http://%s:%d (ttl %s, budget %s, %s)",
         settings.host,
         settings.port,
-        settings.ttl,
-        app.state.router.pool.budget.budget_bytes,
+        "never" if settings.ttl is None else f"{settings.ttl:g}s",
+        size(app.state.router.pool.budget.budget_bytes),
+        app.state.router.pool.budget.source,
     )
     uvicorn.Server(config).run(sockets=[sock])

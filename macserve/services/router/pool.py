@@ -60,7 +60,7 @@ def size(b: int | None) -> str:
 class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
-    ttl: float = DEFAULT_TTL
+    ttl: float | None = DEFAULT_TTL  # None: never (--ttl never)
     memory_bytes: int | None = None  # plan for a Mac with this much RAM (tests); None: this one
     keep_alive: float = 10.0  # hold a streaming request this long, then SSE comments this often
     start_timeout: float = DEFAULT_START_TIMEOUT
@@ -109,7 +109,7 @@ class Model:
     def provider(self):
         return providers.for_profile(self.profile)
 
-    def ttl(self, default: float) -> float | None:
+    def ttl(self, default: float | None) -> float | None:
         """Seconds of idleness before a stop; None: never (TTL=never)."""
         if self.profile.always_on:
             return None
@@ -330,13 +330,19 @@ class Pool:
             m.admitted = True
             return
         if need > budget:
+            flag = m.provider.context_args(1)
+            fix = (
+                f"give it a smaller context (macserve set {m.name} -- "
+                f"EXTRA_ARGS+='{flag[0]} N') or raise the limit (macserve doctor)"
+                if flag
+                else "raise the limit (macserve doctor)"
+            )
             raise RouteError(
                 400,
                 f"model {m.name} needs {size(need)} (weights {size(fp.weights_bytes)} + cache "
                 f"{size(fp.cache_bytes)} at {fp.ctx or 0:,} tokens, {fp.cache_key}) but the "
                 f"memory budget is {size(budget)} ({self.budget.source}): it cannot fit even "
-                f"alone; give it a smaller context (macserve set {m.name} -- EXTRA_ARGS+='-c N' "
-                "or '--ctx N') or raise the limit (macserve doctor)",
+                f"alone; {fix}",
                 "invalid_request_error",
                 code="model_too_large",
             )
