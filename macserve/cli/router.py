@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from .. import env
+from ..errors import MacserveError
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
 from ..services.providers.router import DEFAULT_PORT as ROUTER_PORT
@@ -18,8 +19,22 @@ from ..sizing.budget import parse_size
 from .services import _read_secret, _run_waiting
 
 
-def _ttl(value: str):
-    return None if value.strip().lower() == NEVER else parse_duration(value, "--ttl")
+def _ttl(ctx, param, value: str):
+    """Seconds, or None for never; checked while parsing, so `set router -- EXTRA_ARGS+=...`
+    (macserve parse-args router) refuses a bad one before any restart."""
+    ctx.meta["router.ttl"] = value  # as typed, for --install's EXTRA_ARGS
+    try:
+        return None if value.strip().lower() == NEVER else parse_duration(value, "--ttl")
+    except MacserveError as e:
+        raise click.BadParameter(str(e).removeprefix("bad --ttl ")) from None
+
+
+def _memory(ctx, param, value: str | None):
+    ctx.meta["router.memory"] = value
+    try:
+        return parse_size(value) if value else None
+    except MacserveError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @click.command()
@@ -32,12 +47,14 @@ def _ttl(value: str):
 @click.option(
     "--ttl",
     default="5m",
+    callback=_ttl,
     show_default=True,
     help="Stop a profile after this long without a request (90s, 10m, 1h, or never); a "
     "profile's TTL key overrides it, TTL=never keeps it running.",
 )
 @click.option(
     "--memory",
+    callback=_memory,
     help="Plan for a Mac with this much RAM (e.g. 192GB; the budget is its GPU working set). "
     "Default: this Mac's GPU wired limit.",
 )
@@ -93,14 +110,12 @@ def router(
     its TTL of idleness, and never more at once than fits the GPU memory budget (the least
     recently used ones are stopped first). Runs in the foreground, or with --install as a
     supervised service like any profile."""
-    ttl_s = _ttl(ttl)
-    memory_bytes = parse_size(memory) if memory else None
     if install:
         given = lambda p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
         args = []
         for opt, param, value in (
-            ("--ttl", "ttl", ttl),
-            ("--memory", "memory", memory),
+            ("--ttl", "ttl", ctx.meta["router.ttl"]),
+            ("--memory", "memory", ctx.meta["router.memory"]),
             ("--keep-alive", "keep_alive", f"{keep_alive:g}"),
             ("--start-timeout", "start_timeout", f"{start_timeout:g}"),
         ):
@@ -129,8 +144,8 @@ def router(
         router_pool.Settings(
             host=host,
             port=port or ROUTER_PORT,
-            ttl=ttl_s,
-            memory_bytes=memory_bytes,
+            ttl=ttl,
+            memory_bytes=memory,
             keep_alive=keep_alive,
             start_timeout=start_timeout,
             api_key=api_key or None,

@@ -582,6 +582,7 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
     if new.aliases != old.aliases:
         _check_aliases(st, new)
     edit = _Edit(old, new, old_secrets, secrets, notes)
+    prov.validate(new)  # no I/O: also when only the router's keys changed
     if _server_values(new) != _server_values(old) and (checked is None or new != checked.new):
         prov.check_args(new)  # refuse before anything is written or restarted
     return edit

@@ -305,6 +305,8 @@ class Router:
             except RouteError as e:
                 yield error_event(e, api)
                 return
+            except _ClientGone:
+                return
             if not _is_stream(resp):  # the server refused the request (4xx): say why
                 text = (await resp.aread()).decode(errors="replace")
                 yield error_event(RouteError(resp.status_code, _message(text)), api)
