@@ -195,7 +195,8 @@ class Router:
                         headers={"cache-control": "no-cache"},
                     )
             await _until(request, waiting)
-            resp = await self._open(m, request, body)
+            # Until the headers: a plain answer sends them only once it is whole.
+            resp = await _until(request, self._open(m, request, body))
             if _is_stream(resp):
                 handed_over = True
                 gen = self._pipe(resp, m, api)
