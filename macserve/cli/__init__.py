@@ -48,6 +48,7 @@ COMMANDS = {
     "inspect": "macserve.cli.inspect:inspect",
     "new": _S + "new",
     "worker": _S + "worker",
+    "router": "macserve.cli.router:router",
     "set": _S + "set_",
     "run": _S + "run",
     "ls": _S + "ls",

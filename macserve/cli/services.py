@@ -1,4 +1,5 @@
-"""Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs, rm.
+"""Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs,
+rm.
 
 Parsing and printing only; the work is in services/manager.py.
 """
@@ -274,10 +275,30 @@ def run(name):
     exec_profile(name)
 
 
+def _seconds(s: float) -> str:
+    """A TTL as written: 90s, 10m, 1.5h."""
+    for unit, n in (("h", 3600), ("m", 60)):
+        if s >= n and (s / n) * 10 == int((s / n) * 10):
+            return f"{s / n:g}{unit}"
+    return f"{s:g}s"
+
+
+def _routed(r) -> str:
+    """Which running router serves the profile, and its TTL there."""
+    parts = []
+    for x in r.get("routed") or []:
+        port = (x.get("router") or "").rsplit(":", 1)[-1]
+        ttl = "always on" if x.get("ttl_s") is None else f"ttl {_seconds(x['ttl_s'])}"
+        parts.append(f":{port} {ttl}")
+    return ", ".join(parts) or "-"
+
+
 def _table(rows, health=False):
+    routed = any(r.get("routed") for r in rows)
     head = (
         ["NAME", "PROVIDER", "STATE", "PID", "PORT", "UPTIME", "MEM"]
         + (["HEALTHY"] if health else [])
+        + (["ROUTER"] if routed else [])
         + ["MODEL"]
     )
     lines = [head]
@@ -294,6 +315,8 @@ def _table(rows, health=False):
         ]
         if health:
             line.append("yes" if r.get("healthy") else "no")
+        if routed:
+            line.append(_routed(r))
         line.append(r["model"] or (r.get("error") or "-"))
         lines.append(line)
     widths = [max(len(l[i]) for l in lines) for i in range(len(head) - 1)]

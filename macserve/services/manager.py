@@ -4,8 +4,8 @@ rm, and the rows behind ls/status/show. The CLI only parses and prints.
 Flow: profiles -> providers (argv, flag check) -> supervisors (the backend) -> health wait.
 Nothing on disk changes until the new values have passed validation and the provider's check.
 
-Reusable by name (the router builds on these): `start(name)`, `stop(name)`, `restart(name)`,
-`wait_ready(profile, timeout)`, `footprint(name)`.
+Reusable by name (the router, services/router/, builds on these): `start(name)`, `stop(name)`,
+`restart(name)`, `wait_ready(profile, timeout)`, `footprint(name)`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from . import providers, run
 from .profiles import (
     KEYS,
     MODELLESS,
+    ROUTER_KEYS,
     SECRET_KEYS,
     Profile,
     ProfileStore,
@@ -39,6 +40,8 @@ from .profiles import (
 )
 from .providers.base import edit_flags, flag_groups
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
+from .providers.router import DEFAULT_PORT as ROUTER_DEFAULT_PORT
+from .router import state as router_state
 from .supervisors import Status, get_backend, log_path, logs, spec_for
 
 DEFAULT_PORT = 8080
@@ -364,6 +367,32 @@ def new_worker(
     return out
 
 
+def new_router(
+    name: str = "router",
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    args: list[str] | tuple[str, ...] = (),
+    api_key: str | None = None,
+    start=True,
+    timeout: float = 60.0,
+    tick=None,
+) -> Outcome:
+    """`macserve router` as a supervised service: a profile with PROVIDER=router whose
+    EXTRA_ARGS are the router's options (--ttl, --memory, ...)."""
+    name = check_name(name)
+    st = store()
+    if st.exists(name):
+        raise MacserveError(
+            f"profile {name} exists (change it with macserve set {name}, or pick --name)"
+        )
+    values = {"PROVIDER": "router", "HOST": host, "PORT": None, "EXTRA_ARGS": shlex.join(args)}
+    secrets = {"API_KEY": api_key} if api_key else {}
+    comment = f"# macserve router --install --name {name}"
+    return _create(
+        st, name, values, comment, port, start, timeout, tick, [], secrets, ROUTER_DEFAULT_PORT
+    )
+
+
 def _moved_note(st: ProfileStore, name: str, prov, moved: Mapping[str, str]) -> str:
     how = ", ".join(
         f"{k} as {prov.api_key_env if k == 'API_KEY' else 'HF_TOKEN'}" for k in sorted(moved)
@@ -385,6 +414,7 @@ def _create(
     tick,
     notes: list[str],
     secrets: dict[str, str],
+    first_port: int = DEFAULT_PORT,
 ) -> Outcome:
     """Write a new profile (port picked or checked, flags checked), then install and start it."""
     host = values["HOST"]
@@ -393,7 +423,7 @@ def _create(
             raise MacserveError(f"profile {name} exists")
         used = _ports_used(st)
         if port is None:
-            port = pick_port(host, set(used))
+            port = pick_port(host, set(used), first_port)
         else:
             _check_port(host, port, used, start)
         profile = Profile(name, {**values, "PORT": str(port)}, (comment,))
@@ -549,8 +579,11 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
             )
     if (new.port, new.host) != (old.port, old.host):
         _check_port(new.host, new.port, _ports_used(st, but=name), new.port != old.port)
+    if new.aliases != old.aliases:
+        _check_aliases(st, new)
     edit = _Edit(old, new, old_secrets, secrets, notes)
-    if new.values != old.values and (checked is None or new != checked.new):
+    prov.validate(new)  # no I/O: also when only the router's keys changed
+    if _server_values(new) != _server_values(old) and (checked is None or new != checked.new):
         prov.check_args(new)  # refuse before anything is written or restarted
     return edit
 
@@ -588,6 +621,13 @@ def set_values(
         if not edit.changed:
             out.notes.append("no change")
             return out
+        if _router_only(edit):
+            _save(st, edit.new, edit.new_secrets)
+            out.notes.append(
+                f"saved; {' and '.join(ROUTER_KEYS)} are read by the router, so nothing was "
+                "restarted"
+            )
+            return out
         backend = get_backend()
         before = backend.status(name)
         broken = _broken(before, edit.old)  # now: the restart resets what it is read from
@@ -600,6 +640,35 @@ def set_values(
             return out
         with _Interrupts() as sig:
             return _restart_or_roll_back(st, backend, edit, before, broken, timeout, tick, sig, out)
+
+
+def _server_values(p: Profile) -> dict[str, str]:
+    """What the server's command depends on: every key but the router's."""
+    return {k: v for k, v in p.values.items() if k not in ROUTER_KEYS}
+
+
+def _router_only(edit: _Edit) -> bool:
+    keys = set(edit.new.values) | set(edit.old.values)
+    changed = {k for k in keys if edit.new.values.get(k) != edit.old.values.get(k)}
+    return edit.new_secrets == edit.old_secrets and bool(changed) and changed <= set(ROUTER_KEYS)
+
+
+def _check_aliases(st: ProfileStore, new: Profile) -> None:
+    """A name the router resolves must mean one profile: an alias is no other profile's name
+    or alias."""
+    for other in st.names():
+        if other == new.name:
+            continue
+        if other in new.aliases:
+            raise MacserveError(f"ALIASES: {other} is the name of another profile")
+        try:
+            both = set(st.load(other).aliases) & set(new.aliases)
+        except MacserveError:  # a broken profile claims nothing
+            continue
+        if both:
+            raise MacserveError(
+                f"ALIASES: {', '.join(sorted(both))} is already an alias of profile {other}"
+            )
 
 
 def _save(st: ProfileStore, profile: Profile, secrets: dict[str, str]) -> None:
@@ -791,7 +860,12 @@ def footprint(name: str) -> Footprint:
     p = store().load(name)
     prov = providers.for_profile(p)
     if p.provider in MODELLESS:
-        return Footprint(name, note="an RPC worker: the head sends it layers to hold")
+        note = (
+            "the router: it holds no model"
+            if p.provider == "router"
+            else "an RPC worker: the head sends it layers to hold"
+        )
+        return Footprint(name, note=note)
     key = prov.cache_key(p)
     try:
         rep = inspect_source(p.model)
@@ -851,8 +925,20 @@ def row(name: str, health: bool = False, backend=None) -> dict:
 
 
 def rows(health: bool = False) -> list[dict]:
+    """Every profile's row; `routed` lists the running routers that serve it (the router's
+    own state file: its URL, the profile's TTL there, None for always on, its state)."""
     backend = get_backend()
-    return [row(n, health, backend) for n in store().names()]
+    routers = router_state.live()
+    out = []
+    for n in store().names():
+        r = row(n, health, backend)
+        r["routed"] = [
+            {"router": x.get("url"), **x["models"][n]}
+            for x in routers
+            if n in (x.get("models") or {})
+        ]
+        out.append(r)
+    return out
 
 
 def show(name: str) -> dict:

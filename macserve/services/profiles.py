@@ -19,6 +19,11 @@ Keys:
   SPLIT       pipeline layers per HOSTS entry, `n1,n2,...` (mlx; default: mlx-lm's even split).
               `macserve inspect --memory A,B` prints the split in proportion to each host's budget
   PARALLEL    reserved; validated as a positive integer, not used yet.
+  TTL         for the router (`macserve router`): stop the service after this long without
+              a request (`90`, `90s`, `10m`, `1h`; default: the router's --ttl), or `never`
+              (always on: the router never stops it, not for idleness, not to make room)
+  ALIASES     more model names the router sends to this profile, `a,b,...` (letters, digits,
+              `.`, `_`, `-`, `:`, `/`)
 
 Secrets (`set NAME -- API_KEY=...`, `HF_TOKEN=...`) live in `profiles/NAME.secrets`, mode 0600,
 the same KEY=VALUE format; never in the profile, a unit file, argv or a log.
@@ -51,9 +56,10 @@ from ..fileio import atomic_write
 
 # Provider names a profile may name. The registry in services.providers maps each to a module;
 # the list lives here so profiles never import providers (data flows one way).
-PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc")
-# llama.cpp-rpc is an RPC worker (rpc-server) for another Mac's llama-server: it serves no model.
-MODELLESS = ("llama.cpp-rpc",)
+PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc", "router")
+# Profiles that serve no model: llama.cpp-rpc is an RPC worker (rpc-server) for another Mac's
+# llama-server, router is `macserve router` (it sends requests to the other profiles).
+MODELLESS = ("llama.cpp-rpc", "router")
 
 KEYS = (
     "PROVIDER",
@@ -66,7 +72,11 @@ KEYS = (
     "SHARDING",
     "SPLIT",
     "PARALLEL",
+    "TTL",
+    "ALIASES",
 )
+# Read by the router only: changing them restarts nothing.
+ROUTER_KEYS = ("TTL", "ALIASES")
 REQUIRED = ("PROVIDER", "MODEL", "PORT")
 # Kept out of the profile (which is 0644 and printed by `show`), in NAME.secrets beside it, mode
 # 0600; `macserve run` puts them in the server's environment, never on its command line.
@@ -80,6 +90,10 @@ SHARDINGS = ("pipeline", "tensor")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+# Model names clients send (`gpt-4o`, `qwen3:32b`, `org/model`): what an alias may be.
+_ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
+NEVER = "never"
 
 
 def macserve_home() -> Path:
@@ -129,6 +143,11 @@ class Profile:
     sharding: str = field(init=False)  # pipeline (default) | tensor
     split: tuple[int, ...] = field(init=False)  # () : the engine's even split
     parallel: int | None = field(init=False)  # reserved
+    ttl: float | None = field(
+        init=False
+    )  # seconds idle before the router stops it; None: its default
+    always_on: bool = field(init=False)  # TTL=never: the router never stops it
+    aliases: tuple[str, ...] = field(init=False)  # more names the router routes here
 
     def __post_init__(self):
         v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
@@ -185,6 +204,19 @@ class Profile:
         if par and (not par.isdigit() or int(par) < 1):
             raise MacserveError(f"bad PARALLEL {par!r}: expected a positive integer")
         set_(self, "parallel", int(par) if par else None)
+        ttl = v.get("TTL", "").strip()
+        set_(self, "always_on", ttl.lower() == NEVER)
+        set_(self, "ttl", None if not ttl or self.always_on else parse_duration(ttl, "TTL"))
+        aliases = tuple(a.strip() for a in v.get("ALIASES", "").split(",") if a.strip())
+        for a in aliases:
+            if not _ALIAS_RE.fullmatch(a):
+                raise MacserveError(
+                    f"bad ALIASES entry {a!r}: letters, digits, '.', '_', '-', ':', '/' "
+                    "(comma-separated)"
+                )
+        if len(set(aliases)) != len(aliases) or self.name in aliases:
+            raise MacserveError(f"ALIASES {v['ALIASES']!r} names a model twice")
+        set_(self, "aliases", aliases)
 
     @property
     def multi_host(self) -> bool:
@@ -219,6 +251,17 @@ class Profile:
                 out.append(f"{key}={_quote(self.values[key])}")
                 seen.add(key)
         return "\n".join(out).rstrip("\n") + "\n"
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """'90', '90s', '10m', '1h' -> seconds (> 0)."""
+    m = _DURATION_RE.fullmatch(text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise MacserveError(
+            f"bad {what} {text!r}: expected seconds or a duration like 90s, 10m, 1h"
+            + (" (or never)" if what == "TTL" else "")
+        )
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
 
 
 def check_secret(key: str, value: str) -> None:

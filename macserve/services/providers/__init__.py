@@ -22,6 +22,8 @@ REGISTRY maps each profile PROVIDER value to its object.
     context_args(n_ctx) -> list[str]|None flags that set the context size, None if the server
                                           has no such flag (macserve new reports that)
     draft_args(mtp_layers) -> list[str]   flags enabling MTP drafting, [] when unsupported
+    anthropic_api: bool                   the router may send it /v1/messages
+    upstream_model: str | None            the `model` the router sends it (None: the client's)
 
 Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, and one
 line in REGISTRY below.
@@ -33,7 +35,7 @@ from typing import Protocol
 
 from ...errors import MacserveError
 from ..profiles import PROVIDER_NAMES, Profile
-from . import engine, llama_cpp, llama_rpc, mlx_lm
+from . import engine, llama_cpp, llama_rpc, mlx_lm, router
 from .base import base_url, url_host
 
 __all__ = ["Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
@@ -58,6 +60,7 @@ REGISTRY: dict[str, Provider] = {
     "mlx": mlx_lm.PROVIDER,
     "macserve": engine.PROVIDER,
     "llama.cpp-rpc": llama_rpc.PROVIDER,
+    "router": router.PROVIDER,
 }
 assert tuple(REGISTRY) == PROVIDER_NAMES  # the profile format lists the same names
 

@@ -10,13 +10,15 @@ import os
 import re
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
-from ..profiles import Profile
+from ..profiles import MODELLESS, ROUTER_KEYS, Profile
 
 
 def url_host(host: str) -> str:
@@ -233,6 +235,29 @@ def check_flags(
             i += 1
 
 
+def cli_parse(command: str, args: list[str]) -> None:
+    """`macserve COMMAND`'s own click parser on `args` (types, ranges, choices, unknown
+    options), run as `macserve parse-args COMMAND ...` in a subprocess: services never import
+    the CLI. One-line MacserveError with click's reason."""
+    here = str(Path(__file__).resolve().parents[3])  # this checkout (or site-packages)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "macserve", "parse-args", command, "--", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=path),
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MacserveError(f"could not check the macserve {command} options: {e}") from None
+    if r.returncode != 0:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        why = lines[-1].removeprefix("error: ") if lines else f"exit {r.returncode}"
+        raise MacserveError(why)
+
+
 # click's and macserve's one-line errors ("Error: ...", "error: ..."), and the last line of a
 # Python traceback ("ValueError: ...").
 _ERROR_LINE = re.compile(r"^(?:[Ee]rror|ERROR): (.+)$")
@@ -263,6 +288,10 @@ class BaseProvider:
     api_key_env: str | None = None
     # Flags that carry a secret: found in EXTRA_ARGS, they are moved to the secrets file.
     secret_flags: dict[str, str] = {}
+    # The router: whether the server answers Anthropic's Messages API (/v1/messages), and the
+    # `model` to send it in place of the client's (None: the client's, which it ignores).
+    anthropic_api = True
+    upstream_model: str | None = None
 
     def command(self) -> list[str]:  # the server executable (+ fixed args), for argv and --help
         raise NotImplementedError
@@ -344,6 +373,13 @@ class BaseProvider:
         """The provider's own rules for the profile's keys, without I/O (one-line errors)."""
         if profile.multi_host and not self.multi_host:
             raise MacserveError(f"{self.name} does not run across hosts: remove HOSTS")
+        if profile.provider in MODELLESS:
+            for key in ROUTER_KEYS:
+                if profile.values.get(key):
+                    raise MacserveError(
+                        f"{key} is for profiles that serve a model behind the router, "
+                        f"not for {self.label}"
+                    )
 
     def check_args(self, profile: Profile) -> None:
         self.validate(profile)

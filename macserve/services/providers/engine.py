@@ -8,8 +8,6 @@ detection are all readiness needs.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, flag_value, is_flag, normalize_flag
+from .base import BaseProvider, cli_parse, flag_value, is_flag, normalize_flag
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 
@@ -83,25 +81,8 @@ class Engine(BaseProvider):
             preflight.check(profile)
 
     def parse(self, args: list[str]) -> None:
-        """`serve`'s own click parser on `args` (types, ranges, choices, unknown options), run
-        as `macserve parse-args serve ...` in a subprocess: services never import the CLI."""
-        here = str(Path(__file__).resolve().parents[3])  # this checkout (or site-packages)
-        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        try:
-            r = subprocess.run(
-                [sys.executable, "-m", "macserve", "parse-args", "serve", "--", *args],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONPATH=path),
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise MacserveError(f"could not check the macserve serve options: {e}") from None
-        if r.returncode != 0:
-            lines = (r.stderr or r.stdout).strip().splitlines()
-            why = lines[-1].removeprefix("error: ") if lines else f"exit {r.returncode}"
-            raise MacserveError(why)
+        """`serve`'s own click parser on `args` (macserve parse-args serve ...)."""
+        cli_parse("serve", args)
 
     def context_args(self, n_ctx: int) -> list[str]:
         return ["--ctx", str(n_ctx)]

@@ -47,6 +47,10 @@ class MlxLm(BaseProvider):
     label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
     multi_host = True
+    # mlx_lm.server has no /v1/messages, and it loads whatever `model` a request names (from the
+    # hub, if it is not the one it serves): its own name for --model is "default_model".
+    anthropic_api = False
+    upstream_model = "default_model"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "mlx_lm", "server"]

@@ -1,0 +1,153 @@
+"""`macserve router`: one endpoint for every profile, in the foreground or as a service.
+
+Its own module so the other service commands never import the HTTP stack (starlette, uvicorn).
+Parsing and printing only; the work is in services/router/ and services/manager.py.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import env
+from ..errors import MacserveError
+from ..services import manager
+from ..services.profiles import NEVER, parse_duration
+from ..services.providers.router import DEFAULT_PORT as ROUTER_PORT
+from ..services.router import app as router_app
+from ..services.router import pool as router_pool
+from ..sizing.budget import parse_size
+from .services import _read_secret, _run_waiting
+
+
+def _ttl(ctx, param, value: str):
+    """Seconds, or None for never; checked while parsing, so `set router -- EXTRA_ARGS+=...`
+    (macserve parse-args router) refuses a bad one before any restart."""
+    ctx.meta["router.ttl"] = value  # as typed, for --install's EXTRA_ARGS
+    try:
+        return None if value.strip().lower() == NEVER else parse_duration(value, "--ttl")
+    except MacserveError as e:
+        raise click.BadParameter(str(e).removeprefix("bad --ttl ")) from None
+
+
+def _memory(ctx, param, value: str | None):
+    ctx.meta["router.memory"] = value
+    try:
+        return parse_size(value) if value else None
+    except MacserveError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    help=f"Default: {ROUTER_PORT}; with --install, the first free port from {ROUTER_PORT}.",
+)
+@click.option(
+    "--ttl",
+    default="5m",
+    callback=_ttl,
+    show_default=True,
+    help="Stop a profile after this long without a request (90s, 10m, 1h, or never); a "
+    "profile's TTL key overrides it, TTL=never keeps it running.",
+)
+@click.option(
+    "--memory",
+    callback=_memory,
+    help="Plan for a Mac with this much RAM (e.g. 192GB; the budget is its GPU working set). "
+    "Default: this Mac's GPU wired limit.",
+)
+@click.option(
+    "--keep-alive",
+    type=click.FloatRange(0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a streaming request waits for a starting model before it gets its 200 and "
+    "an SSE comment this often until the model is up; 0 holds it.",
+)
+@click.option(
+    "--start-timeout",
+    type=click.FloatRange(1),
+    default=router_pool.DEFAULT_START_TIMEOUT,
+    show_default=True,
+    help="Seconds a model may take to become healthy (or to find room).",
+)
+@click.option(
+    "--api-key",
+    envvar=env.API_KEY,
+    show_envvar=True,
+    help="Require this key (Authorization: Bearer KEY or x-api-key). Each profile's own key "
+    "is sent to its server by the router.",
+)
+@click.option("--install", is_flag=True, help="Install it as a supervised service and start it.")
+@click.option("--name", default="router", show_default=True, help="The service's profile name.")
+@click.option("--no-start", is_flag=True, help="With --install: write the profile only.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=60.0,
+    show_default=True,
+    help="With --install: seconds to wait for the router to answer.",
+)
+@click.pass_context
+def router(
+    ctx,
+    host,
+    port,
+    ttl,
+    memory,
+    keep_alive,
+    start_timeout,
+    api_key,
+    install,
+    name,
+    no_start,
+    timeout,
+):
+    """One OpenAI- and Anthropic-compatible endpoint for every profile: each request goes to
+    the profile its `model` names (or one of its ALIASES), started on demand, stopped after
+    its TTL of idleness, and never more at once than fits the GPU memory budget (the least
+    recently used ones are stopped first). Runs in the foreground, or with --install as a
+    supervised service like any profile."""
+    if install:
+        given = lambda p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
+        args = []
+        for opt, param, value in (
+            ("--ttl", "ttl", ctx.meta["router.ttl"]),
+            ("--memory", "memory", ctx.meta["router.memory"]),
+            ("--keep-alive", "keep_alive", f"{keep_alive:g}"),
+            ("--start-timeout", "start_timeout", f"{start_timeout:g}"),
+        ):
+            if given(param):
+                args += [opt, value]
+        key = api_key if given("api_key") else None  # not one exported for `chat`
+        if key == "-":
+            key = _read_secret("API_KEY")
+        out = _run_waiting(
+            name,
+            manager.new_router,
+            name,
+            host,
+            port,
+            args,
+            api_key=key,
+            start=not no_start,
+            timeout=timeout,
+        )
+        if no_start:
+            click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
+        else:
+            click.echo(f"{out.name}: routing at {out.url}/v1 (pid {out.pid})")
+        return
+    router_app.run(
+        router_pool.Settings(
+            host=host,
+            port=port or ROUTER_PORT,
+            ttl=ttl,
+            memory_bytes=memory,
+            keep_alive=keep_alive,
+            start_timeout=start_timeout,
+            api_key=api_key or None,
+        )
+    )

@@ -1,0 +1,456 @@
+"""The router's HTTP side: one OpenAI- and Anthropic-compatible endpoint for every profile.
+
+    GET  /health                 the router's own: 200 {"status": "ok", "models": N}
+    GET  /v1/models              every profile: state (running, starting, stopping, stopped),
+                                 footprint, TTL, aliases; OpenAI's and Anthropic's list fields
+    GET  /v1/models/{id}         one of them (a profile name or an alias), or 404
+    POST /v1/...                 routed by the body's `model` (profile name or alias) to that
+                                 profile's server, same path and query: chat/completions,
+                                 completions, messages, messages/count_tokens, embeddings ...
+
+A request for a stopped profile is held while the pool starts it; a streaming request that has
+waited `keep_alive` seconds gets its 200 and an SSE comment every `keep_alive` seconds until the
+server is up (clients ignore comments; proxies and read timeouts see bytes). Then the request
+goes upstream as it came (its key swapped for the profile's, `model` rewritten only for
+mlx_lm.server) and the answer comes back as the server wrote it: status, headers, bytes. A
+client that goes away closes the upstream connection, which is how the servers notice.
+
+Failures the router answers itself are JSON errors in the shape of the API the path belongs to
+(Anthropic's for /v1/messages*), with `x-should-retry: false` unless retrying can help. A
+stream whose server dies ends with an error event in its own format (`data: {"error": ...}`
+then `data: [DONE]`; Anthropic's `event: error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ...errors import MacserveError
+from .. import providers
+from .pool import Lease, Model, Pool, RouteError, Settings, size
+
+log = logging.getLogger("macserve.router")
+
+# Not forwarded either way: hop-by-hop headers (RFC 9110 7.6.1), the length (re-framed), the
+# client's key (replaced by the profile's), and what each server sets itself.
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+}
+_REQUEST_DROP = _HOP | {"authorization", "x-api-key", "accept-encoding"}
+_RESPONSE_DROP = _HOP | {"date", "server", "content-encoding"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    503: "overloaded_error",
+}
+THREADS = 64  # starts and health waits block a thread each; status reads must not queue behind
+
+
+def _api(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def _error_body(e: RouteError, api: str) -> dict:
+    if api == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(e.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return {"error": {"message": e.message, "type": e.type_, "param": None, "code": e.code}}
+
+
+def error_response(e: RouteError, api: str) -> Response:
+    headers = {"x-should-retry": "true" if e.retry else "false"}
+    if e.retry_after:
+        headers["retry-after"] = str(int(e.retry_after))
+    return JSONResponse(_error_body(e, api), e.status, headers=headers)
+
+
+def error_event(e: RouteError, api: str) -> bytes:
+    """The error as the last event of a stream, in that API's own form."""
+    body = json.dumps(_error_body(e, api), separators=(",", ":"))
+    if api == "anthropic":
+        return f"event: error\ndata: {body}\n\n".encode()
+    return f"data: {body}\n\ndata: [DONE]\n\n".encode()
+
+
+class _Leased(StreamingResponse):
+    """A streamed answer that releases the model and closes the upstream response however it
+    ends (done, client gone before or during the stream, error)."""
+
+    def __init__(self, content, lease: Lease, cleanup=None, **kw):
+        super().__init__(content, **kw)
+        self.lease, self.cleanup = lease, cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if self.cleanup is not None:
+                    await self.cleanup()
+            self.lease.release()
+
+
+class Router:
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.settings = pool.settings
+        self.http: httpx.AsyncClient | None = None
+
+    # ---- auth ----------------------------------------------------------------------------------
+
+    def authorized(self, request: Request) -> bool:
+        key = self.settings.api_key
+        if not key:
+            return True
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+
+    def _unauthorized(self, path: str) -> Response:
+        return error_response(
+            RouteError(401, "invalid or missing API key", "authentication_error"), _api(path)
+        )
+
+    # ---- listing -------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": len(self.pool.models)})
+
+    async def models(self, request: Request) -> Response:
+        if not self.authorized(request):
+            return self._unauthorized(request.url.path)
+        data = [_entry(x) for x in await self.pool.listing()]
+        b = self.pool.budget
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "budget": {"budget_bytes": b.budget_bytes, "source": b.source},
+            }
+        )
+
+    async def model(self, request: Request) -> Response:
+        if not self.authorized(request):
+            return self._unauthorized(request.url.path)
+        self.pool.refresh()
+        try:
+            name = self.pool.resolve(request.path_params["model_id"]).name
+        except RouteError as e:
+            return error_response(e, "openai")
+        return JSONResponse(next(_entry(x) for x in await self.pool.listing() if x["id"] == name))
+
+    # ---- forwarding ----------------------------------------------------------------------------
+
+    async def forward(self, request: Request) -> Response:
+        path = request.url.path
+        api = _api(path)
+        if not self.authorized(request):
+            return self._unauthorized(path)
+        try:
+            body, m, stream = await self._parse(request, api)
+        except RouteError as e:
+            return error_response(e, api)
+        lease = self.pool.lease(m)
+        handed_over = False
+        waiting = asyncio.ensure_future(self.pool.ready(m))
+        try:
+            if stream and self.settings.keep_alive > 0:
+                await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
+                if not waiting.done():
+                    handed_over = True
+                    gen = self._kept_alive(waiting, m, request, body, api)
+                    return _Leased(
+                        gen,
+                        lease,
+                        _closer(gen),
+                        media_type="text/event-stream",
+                        headers={"cache-control": "no-cache"},
+                    )
+            await _until(request, waiting)
+            # Until the headers: a plain answer sends them only once it is whole.
+            resp = await _until(request, self._open(m, request, body))
+            if _is_stream(resp):
+                handed_over = True
+                gen = self._pipe(resp, m, api)
+                return _Leased(
+                    gen,
+                    lease,
+                    _closer(gen, resp),
+                    status_code=resp.status_code,
+                    headers=_headers(resp),
+                )
+            try:
+                content = await _until(request, resp.aread())
+            except httpx.HTTPError as e:
+                raise RouteError(502, _gone(m, e)) from None
+            finally:
+                await resp.aclose()
+            return Response(content, resp.status_code, headers=_headers(resp))
+        except RouteError as e:
+            return error_response(e, api)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the work was cancelled
+        finally:
+            if not handed_over:
+                waiting.cancel()
+                lease.release()
+
+    async def _parse(self, request: Request, api: str) -> tuple[bytes, Model, bool]:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise RouteError(400, "the body is not a JSON object", "invalid_request_error")
+        self.pool.refresh()
+        name = data.get("model")
+        if not isinstance(name, str) or not name:
+            known = ", ".join(sorted(self.pool.models)) or "none"
+            raise RouteError(
+                400,
+                f"`model` is required: the router sends each request to the profile it names "
+                f"(known: {known})",
+                "invalid_request_error",
+            )
+        m = self.pool.resolve(name)
+        prov = m.provider
+        if api == "anthropic" and not prov.anthropic_api:
+            raise RouteError(
+                400,
+                f"model {m.name} is served by {prov.label}, which has no Anthropic Messages "
+                "API: use /v1/chat/completions, or serve it with PROVIDER=macserve or llama.cpp",
+                "invalid_request_error",
+            )
+        if prov.upstream_model and data.get("model") != prov.upstream_model:
+            data["model"] = prov.upstream_model
+            body = json.dumps(data).encode()
+        return body, m, bool(data.get("stream"))
+
+    async def _open(self, m: Model, request: Request, body: bytes) -> httpx.Response:
+        """Send the request upstream; a connection that fails before any answer (the server
+        died since it was found ready) is retried once, after waiting for it again."""
+        url = providers.base_url(m.profile) + request.url.path
+        if request.url.query:
+            url += "?" + request.url.query
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP]
+        headers.append(("accept-encoding", "identity"))  # bytes pass through as they are
+        if m.api_key:
+            headers += [("authorization", f"Bearer {m.api_key}"), ("x-api-key", m.api_key)]
+        for attempt in (1, 2):
+            req = self.http.build_request(request.method, url, content=body, headers=headers)
+            try:
+                return await self.http.send(req, stream=True)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+                if attempt == 2:
+                    raise RouteError(502, _gone(m, e)) from None
+                log.warning("%s: %s; waiting for it again", m.name, e)
+                m.ready_pid = None
+                await _until(request, self.pool.ready(m))
+        raise AssertionError("unreachable")
+
+    async def _pipe(self, resp: httpx.Response, m: Model, api: str):
+        """The upstream stream as it comes; if the server goes away mid-stream, an error event
+        (after a blank line if it was cut mid-event) instead of a silent end."""
+        tail = b"\n\n"
+        try:
+            async for chunk in resp.aiter_raw():
+                if chunk:
+                    tail = (tail + chunk)[-2:]
+                    yield chunk
+        except httpx.HTTPError as e:
+            m.ready_pid = None
+            log.warning("%s: stream cut: %s", m.name, e)
+            cut = b"" if tail == b"\n\n" else b"\n" if tail.endswith(b"\n") else b"\n\n"
+            yield cut + error_event(RouteError(502, _gone(m, e)), api)
+
+    async def _kept_alive(self, waiting: asyncio.Future, m: Model, request, body, api):
+        """SSE comments while the model starts, then its stream (or the reason it failed)."""
+        t0 = time.monotonic()
+        resp = None
+        try:
+            while not waiting.done():
+                yield f": macserve router: starting {m.name} ({time.monotonic() - t0:.0f}s)\n\n".encode()
+                await asyncio.wait({waiting}, timeout=self.settings.keep_alive)
+            try:
+                waiting.result()
+                resp = await self._open(m, request, body)
+            except RouteError as e:
+                yield error_event(e, api)
+                return
+            except _ClientGone:
+                return
+            if not _is_stream(resp):  # the server refused the request (4xx): say why
+                text = (await resp.aread()).decode(errors="replace")
+                yield error_event(RouteError(resp.status_code, _message(text)), api)
+                return
+            async for b in self._pipe(resp, m, api):
+                yield b
+        finally:
+            waiting.cancel()
+            if resp is not None:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until(request: Request, aw):
+    """Await `aw` unless the client disconnects first (then cancel it: an upstream request in
+    it is closed, which the server sees as a disconnect)."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise _ClientGone
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _closer(gen, resp: httpx.Response | None = None):
+    async def close():
+        await gen.aclose()
+        if resp is not None:
+            await resp.aclose()
+
+    return close
+
+
+def _is_stream(resp: httpx.Response) -> bool:
+    return resp.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
+
+
+def _gone(m: Model, e: Exception) -> str:
+    why = " ".join(str(e).split()) or type(e).__name__
+    return (
+        f"model {m.name}: its server went away ({why}); the next request waits for it to come back"
+    )
+
+
+def _message(text: str) -> str:
+    try:
+        d = json.loads(text)
+        err = d.get("error")
+        return err.get("message") if isinstance(err, dict) else str(err or d)
+    except (ValueError, AttributeError):
+        return text.strip()[:500]
+
+
+def _entry(x: dict) -> dict:
+    """A /v1/models entry: OpenAI's fields, Anthropic's (its client lists these), the pool's."""
+    return {
+        "id": x["id"],
+        "object": "model",
+        "created": 0,
+        "owned_by": "macserve",
+        "type": "model",
+        "display_name": x["id"],
+        "created_at": "1970-01-01T00:00:00Z",
+        **{k: v for k, v in x.items() if k != "id"},
+    }
+
+
+def create_app(settings: Settings) -> Starlette:
+    pool = Pool(settings)
+    router = Router(pool)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(THREADS))
+        # No read timeout: a long answer may take minutes between its first and last byte.
+        router.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        await pool.reap()  # what already runs, counted from now
+        reaper = asyncio.ensure_future(pool.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await router.http.aclose()
+            pool.unpublish()
+
+    app = Starlette(
+        routes=[
+            Route("/health", router.health),
+            Route("/v1/models", router.models),
+            Route("/v1/models/{model_id:path}", router.model),
+            Route("/v1/{rest:path}", router.forward, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host.strip("[]"), port))
+    except OSError as e:
+        s.close()
+        raise MacserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    s.set_inheritable(True)
+    return s
+
+
+def run(settings: Settings) -> None:
+    """Serve in the foreground until SIGTERM / Ctrl-C. The models it started keep running (a
+    restarted router finds them and counts them as used from then on)."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sock = _bind(settings.host, settings.port)
+    app = create_app(settings)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
+    log.info(
+        "listening on http://%s:%d (ttl %s, budget %s, %s)",
+        settings.host,
+        settings.port,
+        "never" if settings.ttl is None else f"{settings.ttl:g}s",
+        size(app.state.router.pool.budget.budget_bytes),
+        app.state.router.pool.budget.source,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
