@@ -743,13 +743,19 @@ def _restart_or_roll_back(
 # ---- start / stop / restart / rm --------------------------------------------------------------
 
 
-def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    """Install the unit if needed and start it; a unit that changed is reloaded first."""
+def _checked(name: str) -> Profile:
+    """The profile, refused now if its server would refuse it (secrets, flags, model)."""
     st = store()
     profile = st.load(name)
     prov = providers.for_profile(profile)
     prov.check_secrets(st.load_secrets(name))
     prov.check_args(profile)
+    return profile
+
+
+def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
+    """Install the unit if needed and start it; a unit that changed is reloaded first."""
+    profile = _checked(name)
     backend = get_backend()
     before = backend.status(name)
     if before.state == "running" and not backend.install(_spec(profile)):
@@ -761,11 +767,7 @@ def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
 
 
 def restart(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    st = store()
-    profile = st.load(name)
-    prov = providers.for_profile(profile)
-    prov.check_secrets(st.load_secrets(name))
-    prov.check_args(profile)
+    profile = _checked(name)
     backend = get_backend()
     before = backend.status(name)
     offset = logs.size(log_path(name))
