@@ -256,7 +256,11 @@ class Scheduler:
             for p in s.processors:
                 logits = p(tokens, logits)
         want_lp = s.job.top_logprobs is not None
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_lp or s.key is not None else None
+        lp = (
+            logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if want_lp or s.key is not None
+            else None
+        )
         if s.key is None:
             return mx.argmax(logits, axis=-1), lp
         x = lp
