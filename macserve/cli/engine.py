@@ -359,7 +359,7 @@ def _demo_acceptance() -> float:
     return row["acceptance_per_position"][0]
 
 
-def _user_messages(n: int, chars: int = 40) -> list[str]:
+def _user_messages(n: int, chars: int = 60) -> list[str]:
     """Chat messages from the demo model's held-out plays: consecutive speeches joined and cut
     to `chars` characters (the demo tokenizer spends about a token per character, so a
     10-turn chat with 32-token answers reaches a ~700-token history)."""
@@ -378,11 +378,12 @@ def _user_messages(n: int, chars: int = 40) -> list[str]:
 @click.argument("model", type=click.Path(exists=True, file_okay=False))
 @click.option("--turns", type=click.IntRange(2), default=10, show_default=True)
 @click.option(
-    "--conversations",
+    "--rounds",
     type=click.IntRange(1),
     default=3,
     show_default=True,
-    help="chats per server (the medians are reported)",
+    help="each: a chat, one client, then the concurrent clients, on every server in turn; "
+    "medians are reported",
 )
 @click.option("--answer-tokens", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--clients", type=click.IntRange(2), default=8, show_default=True)
@@ -396,9 +397,7 @@ def _user_messages(n: int, chars: int = 40) -> list[str]:
 )
 @click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
 @click.option("--json", "as_json", is_flag=True)
-def bench_serve(
-    model, turns, conversations, answer_tokens, clients, requests, load_tokens, logs, as_json
-):
+def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tokens, logs, as_json):
     """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
     HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
     clients; ratios against mlx_lm.server."""
@@ -406,7 +405,7 @@ def bench_serve(
         Path(model).resolve(),
         (),
         turns=turns,
-        conversations=conversations,
+        rounds=rounds,
         answer_tokens=answer_tokens,
         clients=clients,
         requests=requests,

@@ -4,8 +4,10 @@ The worker thread runs `Scheduler.step` in a loop. One step does, in order:
 
 1. one prefill chunk of the oldest admitted request still prefilling (the rest of its prompt
    after the prompt cache's hit; 2,048 tokens when nothing decodes, BUSY_CHUNK while others
-   do, so decodes in flight keep moving). When its prompt is in, its first token is sampled,
-   its caches are snapshotted into the prompt cache and it joins the decode batch;
+   do, so decodes in flight keep moving). When all but the prompt's last token are in, it
+   joins the decode batch: the next decode step feeds that token as one of its rows, samples
+   the first token from it, and the caches, now holding the whole prompt, are snapshotted
+   into the prompt cache;
 2. one token of the drafting sequence, if there is one (below);
 3. one decode step of the batch: the model reads one token per sequence, shape (B, 1), each
    layer's caches wrapped in a `SequenceBatch` (projections and MLPs once for all rows, the
@@ -77,6 +79,7 @@ class Seq:
     key: mx.array | None = None  # sampling key (temperature > 0)
     tokens: list[int] = field(default_factory=list)  # prompt + tokens produced
     y: mx.array | None = None  # the next token, sampled, not yet delivered: shape (1,)
+    in_prompt: bool = False  # y is the prompt's last token (to feed, not to deliver)
     lp: mx.array | None = None  # its log-probabilities, for logprobs
     n: int = 0  # completion tokens delivered (EOS not counted)
     t0: float = field(default_factory=time.perf_counter)
@@ -111,16 +114,6 @@ def _top(lp: mx.array, token: int, n: int) -> tuple[float, tuple[tuple[int, floa
     ids = mx.argpartition(-lp, n - 1)[:n]
     top = sorted(zip(ids.tolist(), lp[ids].tolist()), key=lambda x: -x[1])
     return float(lp[token].item()), tuple((int(i), float(v)) for i, v in top)
-
-
-def _logits_last(model, ids: list[int], caches) -> mx.array:
-    """The logits of the last of `ids` (fed through `caches`): the vocabulary head on that row
-    only, where the model exposes its trunk and head (mlx-lm's DeepSeek family does)."""
-    x = mx.array([ids])
-    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if callable(inner) and callable(head):
-        return head(inner(x, caches)[:, -1:])[:, -1, :]
-    return model(x, cache=caches)[:, -1, :]
 
 
 class Scheduler:
@@ -225,30 +218,29 @@ class Scheduler:
             self._decode()
 
     def _prefill(self, s: Seq) -> None:
+        """One chunk of the prompt, all but its last token; that one is fed by the next
+        decode step, as a row of the batch. As in mlx-lm's generate_step, only the caches of a
+        chunk are evaluated, so its last layer's MLP and the vocabulary head never run over
+        the chunk's rows (measured: a 615-token prompt in 0.58 s instead of 0.81 s here)."""
         if s.stop():
             self.prefilling.popleft()
             self._end(s)
             return
         busy = bool(self.active) or self.drafter is not None
-        limit = BUSY_CHUNK if busy else PREFILL_CHUNK
-        n = len(s.prompt)
-        try:
-            if n - s.pos > limit:
-                self.bundle.model(mx.array([s.prompt[s.pos : s.pos + limit]]), cache=s.caches)
+        end = min(len(s.prompt) - 1, s.pos + (BUSY_CHUNK if busy else PREFILL_CHUNK))
+        if s.pos < end:
+            try:
+                self.bundle.model(mx.array([s.prompt[s.pos : end]]), cache=s.caches)
                 mx.eval([c.state for c in s.caches])
-                s.pos += limit
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.prefilling.popleft()
+                self._fail(s, e)
                 return
-            logits = _logits_last(self.bundle.model, s.prompt[s.pos :], s.caches)
-            s.pos = n
-            s.y, s.lp = self._sample(s, logits, mx.array(s.prompt))
-            mx.eval(s.y, [c.state for c in s.caches])
-        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            s.pos = end
+        if s.pos == len(s.prompt) - 1:
             self.prefilling.popleft()
-            self._fail(s, e)
-            return
-        self.prefilling.popleft()
-        self.pc.insert(s.prompt, [clone(c) for c in s.caches])
-        self.active.append(s)
+            s.y, s.in_prompt = mx.array(s.prompt[-1:]), True
+            self.active.append(s)
 
     def _sample(self, s: Seq, logits: mx.array, tokens: mx.array | None):
         """(token of shape (1,), log-probabilities or None) for one row of logits (1, V)."""
@@ -289,7 +281,12 @@ class Scheduler:
         for i, s in enumerate(act):
             try:
                 if s.processors or s.key is not None or s.job.top_logprobs is not None:
-                    toks = mx.concatenate([mx.array(s.tokens), s.y]) if s.processors else None
+                    toks = None
+                    if (
+                        s.processors
+                    ):  # every token so far, y included (s.tokens has it if in_prompt)
+                        toks = mx.array(s.tokens)
+                        toks = toks if s.in_prompt else mx.concatenate([toks, s.y])
                     nxt.append(self._sample(s, logits[i : i + 1], toks))
                 else:
                     nxt.append((greedy[i : i + 1], None))
@@ -300,11 +297,21 @@ class Scheduler:
         # Step n's tokens were computed while step n+1 was being built.
         now = mx.concatenate([s.y for s in act]).tolist()
         for i, s in enumerate(act):
-            s.tokens.append(now[i])
             if i in failed:
                 self.active.remove(s)
                 self._fail(s, failed[i])
                 continue
+            if s.in_prompt:
+                # The prompt is in: snapshot it, and its first token comes next step.
+                s.in_prompt = False
+                self.pc.insert(s.prompt, [clone(c) for c in s.caches])
+                if s.stop():
+                    self.active.remove(s)
+                    self._end(s)
+                else:
+                    s.y, s.lp = nxt[i]
+                continue
+            s.tokens.append(now[i])
             done = self._deliver(s, now[i], s.lp)
             if done:
                 self.active.remove(s)

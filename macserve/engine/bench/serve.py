@@ -1,19 +1,22 @@
 """`macserve bench serve`: macserve's engine server against mlx_lm.server on the same model,
-measured from outside, over HTTP, one server at a time, in one run.
+measured from outside, over HTTP, in one run.
 
-Each server is started as a real subprocess on loopback, warmed up with one request, then:
+The three servers (mlx_lm.server; macserve; macserve --kv int2 --mtp-k 1) are started as
+real subprocesses on loopback and warmed up with one request each; then, round after round,
+each is measured in turn (the idle ones wait on a socket), with the same messages:
 
-- **chat**: `conversations` chats of `turns` turns each, the history growing by one user
-  message and the answer every turn; the time to the first streamed token of every turn,
-  and of the last turn's request sent again cold (the same length of history, with a nonce
-  at its very start so no cache shares more than the chat template's first tokens);
-- **load**: `clients` clients at once, each sending `requests` chat requests one after the
-  other (each prompt unique), against one client doing the same: aggregate completion
-  tokens per second, latency p50 / p95, and refusals (any status but 200).
+- **chat**: a chat of `turns` turns, the history growing by one user message and the answer
+  every turn: the time to the first streamed token of every turn, and of the last turn's
+  request sent again cold (the same history with a nonce at its very start, so no cache
+  shares more than the chat template's first tokens);
+- **load**: one client sending `requests` chat requests one after the other, then `clients`
+  clients doing so at once (every prompt unique): aggregate completion tokens per second,
+  latency p50 / p95, refusals (any status but 200).
 
-Every request is greedy (temperature 0) with no seed (mlx_lm.server batches only requests
-without one). On a CPU-only MLX, mlx_lm.server gets a float32 copy of the model, as
-macserve's engine casts to float32 there: MLX's CPU gather_mm (the MoE experts) has no bf16.
+Medians over the rounds are reported, so a noisy machine weighs on every server alike. Every
+request is greedy (temperature 0) with no seed (mlx_lm.server batches only requests without
+one). On a CPU-only MLX, mlx_lm.server gets a float32 copy of the model, as macserve's engine
+casts to float32 there: MLX's CPU gather_mm (the MoE experts) has no bf16.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Plan:
     model: Path
     lines: tuple[str, ...]  # user messages, each used once per run
     turns: int = 10
-    conversations: int = 3
+    rounds: int = 3  # each: one chat, one client, `clients` clients, per server
     answer_tokens: int = 32  # per chat turn
     clients: int = 8
     requests: int = 3  # per client
@@ -185,34 +188,31 @@ def _chat(client: httpx.Client, url: str, messages: list, max_tokens: int) -> di
     return {"ttft": ttft if ttft is not None else total, "text": "".join(parts), "usage": usage}
 
 
-def chat(url: str, plan: Plan, lines: list[str]) -> dict:
-    """Growing chats: time to first token per turn (median over the conversations), and the
-    last turn warm against the same history cold."""
-    per_turn = [[] for _ in range(plan.turns)]
-    cold, history_tokens = [], []
+def conversation(url: str, plan: Plan, lines: list[str]) -> dict:
+    """One growing chat: time to first token per turn; the last turn's request again cold."""
+    ttft, msgs, nonce = [], [], f"[{uuid.uuid4().hex[:8]}] "
     with httpx.Client(timeout=plan.ready_timeout) as c:
-        for _ in range(plan.conversations):
-            nonce = f"[{uuid.uuid4().hex[:8]}] "
-            msgs: list[dict] = []
-            for turn in range(plan.turns):
-                text = lines.pop()
-                msgs.append({"role": "user", "content": (nonce if turn == 0 else "") + text})
-                r = _chat(c, url, msgs, plan.answer_tokens)
-                per_turn[turn].append(r["ttft"])
-                if turn == plan.turns - 1:
-                    history_tokens.append(r["usage"].get("prompt_tokens"))
-                    again = [dict(m) for m in msgs]
-                    again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
-                    cold.append(_chat(c, url, again, plan.answer_tokens)["ttft"])
-                msgs.append({"role": "assistant", "content": r["text"]})
-    ttft = [statistics.median(t) for t in per_turn]
-    warm, cold_s = ttft[-1], statistics.median(cold)
+        for turn in range(plan.turns):
+            msgs.append({"role": "user", "content": (nonce if turn == 0 else "") + lines.pop()})
+            r = _chat(c, url, msgs, plan.answer_tokens)
+            ttft.append(r["ttft"])
+            msgs.append({"role": "assistant", "content": r["text"]})
+        again = [dict(m) for m in msgs[:-1]]
+        again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
+        cold = _chat(c, url, again, plan.answer_tokens)
+    return {"ttft": ttft, "cold": cold["ttft"], "prompt_tokens": r["usage"].get("prompt_tokens")}
+
+
+def _chat_summary(convs: list[dict]) -> dict:
+    med = statistics.median
+    per_turn = [med(c["ttft"][t] for c in convs) for t in range(len(convs[0]["ttft"]))]
+    warm, cold = per_turn[-1], med(c["cold"] for c in convs)
     return {
-        "ttft_per_turn_s": [round(t, 4) for t in ttft],
-        "last_turn_prompt_tokens": history_tokens[0] if history_tokens else None,
+        "ttft_per_turn_s": [round(t, 4) for t in per_turn],
+        "last_turn_prompt_tokens": convs[0]["prompt_tokens"],
         "last_turn_ttft_s": round(warm, 4),
-        "same_history_cold_ttft_s": round(cold_s, 4),
-        "warm_over_cold": round(warm / cold_s, 3),
+        "same_history_cold_ttft_s": round(cold, 4),
+        "warm_over_cold": round(warm / cold, 3),
     }
 
 
@@ -274,39 +274,65 @@ def load(url: str, plan: Plan, clients: int, lines: list[str]) -> dict:
     }
 
 
-def measure(url: str, plan: Plan) -> dict:
-    lines = list(plan.lines[1:])  # each message once per server; the same ones for every server
-    lines.reverse()
-    out = {"chat": chat(url, plan, lines)}
-    one = load(url, plan, 1, lines)
-    many = load(url, plan, plan.clients, lines)
-    out["load_1_client"] = one
-    out[f"load_{plan.clients}_clients"] = many
-    out["concurrency_speedup"] = round(many["tokens_per_s"] / one["tokens_per_s"], 3)
+def _load_summary(runs: list[dict]) -> dict:
+    """The median run by tokens per second (its latencies with it); refusals summed."""
+    runs = sorted(runs, key=lambda r: r["tokens_per_s"])
+    out = dict(runs[len(runs) // 2])
+    out["refused"] = sum(r["refused"] for r in runs)
+    out["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     return out
 
 
+def _per_round(plan: Plan) -> int:
+    return plan.turns + plan.requests * (1 + plan.clients)
+
+
 def needed_lines(plan: Plan) -> int:
-    return 1 + plan.conversations * plan.turns + plan.requests * (1 + plan.clients)
+    return 1 + plan.rounds * _per_round(plan)
+
+
+def _round_lines(plan: Plan, k: int) -> list[str]:
+    """Round k's messages, last first (they are popped)."""
+    n = _per_round(plan)
+    return list(reversed(plan.lines[1 + k * n : 1 + (k + 1) * n]))
 
 
 def run(plan: Plan, progress=lambda m: None) -> dict:
+    """Every server up at once (idle ones wait on a socket), measured in turn, round after
+    round, so a noisy machine weighs on all of them alike; medians over the rounds."""
     if len(plan.lines) < needed_lines(plan):
         raise MacserveError(f"the bench needs {needed_lines(plan)} user messages")
-    results: dict = {}
     with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
         log_dir = plan.log_dir or Path(tmp)
         baseline_model = plan.model
         if mx.default_device().type == mx.DeviceType.cpu:
             progress("float32 copy of the model for mlx_lm.server (MLX's CPU backend)")
             baseline_model = _f32_copy(plan.model, Path(tmp) / "model-f32")
-        for t in targets(plan.model):
-            if t.kind == "mlx_lm":
-                t = Target(t.name, t.argv[:-1] + (str(baseline_model),), t.kind)
-            progress(f"{t.name}: starting")
-            with running(t, plan, log_dir) as url:
-                progress(f"{t.name}: measuring")
-                results[t.name] = measure(url, plan)
+        with contextlib.ExitStack() as stack:
+            urls = {}
+            for t in targets(plan.model):
+                if t.kind == "mlx_lm":
+                    t = Target(t.name, t.argv[:-1] + (str(baseline_model),), t.kind)
+                progress(f"{t.name}: starting")
+                urls[t.name] = stack.enter_context(running(t, plan, log_dir))
+            raw = {n: {"chat": [], "one": [], "many": []} for n in urls}
+            for k in range(plan.rounds):
+                for name, url in urls.items():
+                    progress(f"round {k + 1}/{plan.rounds}: {name}")
+                    lines = _round_lines(plan, k)  # the same messages for every server
+                    raw[name]["chat"].append(conversation(url, plan, lines))
+                    raw[name]["one"].append(load(url, plan, 1, lines))
+                    raw[name]["many"].append(load(url, plan, plan.clients, lines))
+    many = f"load_{plan.clients}_clients"
+    results = {}
+    for name, r in raw.items():
+        one, several = _load_summary(r["one"]), _load_summary(r["many"])
+        results[name] = {
+            "chat": _chat_summary(r["chat"]),
+            "load_1_client": one,
+            many: several,
+            "concurrency_speedup": round(several["tokens_per_s"] / one["tokens_per_s"], 3),
+        }
     base = results["mlx_lm.server"]
     many = f"load_{plan.clients}_clients"
     ratios = {}
@@ -333,7 +359,7 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
         "device": str(mx.default_device()),
         "plan": {
             "turns": plan.turns,
-            "conversations": plan.conversations,
+            "rounds": plan.rounds,
             "answer_tokens": plan.answer_tokens,
             "clients": plan.clients,
             "requests_per_client": plan.requests,
