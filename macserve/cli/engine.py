@@ -432,7 +432,8 @@ def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tok
         )
     for name, q in res["vs_mlx_lm_server"].items():
         click.echo(
-            f"{name} / mlx_lm.server: follow-up TTFT {q['follow_up_ttft']:.2f}x, "
+            f"{name} / mlx_lm.server: last-turn TTFT {q['follow_up_ttft']:.2f}x "
+            f"(every follow-up turn {q['follow_up_ttft_mean']:.2f}x), "
             f"{clients}-client tokens/s {q[f'tokens_per_s_{clients}_clients']:.2f}x, "
             f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
         )

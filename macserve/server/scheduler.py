@@ -377,6 +377,17 @@ class Scheduler:
         s.caches = None
         self.on_done(s.job, "disconnected" if s.job.disconnected else "served")
 
+    def fail_all(self, e: Exception) -> None:
+        """Every request in flight fails (the step itself raised: their state is unknown)."""
+        seqs = list(self.prefilling) + self.active + ([self.drafter] if self.drafter else [])
+        self.prefilling.clear()
+        self.active.clear()
+        self.drafter = None
+        for s in seqs:
+            if s.gen is not None:
+                s.gen.close()
+            self._fail(s, e)
+
     def _fail(self, s: Seq, e: Exception) -> None:
         log.error("generation failed: %s\n%s", e, "".join(traceback.format_exception(e)))
         s.caches = None

@@ -196,7 +196,10 @@ class Worker(threading.Thread):
                     except queue.Empty:
                         break
                     self._admit(sched, job)
-                sched.step()
+                try:
+                    sched.step()
+                except Exception as e:  # noqa: BLE001 - a bug must not stop the thread for good
+                    sched.fail_all(e)
 
     def _admit(self, sched: Scheduler, job: Job) -> None:
         if job.cancelled.is_set():
