@@ -359,10 +359,10 @@ def _demo_acceptance() -> float:
     return row["acceptance_per_position"][0]
 
 
-def _user_messages(n: int, chars: int = 60) -> list[str]:
+def _user_messages(n: int, chars: int = 80) -> list[str]:
     """Chat messages from the demo model's held-out plays: consecutive speeches joined and cut
     to `chars` characters (the demo tokenizer spends about a token per character, so a
-    10-turn chat with 32-token answers reaches a ~700-token history)."""
+    10-turn chat with answers of up to 32 tokens reaches a ~700-token history)."""
     out, cur = [], ""
     for sp in tiny_data.speeches(tiny_data.held_out_text()):
         cur = f"{cur}\n{sp}" if cur else sp
@@ -380,7 +380,7 @@ def _user_messages(n: int, chars: int = 60) -> list[str]:
 @click.option(
     "--rounds",
     type=click.IntRange(1),
-    default=3,
+    default=5,
     show_default=True,
     help="each: a chat, one client, then the concurrent clients, on every server in turn; "
     "medians are reported",

@@ -62,7 +62,7 @@ class Plan:
     model: Path
     lines: tuple[str, ...]  # user messages, each used once per run
     turns: int = 10
-    rounds: int = 3  # each: one chat, one client, `clients` clients, per server
+    rounds: int = 5  # each: one chat, one client, `clients` clients, per server
     answer_tokens: int = 32  # per chat turn
     clients: int = 8
     requests: int = 3  # per client
