@@ -422,7 +422,8 @@ def test_anthropic_messages_streaming_and_not(claude):
     assert text == m.content[0].text == final.content[0].text
     assert final.usage.output_tokens == 10 and final.stop_reason == "max_tokens"
     n = claude.messages.count_tokens(model="tiny-mla", system=kw["system"], messages=kw["messages"])
-    assert n.input_tokens == m.usage.input_tokens
+    # Anthropic's split: input_tokens are those not read from the prompt cache.
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
     cut = text[2:5]
     s = claude.messages.create(**{**kw, "stop_sequences": [cut]})
     assert s.stop_reason == "stop_sequence" and s.stop_sequence == cut

@@ -30,6 +30,8 @@ def server(tmp_path_factory):
         "1",
         "--allowed-origins",
         ORIGIN,
+        "--max-batch",
+        "1",
         "--max-queue",
         "0",
         "--request-timeout",
@@ -82,7 +84,9 @@ def test_requests_longer_than_the_read_timeout_are_not_cut(server):
     """The header timer stops once a request's headers are in: a stream running past
     --read-timeout (1 s here) ends normally, and the connection serves another request."""
     with httpx.Client(timeout=30) as h:
-        body = {"messages": HELLO, "max_tokens": 150, "temperature": 0, "stream": True}
+        # 400 tokens take longer than the read timeout; the request timeout (2 s) may cut them
+        # first, which ends the stream normally too ("length").
+        body = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "stream": True}
         t0 = time.monotonic()
         with h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             lines = [x for x in r.iter_lines() if x.startswith("data:")]
@@ -162,9 +166,9 @@ def _first_token(h: httpx.Client, url: str, body: dict):
 
 
 def test_a_full_queue_gets_503_with_retry_after_and_the_deadline_cuts_long_answers(server):
-    """--max-queue 0: while one request runs, the next is refused at once (503, Retry-After;
-    529 on the Anthropic path). --request-timeout 2: the running one is cut at its deadline
-    with finish_reason "length", long before its max_tokens."""
+    """--max-batch 1 --max-queue 0: while one request runs, the next is refused at once (503,
+    Retry-After; 529 on the Anthropic path). --request-timeout 2: the running one is cut at
+    its deadline with finish_reason "length", long before its max_tokens."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     body = {"messages": HELLO, "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as h:
@@ -196,11 +200,12 @@ def test_cors_is_off_by_default(tmp_path):
 
 
 def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int):
-    """Start a server, open a stream of `max_tokens`, queue a non-streaming request behind it,
-    SIGTERM the server after the stream's first token. Returns (stream lines after the
-    first token, the queued request's response, the server's exit wait in seconds)."""
+    """Start a server (one sequence at a time), open a stream of `max_tokens`, queue a
+    non-streaming request behind it, SIGTERM the server after the stream's first token.
+    Returns (stream lines after the first token, the queued request's response, the
+    server's exit wait in seconds)."""
     queued: dict = {}
-    with serve(tmp_path, "--shutdown-grace", grace) as s:
+    with serve(tmp_path, "--shutdown-grace", grace, "--max-batch", "1") as s:
         body = {"messages": HELLO, "max_tokens": max_tokens, "temperature": 0, "stream": True}
         with httpx.Client(timeout=60) as h:
             r, lines = _first_token(h, s.url + "/v1/chat/completions", body)

@@ -73,6 +73,7 @@ BENCH = {
     "mtp": "macserve.cli.engine:bench_mtp",
     "dsa": "macserve.cli.engine:bench_dsa",
     "engine": "macserve.cli.engine:bench_engine",
+    "serve": "macserve.cli.engine:bench_serve",
 }
 DEV = {
     "train-tiny": "macserve.cli.dev:train_tiny",

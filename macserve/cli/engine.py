@@ -1,4 +1,5 @@
-"""The engine's commands: `calibrate`, `generate`, `bench kv|mtp|dsa` (docs/engine.md).
+"""The engine's commands: `calibrate`, `generate`, `bench kv|mtp|dsa|engine|serve`
+(docs/engine.md, docs/server.md).
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
@@ -20,6 +21,7 @@ from ..engine.bench import dsa as dsa_bench
 from ..engine.bench import engine as engine_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
+from ..engine.bench import serve as serve_bench
 from ..engine.caches import CacheSpec, EngineOptions, shipped_rotation
 from ..engine.calibration import calibration_windows, collect, fit
 from ..engine.model import Bundle, load
@@ -412,3 +414,83 @@ def _demo_acceptance() -> float:
     ps = _held_out_prompts(bundle.tokenizer, 8, 64)
     row = mtp_bench.run(bundle.model, bundle.mtp(), ps, 1, 64, lambda: bundle.caches())
     return row["acceptance_per_position"][0]
+
+
+def _user_messages(n: int, chars: int = 80) -> list[str]:
+    """Chat messages from the demo model's held-out plays: consecutive speeches joined and cut
+    to `chars` characters (the demo tokenizer spends about a token per character, so a
+    10-turn chat with answers of up to 32 tokens reaches a ~700-token history)."""
+    out, cur = [], ""
+    for sp in tiny_data.speeches(tiny_data.held_out_text()):
+        cur = f"{cur}\n{sp}" if cur else sp
+        if len(cur) >= chars:
+            out.append(cur[:chars])
+            cur = ""
+            if len(out) == n:
+                break
+    return out
+
+
+@click.command("serve")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--turns", type=click.IntRange(2), default=10, show_default=True)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="each: a chat, one client, then the concurrent clients, on every server in turn; "
+    "medians are reported",
+)
+@click.option("--answer-tokens", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--clients", type=click.IntRange(2), default=8, show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=3, show_default=True, help="per client")
+@click.option(
+    "--load-tokens",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="max_tokens of each load request",
+)
+@click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
+@click.option("--json", "as_json", is_flag=True)
+def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tokens, logs, as_json):
+    """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
+    HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
+    clients; ratios against mlx_lm.server."""
+    plan = serve_bench.Plan(
+        Path(model).resolve(),
+        (),
+        turns=turns,
+        rounds=rounds,
+        answer_tokens=answer_tokens,
+        clients=clients,
+        requests=requests,
+        load_tokens=load_tokens,
+        log_dir=Path(logs).resolve() if logs else None,
+    )
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+    lines = _user_messages(serve_bench.needed_lines(plan))
+    plan = serve_bench.Plan(**{**plan.__dict__, "lines": tuple(lines)})
+    res = serve_bench.run(plan, progress=lambda m: click.echo(f"... {m}", err=True))
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    for name, r in res["servers"].items():
+        c, one, many = r["chat"], r["load_1_client"], r[f"load_{clients}_clients"]
+        click.echo(
+            f"{name}: chat TTFT per turn {', '.join(f'{t * 1000:.0f}' for t in c['ttft_per_turn_s'])} ms; "
+            f"last turn ({c['last_turn_prompt_tokens']} prompt tokens) {c['last_turn_ttft_s'] * 1000:.0f} ms "
+            f"vs {c['same_history_cold_ttft_s'] * 1000:.0f} ms cold ({c['warm_over_cold']:.2f}x); "
+            f"1 client {one['tokens_per_s']:.1f} tok/s, {clients} clients {many['tokens_per_s']:.1f} "
+            f"tok/s ({r['concurrency_speedup']:.2f}x), p50 {many['latency_p50_s']:.2f} s, "
+            f"p95 {many['latency_p95_s']:.2f} s, refused {many['refused']}"
+        )
+    for name, q in res["vs_mlx_lm_server"].items():
+        click.echo(
+            f"{name} / mlx_lm.server: last-turn TTFT {q['follow_up_ttft']:.2f}x "
+            f"(every follow-up turn {q['follow_up_ttft_mean']:.2f}x), "
+            f"{clients}-client tokens/s {q[f'tokens_per_s_{clients}_clients']:.2f}x, "
+            f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
+        )

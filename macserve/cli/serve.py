@@ -6,6 +6,7 @@ from .. import env
 from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.model import read_config
 from ..server.app import Settings, run
+from ..sizing.budget import parse_size
 
 
 @click.command()
@@ -96,6 +97,20 @@ from ..server.app import Settings, run
     help="On SIGTERM, seconds running requests get to finish (queued ones get 503 at once).",
 )
 @click.option(
+    "--max-batch",
+    type=click.IntRange(1, 256),
+    default=8,
+    show_default=True,
+    help="Requests decoded together (continuous batching); more wait in the queue.",
+)
+@click.option(
+    "--prompt-cache-bytes",
+    default="4GB",
+    show_default=True,
+    help="Memory for the caches of recent requests, reused by requests that share a prefix "
+    "(least recently used dropped first); 0 turns the prompt cache off.",
+)
+@click.option(
     "--split",
     help="Under mlx.launch: layers per rank, N1,N2,... (rank 0 runs the "
     "last layers) [default: mlx-lm's even split].",
@@ -116,6 +131,8 @@ def serve(
     allowed_origins,
     allowed_hosts,
     shutdown_grace,
+    max_batch,
+    prompt_cache_bytes,
     split,
 ):
     """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions,
@@ -125,6 +142,7 @@ def serve(
         layers = tuple(int(x) for x in split.split(",")) if split else None
     except ValueError:
         raise click.BadParameter("layer counts N1,N2,...", param_hint="--split") from None
+    cache_bytes = 0 if prompt_cache_bytes.strip() == "0" else parse_size(prompt_cache_bytes)
     read_config(model)  # a missing folder or config.json is the first thing to say
     options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
     run(
@@ -143,6 +161,8 @@ def serve(
             allowed_origins=_names(allowed_origins),
             allowed_hosts=_names(allowed_hosts),
             shutdown_grace=shutdown_grace,
+            max_batch=max_batch,
+            prompt_cache_bytes=cache_bytes,
         )
     )
 

@@ -229,11 +229,17 @@ def quantized_attention(
 ):
     """Attention of x's tokens through `cache`. With `indexer_cache` (a DSA model) each query
     attends only to the tokens its lightning indexer selects, as mlx-lm's deepseek_v32 does."""
-    B, L, _ = x.shape
-    H = attn.num_heads
     q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
+    out = _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, indexer_cache)
+    return attn.o_proj(out)
+
+
+def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, indexer_cache):
+    """quantized_attention after the projections and RoPE, before the output projection."""
+    B, L, _ = x.shape
+    H = attn.num_heads
     if observer is not None:
         observer(attn.embed_q(q_nope), latent)
     cache.append(latent, k_pe)
@@ -261,7 +267,40 @@ def quantized_attention(
     held = cache.arrays() + (indexer_cache.arrays() if indexer_cache is not None else [])
     # The cache's own updates (codes of tokens leaving the window, the compacted window, an
     # indexer key not read yet) are evaluated with the output, step by step, not left to grow.
-    return attn.o_proj(mx.depends(out, held) if held else out)
+    return mx.depends(out, held) if held else out
+
+
+def batched_decode(attn, x, caches: list):
+    """One token per sequence (x: (B, 1, D)), sequence b through caches[b] at its own offset:
+    the projections, RoPE (with per-row offsets) and the output projection run once for the
+    B rows; each row's cache update and attention on its own. Rotated latent caches take the
+    quantized path row by row; mlx-lm's plain caches its absorbed L == 1 path, with the
+    latent-space maps (embed_q, unembed_out) once for all rows."""
+    q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
+    offsets = mx.array([c.offset for c in caches])
+    q_pe = attn.rope(q_pe, offsets)
+    k_pe = attn.rope(k_pe, offsets)
+    rows = []
+    if isinstance(caches[0], RotatedLatentCache):
+        for b, c in enumerate(caches):
+            r = slice(b, b + 1)
+            q_r = None if qr is None else qr[r]
+            rows.append(
+                _quantized_core(
+                    attn, x[r], c, q_nope[r], q_pe[r], latent[r], k_pe[r], q_r, None, None
+                )
+            )
+        return attn.o_proj(mx.concatenate(rows, axis=0))
+    q_lat, q_pe = attn.embed_q(q_nope), q_pe * attn.scale
+    for b, c in enumerate(caches):
+        r = slice(b, b + 1)
+        lat, pe = c.update_and_fetch(latent[r], k_pe[r])
+        scores = q_pe[r] @ pe.swapaxes(-1, -2)
+        rows.append(
+            scaled_dot_product_attention(q_lat[r], lat, lat, cache=c, scale=attn.scale, mask=scores)
+        )
+    out = attn.unembed_out(mx.concatenate(rows, axis=0))
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(len(caches), 1, -1))
 
 
 # Up to this many queries, attention over an ordinary cache stays in latent space as well.
@@ -301,6 +340,10 @@ def _patched_class(base: type) -> type:
                 # (read once for all), each attends through its own cache and offset.
                 if x.shape[1] != 1:
                     raise ValueError("a SequenceBatch decodes one token per sequence")
+                kinds = {isinstance(c, RotatedLatentCache) for c in cache.caches}
+                if len(kinds) == 1 and not isinstance(cache.caches[0], CacheList):
+                    return batched_decode(self, x, cache.caches)
+                # DSA layers (CacheList: latent + indexer key): each row on its own.
                 rows = [self(x[b : b + 1], None, c) for b, c in enumerate(cache.caches)]
                 return mx.concatenate(rows, axis=0)
             if isinstance(cache, RotatedLatentCache):

@@ -244,12 +244,20 @@ class MTPDecoder:
         seed: int = 0,
         draft: bool = True,
         progress=None,
+        mtp_cache=None,
+        cached: int = 0,
+        on_prefilled=None,
     ):
-        """Yield tokens; `self.stats` holds the draft statistics of the current generation."""
+        """Yield tokens; `self.stats` holds the draft statistics of the current generation.
+
+        A prompt cache may hand over `caches` and `mtp_cache` already holding the first
+        `cached` prompt tokens and as many MTP rows (the row of the last of them included:
+        its next token is known); only the rest of the prompt is prefilled.
+        `on_prefilled(caches, mtp_cache)` is called once the prompt is in (to snapshot it)."""
         rng = np.random.default_rng(seed)
         greedy = temperature <= 0
         caches = caches if caches is not None else make_prompt_cache(self.model)
-        mtp_cache = self.mtp_cache()
+        mtp_cache = mtp_cache if mtp_cache is not None else self.mtp_cache()
         self.stats = stats = DraftStats(self.k)
         self.timings = {"prompt_s": 0.0, "decode_s": 0.0}
 
@@ -260,7 +268,9 @@ class MTPDecoder:
             return int(rng.choice(len(p), p=p))
 
         t0 = time.perf_counter()
-        h_last = self.prefill(prompt, caches, mtp_cache, self.prefill_step, progress)
+        h_last = self.prefill(prompt[cached:], caches, mtp_cache, self.prefill_step, progress)
+        if on_prefilled is not None:
+            on_prefilled(caches, mtp_cache)
         t = pick(self.model.lm_head(h_last)[0, -1])
         self.timings["prompt_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -216,9 +216,13 @@ def stop_reason(finish: str, calls: int) -> str:
 
 
 def usage(stats: dict) -> dict:
+    """Anthropic's split: `input_tokens` are those not read from the cache."""
+    cached = stats.get("cached_tokens", 0)
     return {
-        "input_tokens": stats.get("prompt_tokens", 0),
+        "input_tokens": stats.get("prompt_tokens", 0) - cached,
         "output_tokens": stats.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
     }
 
 
@@ -249,8 +253,9 @@ class Stream:
     """The Messages API's event sequence: message_start, then content blocks (start, deltas,
     stop), then message_delta (stop_reason, usage) and message_stop."""
 
-    def __init__(self, rid: str, model: str, prompt_tokens: int):
+    def __init__(self, rid: str, model: str, prompt_tokens: int, cached: int = 0):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
+        self.cached = cached  # prompt tokens the prompt cache gave (known once the job starts)
         self.index = -1
         self.open: str | None = None  # the type of the block being written
         self.calls = 0
@@ -264,7 +269,7 @@ class Stream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+            "usage": usage({"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached}),
         }
         return [
             event("message_start", {"type": "message_start", "message": msg}),

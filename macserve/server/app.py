@@ -59,6 +59,8 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback's own
     shutdown_grace: float = 10.0  # on SIGTERM, seconds running requests get to finish
+    max_batch: int = 8  # sequences decoded together (one under mlx.launch)
+    prompt_cache_bytes: int = 4 * 2**30  # the prompt cache's budget; 0: off
 
     @property
     def model_id(self) -> str:
@@ -78,7 +80,14 @@ class _SSEResponse(StreamingResponse):
 class Engine:
     def __init__(self, settings: Settings, on_load_failed):
         self.settings = settings
-        self.worker = Worker(settings.model, settings.options, on_load_failed, settings.split)
+        self.worker = Worker(
+            settings.model,
+            settings.options,
+            on_load_failed,
+            settings.split,
+            max_batch=settings.max_batch,
+            prompt_cache_bytes=settings.prompt_cache_bytes,
+        )
 
     @property
     def ctx(self) -> int:
@@ -97,9 +106,15 @@ class Engine:
         return self.worker.bundle
 
     def retry_after(self) -> int:
-        """Seconds until the queue has likely moved: its length times a job's average time."""
+        """Seconds until the queue has likely moved: its length times a job's average time,
+        over the sequences that run at once."""
         w = self.worker
-        return max(1, min(60, math.ceil((w.queued() + 1) * w.job_seconds)))
+        return max(1, min(60, math.ceil((w.queued() + 1) * w.job_seconds / w.max_batch)))
+
+    def full(self) -> bool:
+        """Every batch slot taken and --max-queue requests waiting behind them."""
+        w = self.worker
+        return w.queued() + w.in_flight() >= w.max_batch + self.settings.max_queue
 
     def refuse_if_draining(self) -> None:
         if self.worker.drain_until is not None:
@@ -357,7 +372,7 @@ async def _openai_events(job, req, rid, model, vocab, fmt):
 
 
 async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
-    s = A.Stream(rid, model, n_prompt)
+    s = A.Stream(rid, model, n_prompt, job.cached_tokens)
     try:
         for b in s.start():
             yield b
@@ -414,8 +429,7 @@ async def _generate(request: Request, kind: str, api: str = "openai") -> Respons
     job = None
     try:
         req, ids, max_tokens, spec = await _prepare(request, api, kind)
-        w = eng.worker
-        if w.queued() >= eng.settings.max_queue and (w.busy or w.queued() > 0):
+        if eng.full():
             raise P.ApiError(
                 503,
                 f"{eng.settings.max_queue} requests are already waiting; retry later",
@@ -536,10 +550,12 @@ async def health(request: Request) -> Response:
             "model": eng.settings.model_id,
             "n_ctx": eng.ctx,
             "busy": w.busy,
+            "decoding": w.in_flight(),
             "queued": w.queued(),
             "served": w.served,
             "disconnected": w.disconnected,
             "failed": w.failed,
+            "prompt_cache": w.prompt_cache.stats(),
         }
     )
 

@@ -443,7 +443,12 @@ def new_id(kind: str) -> str:
 
 def usage(stats: dict) -> dict:
     p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)},
+    }
 
 
 def timings(stats: dict) -> dict:
@@ -451,6 +456,7 @@ def timings(stats: dict) -> dict:
     p_s, g_s = stats.get("prompt_seconds", 0.0), stats.get("generation_seconds", 0.0)
     return {
         "prompt_n": stats.get("prompt_tokens", 0),
+        "cache_n": stats.get("cached_tokens", 0),
         "prompt_ms": round(p_s * 1000, 3),
         "prompt_per_second": round(stats.get("prompt_tps", 0.0), 3),
         "predicted_n": stats.get("completion_tokens", 0),

@@ -1,11 +1,17 @@
-"""The one thread that owns the model: it loads it, then runs queued jobs one at a time.
+"""The one thread that owns the model: it loads it, then runs every request.
 
 MLX work stays on this thread (the model, its caches and mlx-lm's generation stream are not
-shared), and a FIFO queue.Queue serves requests in arrival order. Each job hands its Steps to
+shared). Requests wait in a FIFO queue.Queue and are taken in arrival order while fewer than
+`max_batch` are in flight; the scheduler (scheduler.py) prefills them one at a time and decodes
+them together, with the prompt cache (prompt_cache.py) in front. Each job hands its Steps to
 the request's event loop through call_soon_threadsafe; a job whose client went away is
-skipped if still queued and stopped at the next token if running. A job also stops at its
+skipped if still queued and stopped at its next token if running. A job also stops at its
 deadline (`ended_by = "deadline"`) and, once the server drains for shutdown, at the drain's
 end (`"shutdown"`); a job still queued when draining starts is refused (`"shutdown"`).
+
+Under mlx.launch (several ranks) jobs run one at a time, without the prompt cache, through
+`engine.generate.stream` in lockstep with the other ranks (ranks.py): batching would have to
+be mirrored on every rank step by step, which this path does not do.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
 
 from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
 from . import grammar, ranks
+from .prompt_cache import PromptCache
 from .ranks import Ranks
+from .scheduler import Scheduler
 
 log = logging.getLogger("macserve.server")
 
@@ -50,6 +59,8 @@ class Job:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
     disconnected: bool = False  # cancelled because the client left (vs. a stop string matched)
+    t_started: float | None = None  # time.monotonic() when the worker took it
+    cached_tokens: int = 0  # prompt tokens the prompt cache gave (set before `started`)
     ended_by: str | None = None  # "deadline" | "shutdown": the server stopped it
 
     def cancel(self) -> None:
@@ -74,21 +85,31 @@ class Job:
 
 class Worker(threading.Thread):
     def __init__(
-        self, model: str, options: EngineOptions, on_load_failed: Callable[[str], None], split=None
+        self,
+        model: str,
+        options: EngineOptions,
+        on_load_failed: Callable[[str], None],
+        split=None,
+        max_batch: int = 8,
+        prompt_cache_bytes: int = 0,
     ):
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.options = options
         self.split = split
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.scheduler: Scheduler | None = None
         self.on_load_failed = on_load_failed
         self.bundle = None
         self.error: str | None = None
         self.jobs: queue.Queue[Job] = queue.Queue()
-        self.busy = False
+        self._running = False  # the ranks path: a job is running
         self.served = 0
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
         self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
+        # Sequences decoded together; one under mlx.launch (see the module's docstring).
+        self.max_batch = 1 if self.ranks.distributed else max_batch
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
         self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
@@ -99,6 +120,15 @@ class Worker(threading.Thread):
 
     def queued(self) -> int:
         return self.jobs.qsize()
+
+    def in_flight(self) -> int:
+        """Requests taken from the queue and not finished yet."""
+        sched = self.scheduler
+        return sched.in_flight() if sched is not None else int(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight() > 0
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -142,6 +172,66 @@ class Worker(threading.Thread):
             log.error("loading %s failed: %s", self.model, self.error)
             self.on_load_failed(self.error)
             return
+        if self.ranks.distributed:
+            self._run_ranks()
+        else:
+            self._run_batched()
+
+    # -- one process: continuous batching -----------------------------------------------------
+
+    def _run_batched(self) -> None:
+        sched = Scheduler(
+            self.bundle,
+            self.options,
+            self.prompt_cache,
+            lambda job: ranks.processors(job.constraint, job.top_k, self.vocab),
+            self._done,
+        )
+        self.scheduler = sched
+        with wired_limit(self.bundle.model, [generation_stream]), mx.stream(generation_stream):
+            while True:
+                while sched.in_flight() < self.max_batch:
+                    try:
+                        job = self.jobs.get(block=sched.idle())  # waits only when idle
+                    except queue.Empty:
+                        break
+                    self._admit(sched, job)
+                try:
+                    sched.step()
+                except Exception as e:  # noqa: BLE001 - a bug must not stop the thread for good
+                    sched.fail_all(e)
+
+    def _admit(self, sched: Scheduler, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.disconnected += job.disconnected
+            job.mark_started()
+            job.deliver(END)
+            return
+        if self.drain_until is not None:
+            job.ended_by = "shutdown"
+            job.mark_started()
+            job.deliver(END)
+            return
+        if job.seed is None:
+            job.seed = random.randrange(2**31)  # every job samples from its own seed
+        job.t_started = time.monotonic()
+        sched.admit(job, self._stop_check(job), alone=self.jobs.empty())  # sets cached_tokens
+        job.mark_started()
+
+    def _done(self, job: Job, outcome: str) -> None:
+        if outcome == "failed":
+            self.failed += 1
+        elif outcome == "disconnected":
+            self.disconnected += 1
+        else:
+            self.served += 1
+        took = time.monotonic() - (job.t_started or time.monotonic())
+        self.job_seconds = 0.8 * self.job_seconds + 0.2 * took
+        job.deliver(END)
+
+    # -- several ranks: one job at a time, in lockstep -----------------------------------------
+
+    def _run_ranks(self) -> None:
         while True:
             try:
                 job = self.jobs.get(timeout=ranks.HEARTBEAT if self.ranks.distributed else None)
@@ -157,7 +247,7 @@ class Worker(threading.Thread):
                 job.ended_by = "shutdown"
                 job.deliver(END)
                 continue
-            self.busy = True
+            self._running = True
             t0 = time.monotonic()
             try:
                 if job.seed is None:
@@ -170,7 +260,7 @@ class Worker(threading.Thread):
                     stop = self.ranks.synced_stop(stop)
                 self._run(job, stop)
             finally:
-                self.busy = False
+                self._running = False
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.monotonic() - t0)
                 job.deliver(END)
 

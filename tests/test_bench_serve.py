@@ -1,0 +1,37 @@
+"""`macserve bench serve` end to end, at its smallest: the three real servers (mlx_lm.server
+and macserve twice) start, answer the chat and the concurrent clients, and the report has
+every figure and ratio. Speed is the bench's to print, not this test's to judge."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from .conftest import REPO, TINY_MODEL
+
+
+def test_bench_serve_runs_all_three_servers_and_reports_ratios(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    small = ["--turns", "2", "--rounds", "1", "--clients", "2", "--requests", "1"]
+    small += ["--load-tokens", "4", "--answer-tokens", "4", "--logs", str(tmp_path / "logs")]
+    r = subprocess.run(
+        [sys.executable, "-m", "macserve", "bench", "serve", str(TINY_MODEL), "--json", *small],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert list(res["servers"]) == ["mlx_lm.server", "macserve", "macserve int2 mtp1"]
+    for s in res["servers"].values():
+        chat = s["chat"]
+        assert len(chat["ttft_per_turn_s"]) == 2 and chat["last_turn_prompt_tokens"] > 0
+        assert chat["same_history_cold_ttft_s"] > 0
+        for load in (s["load_1_client"], s["load_2_clients"]):
+            assert load["refused"] == 0 and load["completion_tokens"] > 0
+            assert load["latency_p50_s"] <= load["latency_p95_s"]
+    for q in res["vs_mlx_lm_server"].values():
+        assert all(math.isfinite(v) and v > 0 for v in q.values())
+    assert len(list((tmp_path / "logs").iterdir())) == 3  # every server's log kept
