@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import listen
 from ..engine.caches import EngineOptions
 from ..engine.model import read_config
 from ..errors import MacserveError
@@ -620,19 +620,6 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((host.strip("[]"), port))
-    except OSError as e:
-        s.close()
-        raise MacserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    s.set_inheritable(True)
-    return s
-
-
 def check_settings(settings: Settings) -> None:
     """Refuse what would only fail after the server is up: a missing folder, a --ctx the model
     cannot reach. (The cache spec refused a missing calibration when it was resolved.)"""
@@ -654,7 +641,7 @@ def run(settings: Settings) -> None:
     if ranks.rank > 0:  # under mlx.launch: only rank 0 answers HTTP
         follow(settings.model, settings.options, ranks, settings.split)
         return
-    sock = _bind(settings.host, settings.port)
+    sock = listen.bind(settings.host, settings.port)
     failure: list[str] = []
     server: uvicorn.Server | None = None
 

@@ -28,7 +28,6 @@ import contextlib
 import hmac
 import json
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ...errors import MacserveError
+from ... import listen
 from .. import providers
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
@@ -423,26 +422,13 @@ def create_app(settings: Settings) -> Starlette:
     return app
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((host.strip("[]"), port))
-    except OSError as e:
-        s.close()
-        raise MacserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    s.set_inheritable(True)
-    return s
-
-
 def run(settings: Settings) -> None:
     """Serve in the foreground until SIGTERM / Ctrl-C. The models it started keep running (a
     restarted router finds them and counts them as used from then on)."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sock = _bind(settings.host, settings.port)
+    sock = listen.bind(settings.host, settings.port)
     app = create_app(settings)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
     log.info(
