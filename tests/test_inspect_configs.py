@@ -58,9 +58,22 @@ ADDED = {
     # Nemotron-NAS: 49 attention layers x 8 KV heads (64 heads / 8 per group) x (128 + 128)
     # x 2 B; 31 layers have no attention (no_op).
     "nvidia__Llama-3_3-Nemotron-Super-49B-v1": (200704, 200704, 49 * 2 * 1088, 49 * 2 * 576, _),
+    # EXAONE 4.0 (LLLG): 16 global layers x 8 KV heads x (128 + 128) x 2 B; the 48 sliding
+    # layers (window 4,096) are state. q8_0: 128-value rows = 4 x 34 B; q4_0: 4 x 18 B.
+    # mlx-lm's exaone4.make_cache; llama.cpp's models/exaone4.cpp (SWA pattern 4).
+    "LGAI-EXAONE__EXAONE-4.0-32B": (65536, 65536, 16 * 8 * 272, 16 * 8 * 144, _),
+    # Gemma 3: the text_config has no `sliding_window_pattern`; mlx-lm's gemma3_text and
+    # llama.cpp's models/gemma3.cpp both default it to 6: 10 global layers (i % 6 == 5) x 16
+    # KV heads x (128 + 128) x 2 B; the 52 sliding layers (window 1,024) are state.
+    "google__gemma-3-27b-it": (81920, 81920, 10 * 16 * 272, 10 * 16 * 144, _),
+    # Hunyuan-A13B: `use_mla` false (`kv_lora_rank` null, not MLA) and `use_cla` false: GQA
+    # on all 32 layers (mlx-lm's hunyuan, llama.cpp's models/hunyuan-moe.cpp), 8 x 256 x 2 B.
+    "tencent__Hunyuan-A13B-Instruct": (131072, 131072, 32 * 8 * 272, 32 * 8 * 144, _),
+    # Llama 4 Scout: every 4th layer global, 12 x 8 KV heads x (128 + 128) x 2 B; the other
+    # 36 attend within chunks of 8,192 tokens (state: mlx-lm's ChunkedKVCache, llama.cpp's
+    # iSWA cache with n_swa = 8192).
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct": (49152, 49152, 12 * 8 * 272, 12 * 8 * 144, _),
 }
-# mlx-lm builds these but inspect cannot classify their layers: the mlx row alone, measured.
-UNCLASSIFIED = {"meta-llama__Llama-4-Scout-17B-16E-Instruct"}
 # EXPECTED.md gives a range for GLM-5.3-Flash's mlx/bf16 figure.
 GLM53_MLX_RANGE = (11264, 14080)
 
@@ -112,7 +125,7 @@ def _shape(name):
 
 def test_every_config_is_covered():
     names = {p.stem for p in CONFIGS.glob("*.json")}
-    assert names == set(EXPECTED) | set(DERIVED) | set(ADDED) | UNCLASSIFIED
+    assert names == set(EXPECTED) | set(DERIVED) | set(ADDED)
 
 
 @pytest.mark.parametrize("name", sorted(ADDED))
@@ -170,6 +183,10 @@ def test_kinds_of_layers():
     assert (ratios.count(0), ratios.count(4), ratios.count(128)) == (2, 21, 20)
 
 
+def test_kinds_of_layers_of_published_exaone4():
+    assert _shape("LGAI-EXAONE__EXAONE-4.0-32B").counts() == {"sliding": 48, "full": 16}
+
+
 STATE = {  # bytes per sequence that do not grow with context
     # mlx: ArraysCache conv tail bf16 (8192 x 3) + gated-delta state fp32 (32 x 128 x 128).
     ("Qwen__Qwen3.5-35B-A3B", "mlx/bf16"): 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4),
@@ -201,6 +218,19 @@ STATE = {  # bytes per sequence that do not grow with context
     + 21 * 2 * 8 * 1024 * 4
     + 20 * 2 * 128 * 512 * 4
     + 21 * 2 * 8 * 256 * 4,
+    # EXAONE 4.0 sliding layers: mlx ring of 4,096 tokens; llama.cpp PAD(4096 + 512) = 4,608
+    # cells; 48 layers x 8 KV heads x (128 + 128) x 2 B per token.
+    ("LGAI-EXAONE__EXAONE-4.0-32B", "mlx/bf16"): 48 * 4096 * 4096,
+    ("LGAI-EXAONE__EXAONE-4.0-32B", "llama.cpp/f16"): 48 * 4608 * 4096,
+    # Gemma 3: 52 sliding layers x 16 KV heads x (128 + 128) x 2 B per token: mlx a ring of
+    # 1,024; llama.cpp PAD(1024 + 512) = 1,536 cells.
+    ("google__gemma-3-27b-it", "mlx/bf16"): 52 * 1024 * 8192,
+    ("google__gemma-3-27b-it", "llama.cpp/f16"): 52 * 1536 * 8192,
+    ("tencent__Hunyuan-A13B-Instruct", "mlx/bf16"): 0,
+    # Llama 4: 36 chunked layers x 4,096 B per token: mlx's ChunkedKVCache holds the chunk
+    # plus the 256-row step it grows by before trimming; llama.cpp 8,192 + 512 cells.
+    ("meta-llama__Llama-4-Scout-17B-16E-Instruct", "mlx/bf16"): 36 * (8192 + 256) * 4096,
+    ("meta-llama__Llama-4-Scout-17B-16E-Instruct", "llama.cpp/f16"): 36 * 8704 * 4096,
 }
 
 

@@ -50,16 +50,14 @@ def test_mlx_lm_allocates_what_inspect_says(name):
     if (name, "mlx/bf16") in STATE:
         assert m.fixed == STATE[(name, "mlx/bf16")]
     c = mlx_check(cfg)
-    if name == "meta-llama__Llama-4-Scout-17B-16E-Instruct":
-        assert c.modelled is None and "llama4" in c.why  # measured only
-    else:
-        assert c.agree, c
+    assert c.agree, c
 
 
 @pytest.mark.parametrize("path", sorted(MLX_TESTS.glob("*.json")), ids=lambda p: p.stem)
 def test_mlx_lm_test_configs_agree_with_the_model(path):
     """lfm2, hunyuan, gemma3_text, gemma3n, kimi_linear, exaone4: small configs from mlx-lm's
-    own tests (no published config of these was found verbatim in a public repository)."""
+    own tests (no published config of lfm2, lfm2_moe, hunyuan_v1_dense, gemma3n or kimi_linear
+    was found verbatim in a public repository; gemma3, exaone4 and hunyuan are also above)."""
     c = mlx_check(_cfg(path))
     assert c.measured is not None, c.why
     assert c.agree, c
@@ -120,11 +118,16 @@ def test_rows_say_where_their_numbers_come_from():
     assert any("has no module" in n for n in d["notes"])
 
 
-def test_a_config_only_mlx_lm_understands_gets_its_measured_row_only():
-    path = str(CONFIGS / "meta-llama__Llama-4-Scout-17B-16E-Instruct.json")
+def test_a_config_only_mlx_lm_understands_gets_its_measured_row_only(tmp_path):
+    # youtu_llm: a model type mlx-lm 0.32.2 has and inspect cannot classify (its config names
+    # no layer kinds and it is not on the dense allow-list); Llama 3.1's fields build it.
+    cfg = json.loads((CONFIGS / "meta-llama__Meta-Llama-3.1-8B.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "model_type": "youtu_llm"}))
+    path = str(path)
     d = json.loads(CliRunner().invoke(main, ["inspect", path, "--json"]).stdout)
     assert d["row_source"]["mlx/bf16"] == "measured"
-    assert d["kv_bytes_per_token"]["mlx/bf16"] == 49152  # 12 global layers x 8 x (128 + 128) x 2 B
+    assert d["kv_bytes_per_token"]["mlx/bf16"] > 0
     assert d["kv_bytes_per_token"]["llama.cpp/f16"] is None
     assert "cannot classify" in d["unsupported"]["llama.cpp/f16"]
     # Without the engine check it is the classification error: one line, exit 2.

@@ -2,10 +2,10 @@
 skeleton (macserve/dev/llama_truth.py) that the real llama-server loads, and the caches it
 logs must be what inspect computes for the same `-c`.
 
-Runs every config in tests/configs whose architecture the skeleton writer maps (15 of 23;
-DeepSeek-V4, GLM-5.3, Llama 4 have no mapping yet, nor do the mlx-lm test configs), at
--c 4096 with one sequence; a few seconds each (tensor discovery: one llama-server start per
-kind of tensor)."""
+Runs 15 of the 24 configs in tests/configs, one per llama.cpp architecture and kind of
+memory (`macserve dev llama-truth tests/configs/*.json` runs all 24; the mlx-lm test configs
+are not run), at -c 4096 with one sequence, Llama 4 and EXAONE 4 also past their window; a
+few seconds each (tensor discovery: one llama-server start per kind of tensor)."""
 
 import json
 
@@ -15,7 +15,9 @@ from click.testing import CliRunner
 from macserve.cli import main
 from macserve.dev import llama_truth
 from macserve.errors import MacserveError
-from macserve.sizing.report import llama_bytes_at
+from macserve.sizing.arch import shape_from_config, shape_from_gguf
+from macserve.sizing.kv_layout import Layout, layout
+from macserve.sizing.sources import read_gguf_file
 
 from .conftest import CONFIGS
 
@@ -32,8 +34,42 @@ ONE_PER_ARCH = [
     "moonshotai__Kimi-K3",  # kimi-k3: KDA recurrent + MLA
     "nvidia__Llama-3_3-Nemotron-Super-49B-v1",  # deci: layers without attention
     "XiaomiMiMo__MiMo-V2-Flash",  # mimo2: per-layer KV heads, K 192 / V 128
+    # deepseek4: K-only window on every layer, CSA (1/4) and HCA (1/128) compressed K and
+    # CSA indexer keys each padded to 256 cells, f32 compressor states
+    "deepseek-ai__DeepSeek-V4-Flash",
+    # glm5-next: KDA recurrent + nope-only MLA + k-pool indexer rows (key | gate | pooled)
+    "zai-org__GLM-5.3-Flash.RECONSTRUCTED",
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct",  # llama4: chunked iSWA, n_swa = 8192
+    "LGAI-EXAONE__EXAONE-4.0-32B",  # exaone4: LLLG sliding pattern, window 4096
+    "google__gemma-3-27b-it",  # gemma3: llama.cpp's default pattern 6, window 1024
+    "tencent__Hunyuan-A13B-Instruct",  # hunyuan-moe: GQA on every layer
 ]
 MAPPED = [CONFIGS / f"{n}.json" for n in ONE_PER_ARCH]
+# Also read back from the skeleton GGUF: inspect's GGUF path must agree with llama.cpp too
+# (`macserve inspect model.gguf` reads those keys, not the config).
+GGUF_ALSO = {
+    "deepseek-ai__DeepSeek-V4-Flash",
+    "zai-org__GLM-5.3-Flash.RECONSTRUCTED",
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct",
+    "google__gemma-3-27b-it",
+    "tencent__Hunyuan-A13B-Instruct",
+}
+# Contexts past the window + ubatch (a window no shorter than -c 4096 is not seen at 4096):
+# Llama 4's chunk, 8,192 + 512 cells; EXAONE 4's window, 4,096 + 512 = 4,608 cells.
+MORE_CTX = {
+    "meta-llama__Llama-4-Scout-17B-16E-Instruct": (16384,),
+    "LGAI-EXAONE__EXAONE-4.0-32B": (8192,),
+}
+
+
+def _cells_at(lay: Layout, ctx: int) -> int:
+    """Bytes per cell of the buffers inspect sizes at exactly the padded context."""
+    cells = -(-ctx // lay.pad) * lay.pad
+    return sum(
+        b.row
+        for b in lay.buffers
+        if Layout(lay.key, [b], pad_compressed=True, pad_window=True).bytes_at(ctx) == b.row * cells
+    )
 
 
 def test_every_listed_config_has_a_mapping():
@@ -44,17 +80,31 @@ def test_every_listed_config_has_a_mapping():
 @pytest.mark.parametrize("path", MAPPED, ids=lambda p: p.stem)
 def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
     cfg = json.loads(path.read_text())
-    got = llama_truth.measure(cfg, llama_server, CTX, tmp_path)
-    want, per_token = llama_bytes_at(cfg, CTX)
-    assert want is not None, per_token
-    # Every logged figure is MiB rounded to 2 decimals: that is the tolerance, no more.
-    assert got.mib == pytest.approx(want / 2**20, abs=got.tolerance_mib), (want, got.lines)
-    # The caches that grow: one row per cell of the padded context.
-    growing = [l for l in got.lines if l.cells == CTX]
-    assert growing, got.lines
-    per = sum(l.mib for l in growing) * 2**20 / CTX
-    assert per == pytest.approx(float(per_token), abs=0.005 * len(growing) * 2**20 / CTX), got.lines
-    assert all(t == "f16" for l in growing for _, t, _ in l.parts)
+    gguf = tmp_path / "skeleton.gguf"
+    sk = llama_truth.write_skeleton(cfg, gguf, llama_server)
+    from_gguf = shape_from_gguf(read_gguf_file(gguf).gguf_meta)
+    shapes = [shape_from_config(cfg)] + ([from_gguf] if path.stem in GGUF_ALSO else [])
+    for ctx in (CTX, *MORE_CTX.get(path.stem, ())):
+        got = llama_truth.caches_of(gguf, sk.arch, llama_server, ctx)
+        for shape in shapes:
+            lay = layout(shape, "llama.cpp/f16")
+            assert lay.supported, lay.reason
+            # Every logged figure is MiB rounded to 2 decimals: that is the tolerance, no more.
+            want = lay.bytes_at(ctx)
+            assert got.mib == pytest.approx(want / 2**20, abs=got.tolerance_mib), (
+                ctx,
+                want,
+                got.lines,
+            )
+            # The caches of one row per cell of the padded context: what inspect sizes at
+            # exactly that many rows (its per-token rows, and windows no shorter than ctx;
+            # past every window, inspect's per-token figure).
+            per_cell = _cells_at(lay, ctx)
+            growing = [l for l in got.lines if l.cells == ctx]
+            per = sum(l.mib for l in growing) * 2**20 / ctx
+            tol = 0.005 * len(growing) * 2**20 / ctx
+            assert per == pytest.approx(per_cell, abs=tol), (ctx, got.lines)
+            assert all(t == "f16" for l in growing for _, t, _ in l.parts)
 
 
 def test_the_skeleton_is_small_and_says_what_llama_cpp_needs(llama_server, tmp_path):

@@ -18,7 +18,8 @@ written); nothing is computed (`--no-warmup`).
 
 `measure(config, server, ctx)` then runs `llama-server --fit off --no-warmup -lv 4 -c ctx
 -np 1` and parses every cache line llama.cpp prints (`llama_kv_cache: size = ...`,
-`llama_memory_recurrent: size = ...`), in MiB with two decimals as logged.
+`llama_memory_recurrent: size = ...`, DeepSeek-V4's `llama_dsv4_comp_state: ... size = ...`),
+in MiB with two decimals as logged.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ _NOT_FOUND = re.compile(r"tensor '([^']+)' not found|missing tensor '([^']+)'")
 _WRONG = re.compile(r"tensor '([^']+)' has wrong shape; expected ([\d,\s]+), got")
 _KV_LINE = re.compile(
     r"(llama_kv_cache|llama_memory_recurrent)\w*: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers"
+)
+# llama_dsv4_comp_state (src/llama-kv-cache-dsv4.cpp): DeepSeek-V4's f32 compressor states.
+_STATE_LINE = re.compile(
+    r"(llama_dsv4_comp_state)\w*: +(\w+) ratio = (\d+), state = (\d+) x (\d+), "
+    r"streams = \d+, rs_seq = \d+, layers = +(\d+), size = +([\d.]+) MiB"
 )
 _PARTS = re.compile(r"([KVRSP]) \((\w+)\): +([\d.]+) MiB")
 _COUNT = re.compile(r"wrong number of tensors; expected (\d+), got (\d+)")
@@ -301,7 +307,134 @@ def _deci(c):
     return Skeleton("deci", kv)
 
 
+def _llama4(c):
+    # convert_hf_to_gguf's Llama4Model (conversion/llama.py): no sliding_window key unless
+    # every layer is full attention; llama.cpp's llama4 loader (src/models/llama4.cpp,
+    # load_arch_hparams) then makes the layers chunked (3 of every 4) with n_swa = 8192.
+    kv = _base(c)
+    _moe(kv, c)
+    kv["interleave_moe_layer_step"] = int(c.get("interleave_moe_layer_step") or 1)
+    types = c.get("layer_types")
+    if isinstance(types, list) and all(t == "full_attention" for t in types):
+        kv["attention.sliding_window"] = 0
+    return Skeleton("llama4", kv)
+
+
+def _deepseek4(c):
+    # conversion/deepseek.py DeepseekV4Model.set_gguf_parameters; src/models/deepseek4.cpp
+    # load_arch_hparams reads every key below (none optional). block_count is the trunk:
+    # the converter counts the MTP layers only in an MTP-only export.
+    kv = _base(c)
+    n = kv["block_count"]
+    kv["attention.head_count_kv"] = int(_need(c, "num_key_value_heads"))
+    kv["attention.key_length"] = kv["attention.value_length"] = int(_need(c, "head_dim"))
+    kv["rope.dimension_count"] = int(_need(c, "qk_rope_head_dim"))
+    kv["attention.q_lora_rank"] = 32
+    kv["attention.sliding_window"] = int(_need(c, "sliding_window"))
+    kv["expert_count"] = 4
+    kv["expert_used_count"] = 2
+    kv["expert_feed_forward_length"] = SMALL_FF
+    kv["expert_shared_count"] = int(c.get("n_shared_experts") or 1)
+    kv["expert_weights_scale"] = float(c.get("routed_scaling_factor") or 1.0)
+    kv["expert_weights_norm"] = bool(c.get("norm_topk_prob", True))
+    kv["expert_gating_func"] = 4  # sqrtsoftplus: the only scoring the loader accepts
+    limit = float(c.get("swiglu_limit") or 10.0)
+    kv["swiglu_clamp_exp"] = [limit] * n
+    kv["swiglu_clamp_shexp"] = [limit] * n
+    kv["attention.indexer.head_count"] = int(_need(c, "index_n_heads"))
+    kv["attention.indexer.key_length"] = int(_need(c, "index_head_dim"))
+    kv["attention.indexer.top_k"] = int(_need(c, "index_topk"))
+    kv["attention.output_group_count"] = int(_need(c, "o_groups"))
+    kv["attention.output_lora_rank"] = 32
+    kv["attention.compress_ratios"] = [int(r) for r in _need(c, "compress_ratios")]
+    kv["attention.compress_rope_freq_base"] = float(c.get("compress_rope_theta") or 160000.0)
+    kv["hyper_connection.count"] = int(_need(c, "hc_mult"))
+    kv["hyper_connection.sinkhorn_iterations"] = int(c.get("hc_sinkhorn_iters") or 20)
+    kv["hyper_connection.epsilon"] = float(c.get("hc_eps") or 1e-6)
+    kv["hash_layer_count"] = int(c.get("num_hash_layers") or 0)
+    kv["embedding_length_out"] = kv["embedding_length"] * kv["hyper_connection.count"]
+    return Skeleton("deepseek4", kv)
+
+
+def _glm5_next(c):
+    # conversion/glm.py Glm5NextModel.set_gguf_parameters; src/models/glm5-next.cpp
+    # load_arch_hparams: KDA layers are the ones with head_count_kv 0, the others nope-only
+    # MLA with a k-pool indexer; the NextN block is written after the trunk (as the converter
+    # does unless --no-mtp).
+    kv = _base(c)
+    _mla(kv, c)
+    types = _need(c, "layer_types")
+    nextn = int(c.get("num_nextn_predict_layers") or 0)
+    kv["block_count"] = len(types) + nextn
+    if nextn:
+        kv["nextn_predict_layers"] = nextn
+    kv["attention.head_count"] = int(_need(c, "num_attention_heads"))  # KDA: n_head wide
+    kv["attention.head_count_kv"] = [0 if t == "linear_attention" else 1 for t in types] + [
+        1
+    ] * nextn
+    lc = _need(c, "linear_attn_config")
+    kv["ssm.conv_kernel"] = int(lc.get("short_conv_kernel_size") or 4)
+    kv["kda.head_dim"] = int(lc["head_dim"])
+    kv["attention.layer_norm_epsilon"] = 1e-6
+    kv["expert_shared_count"] = int(c.get("n_shared_experts") or 1)
+    kv["expert_weights_norm"] = bool(c.get("norm_topk_prob", True))
+    kv["attention.indexer.head_count"] = int(_need(c, "index_n_heads"))
+    kv["attention.indexer.key_length"] = int(_need(c, "index_head_dim"))
+    kv["attention.indexer.top_k"] = int(_need(c, "index_topk"))
+    kv["attention.indexer.kpool"] = int(_need(c, "index_kpool"))
+    kv["attention.indexer.kpool_select_tail"] = bool(c.get("index_kpool_always_select_tail", True))
+    itypes = c.get("indexer_types")
+    if isinstance(itypes, list):
+        kv["attention.indexer.types"] = [t == "full" for t in itypes]
+    kv["hyper_connection.count"] = int(_need(c, "hc_mult"))
+    kv["hyper_connection.sinkhorn_iterations"] = int(c.get("hc_sinkhorn_iters") or 20)
+    kv["hyper_connection.epsilon"] = float(c.get("hc_eps") or 1e-6)
+    return Skeleton("glm5-next", kv)
+
+
+def _exaone4(c):
+    # conversion/exaone.py Exaone4Model: the window, and a per-layer pattern from layer_types
+    # (or the LLLG string / period); src/models/exaone4.cpp reads both.
+    kv = _base(c)
+    if c.get("sliding_window") is not None:
+        kv["attention.sliding_window"] = int(c["sliding_window"])
+        n, types, pat = kv["block_count"], c.get("layer_types"), c.get("sliding_window_pattern")
+        if isinstance(types, list):
+            kv["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+        elif isinstance(pat, str) and pat:
+            kv["attention.sliding_window_pattern"] = [pat[i % len(pat)] == "L" for i in range(n)]
+        elif isinstance(pat, int) and pat > 0:
+            kv["attention.sliding_window_pattern"] = [(i + 1) % pat != 0 for i in range(n)]
+    return Skeleton("exaone4", kv)
+
+
+def _gemma3(c):
+    # conversion/gemma.py Gemma3Model: the window only; src/models/gemma3.cpp then applies
+    # load_swa_pattern(ml, 6) (5 sliding, 1 global).
+    kv = _base(c)
+    if c.get("sliding_window"):
+        kv["attention.sliding_window"] = int(c["sliding_window"])
+    return Skeleton("gemma3", kv)
+
+
+def _hunyuan(c):
+    # conversion/hunyuan.py HunYuanMoEModel (use_mla false, use_cla false: plain GQA).
+    kv = _base(c)
+    _moe(kv, c)
+    kv["expert_shared_feed_forward_length"] = SMALL_FF
+    return Skeleton("hunyuan-moe", kv)
+
+
 ARCHS = {
+    "exaone4": _exaone4,
+    "gemma3": _gemma3,
+    "gemma3_text": _gemma3,
+    "hunyuan": _hunyuan,
+    "llama4": _llama4,
+    "llama4_text": _llama4,
+    "deepseek_v4": _deepseek4,
+    "glm5_next": _glm5_next,
+    "glm5_next_text": _glm5_next,
     "mimo_v2_flash": _mimo2,
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,
@@ -516,6 +649,19 @@ class LlamaCaches:
 def parse_caches(log: str) -> tuple:
     out = []
     for line in log.splitlines():
+        if m := _STATE_LINE.search(line):
+            # kv and score planes, f32: rows = the state's rows (fixed, whatever the context)
+            mib = float(m.group(7))
+            out.append(
+                CacheLine(
+                    f"{m.group(1)} ({m.group(2)})",
+                    mib,
+                    int(m.group(4)),
+                    int(m.group(6)),
+                    (("S", "f32", mib),),
+                )
+            )
+            continue
         m = _KV_LINE.search(line)
         if not m:
             continue
@@ -532,6 +678,15 @@ def measure(
     """Load a skeleton of `config` in llama-server at `-c ctx` and read its cache lines."""
     path = workdir / "skeleton.gguf"
     sk = write_skeleton(config, path, server, log)
+    got = caches_of(path, sk.arch, server, ctx, cache_type)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return got
+
+
+def caches_of(path: Path, arch: str, server: str, ctx: int, cache_type: str = "f16") -> LlamaCaches:
+    """The caches llama-server makes for the GGUF at `path` (a skeleton write_skeleton made)
+    at `-c ctx -np 1`."""
     extra = ("-ctk", cache_type, "-ctv", cache_type) if cache_type != "f16" else ()
     for _ in range(3):
         code, out = _run(server, path, ctx, extra)
@@ -545,6 +700,4 @@ def measure(
         raise MacserveError(
             f"llama-truth: llama-server (exit {code}) did not make all its caches:\n{tail}"
         )
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    return LlamaCaches(sk.arch, ctx, lines)
+    return LlamaCaches(arch, ctx, lines)

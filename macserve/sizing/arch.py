@@ -29,13 +29,16 @@ class Full:
 
 @dataclass(frozen=True)
 class Sliding:
-    """Sliding-window attention: K and V for the last `window` tokens only."""
+    """Sliding-window attention: K and V for the last `window` tokens only. `chunked`
+    (Llama 4): attention within fixed chunks of `window` tokens, which the engines cache
+    as a window too (mlx-lm's ChunkedKVCache, llama.cpp's iSWA cache)."""
 
     window: int
     kv_heads: int
     k_dim: int
     v_dim: int
     kind: str = "sliding"
+    chunked: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,13 @@ def _indexer_types(c: dict, mt: str, n: int) -> list[bool] | None:
 
 _ATTN = ("full_attention", "attention", "global_attention")
 _CONV = ("conv", "short_conv")
+
+
+def _has_mla(c: dict) -> bool:
+    # Hunyuan-A13B publishes `"kv_lora_rank": null` beside `"use_mla": false`: no MLA.
+    return c.get("kv_lora_rank") is not None
+
+
 _SLIDING = ("sliding_attention", "sliding_window_attention", "local_attention")
 _LINEAR = ("linear_attention", "gated_deltanet", "kimi_delta_attention", "mamba")
 _DSA = ("deepseek_sparse_attention", "sparse_attention")
@@ -276,7 +286,7 @@ def _from_layer_types(c: dict, mt: str, n: int) -> list:
     out = []
     for i, t in enumerate(types):
         if t in _ATTN:
-            out.append(_mla(c, mt) if "kv_lora_rank" in c else _full(c, mt, global_layer=True))
+            out.append(_mla(c, mt) if _has_mla(c) else _full(c, mt, global_layer=True))
         elif t in _CONV or lfm2:
             out.append(_short_conv(c, mt))
         elif t in _SLIDING:
@@ -316,6 +326,8 @@ def _compressed(c: dict, mt: str, n: int, mtp_n: int) -> tuple[list, list]:
 
 # Model types whose config says nothing about layer kinds because every layer is full
 # attention. An allow-list on purpose: an unknown type is an error, not a guess.
+_GEMMA3_TYPES = {"gemma3", "gemma3_text"}
+_LLAMA4_TYPES = {"llama4", "llama4_text"}
 _DENSE_TYPES = {
     "llama",
     "mistral",
@@ -401,8 +413,21 @@ def shape_from_config(config: dict) -> ModelShape:
     elif "full_attn_idxs" in c and "conv_L_cache" in c:
         idx = set(c["full_attn_idxs"] or [])
         layers = [_full(c, mt) if i in idx else _short_conv(c, mt) for i in range(n)]
-    elif c.get("sliding_window_pattern") is not None and c.get("sliding_window"):
+    elif c.get("sliding_window") and (
+        c.get("sliding_window_pattern") is not None or mt in _GEMMA3_TYPES
+    ):
         layers = _sliding_pattern(c, mt, n)
+    elif mt in _LLAMA4_TYPES and c.get("attention_chunk_size"):
+        # mlx-lm's llama4.make_cache: ChunkedKVCache(attention_chunk_size) on layers with
+        # (i + 1) % 4 != 0, a KVCache on every 4th; llama.cpp's llama4 loader marks the same
+        # layers chunked (load_swa_pattern(ml, 4)), with n_swa = 8192 whatever the file says
+        # (8,192 in every published Llama 4 config).
+        chunk = _int(c, "attention_chunk_size", mt)
+        f = _full(c, mt)
+        layers = [
+            f if (i + 1) % 4 == 0 else Sliding(chunk, f.kv_heads, f.k_dim, f.v_dim, chunked=True)
+            for i in range(n)
+        ]
     elif "hybrid_override_pattern" in c:
         layers = []
         for i, ch in enumerate(c["hybrid_override_pattern"]):
@@ -429,7 +454,7 @@ def shape_from_config(config: dict) -> ModelShape:
             if p not in (0, 1):
                 raise MacserveError(f"{mt}: unknown {p!r} at hybrid_layer_pattern[{i}]")
             layers.append(_full(c, mt) if p == 0 else _sliding(c, mt))
-    elif "kv_lora_rank" in c or mt in _DSA_TYPES:
+    elif _has_mla(c) or mt in _DSA_TYPES:
         dsa = mt in _DSA_TYPES or "index_topk" in c
         shared = _indexer_types(c, mt, n) or [False] * n
         layers = [_mla(c, mt, indexer=dsa, shared=shared[i]) for i in range(n)]
@@ -472,7 +497,7 @@ def _kimi_hybrid(c: dict, mt: str, n: int) -> list:
             f"{mt}: `kda_layers` and `full_attn_layers` must cover layers 1..{n} between them"
         )
     lin = _kimi_delta(c, mt)
-    attn = _mla(c, mt) if "kv_lora_rank" in c else _full(c, mt)
+    attn = _mla(c, mt) if _has_mla(c) else _full(c, mt)
     return [lin if i + 1 in kda else attn for i in range(n)]
 
 
@@ -505,7 +530,11 @@ def _sliding_pattern(c: dict, mt: str, n: int) -> list:
     """`sliding_window_pattern` k (Gemma 3, Cohere 2): layer i is full attention when
     i % k == k - 1, sliding otherwise (mlx-lm's gemma3_text.make_cache and llama.cpp's
     set_swa_pattern agree on this)."""
-    k = c["sliding_window_pattern"]
+    # Gemma 3's published configs leave the pattern out: mlx-lm's gemma3_text.ModelArgs and
+    # llama.cpp's gemma3 loader (load_swa_pattern(ml, 6)) both default it to 6.
+    k = c.get("sliding_window_pattern")
+    if k is None and mt in _GEMMA3_TYPES:
+        k = 6
     if isinstance(k, str) and k and set(k) <= {"L", "G"}:
         # EXAONE 4: a string of L (local, sliding) and G (global), repeated over the layers.
         return [_full(c, mt) if k[i % len(k)] == "G" else _sliding(c, mt) for i in range(n)]
@@ -661,10 +690,24 @@ def shape_from_gguf(meta: dict) -> ModelShape:
         )
 
     window = g("attention.sliding_window")
+    pattern = g("attention.sliding_window_pattern")
+    if arch == "llama4":
+        # src/models/llama4.cpp, llama_model_llama4::load_arch_hparams: a sliding_window of 0
+        # (the converter writes one only when every layer is full attention) turns chunking
+        # off; otherwise the layers load_swa_pattern(ml, 4) marks (il % 4 < 3: 3 chunked, 1
+        # full) attend within chunks of n_swa = 8192, hard-coded whatever the file says.
+        # llama_kv_cache_iswa sizes the chunked cache as a sliding one: min(n_ctx, n_swa +
+        # n_ubatch) cells, padded to 256 (checked by tests/test_llama_truth.py).
+        if window is not None and int(window) == 0:
+            return done([Full(h, k_len, v_len) for h in kv_heads])
+        window, pattern = 8192, 4 if pattern is None else pattern
     if window:
-        pattern = g("attention.sliding_window_pattern")
         if pattern is None and arch in ("gpt-oss",):
             pattern = 2  # llama.cpp's openai-moe loader: load_swa_pattern(ml, 2)
+        if pattern is None and arch == "gemma3":
+            # src/models/gemma3.cpp, llama_model_gemma3::load_arch_hparams: load_swa_pattern(
+            # ml, 6) when the file has none (convert_hf_to_gguf's Gemma3Model writes none).
+            pattern = 6
         if isinstance(pattern, list):
             swa = [bool(x) for x in pattern[:blocks]] + [False] * (blocks - len(pattern))
         elif isinstance(pattern, int):
@@ -683,7 +726,7 @@ def shape_from_gguf(meta: dict) -> ModelShape:
         v_swa = int(g("attention.value_length_swa") or v_len)
         return done(
             [
-                Sliding(int(window), kv_heads[i], k_swa, v_swa)
+                Sliding(int(window), kv_heads[i], k_swa, v_swa, chunked=arch == "llama4")
                 if swa[i]
                 else Full(kv_heads[i], k_len, v_len)
                 for i in range(blocks)

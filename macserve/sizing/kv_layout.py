@@ -303,6 +303,13 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
         ]
     if isinstance(l, Sliding):
         k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
+        if l.chunked:
+            # ChunkedKVCache (llama4): the chunk, plus the 256-row step it allocates past it
+            # before the next call trims the front (cache.py, update_and_fetch).
+            return [
+                Buffer(i, "K (chunk)", k, "window", rows=l.window + 256),
+                Buffer(i, "V (chunk)", v, "window", rows=l.window + 256),
+            ]
         if mod.name and not mod.uses_rotating_cache:
             # The model code makes a plain KVCache for every layer: sliding layers grow too.
             return [
