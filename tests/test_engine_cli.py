@@ -128,3 +128,33 @@ def test_bench_dsa_json():
     assert row["tokens_per_s_sparse"] > 0 and row["tokens_per_s_masked"] > 0
     r = CliRunner().invoke(main, ["bench", "dsa", "--contexts", "4k"])
     assert r.exit_code == 2 and "comma-separated token counts" in r.output
+
+
+def test_bench_engine_json_at_real_width_small_contexts():
+    """`bench engine` end to end on the synthetic DeepSeek-V3 layer (real width), contexts
+    cut to what a test affords: every key the report promises, and the relations that do not
+    depend on this machine's timings (docs/int2-latent-cache.md has the full run)."""
+    r = CliRunner().invoke(
+        main,
+        [
+            "bench", "engine", "--synthetic", "deepseek-v3", "--layers", "1",
+            "--prefill-contexts", "2048", "--held-contexts", "512", "--decode-contexts", "512",
+            "--chunk-tokens", "16", "--bf16-chunk-tokens", "8", "--acceptance", "0.7", "--json",
+        ],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["upcasts_per_decode_step"] == {"int2": 0, "bf16": 0}
+    assert d["upcasts"]["logits_dtype"] == {"int2": "bfloat16", "bf16": "bfloat16"}
+    held = d["held_bytes_per_token_per_layer"]["512"]
+    assert held["bf16"] == 1152  # (512 + 64) x 2 B: mlx-lm's latent row
+    assert held["int2"] < held["bf16"]
+    tr = d["prefill_transient_bytes"]["2048"]
+    assert 0 < tr["int2"] < tr["bf16"]
+    for key in ("chunk_vs_steps_max_logit_diff", "chunk_vs_steps_bf16_model"):
+        diffs = d[key]
+        assert all(0 <= diffs[w] < 0.1 for w in ("int2", "bf16", "bf16_latent")), diffs
+    assert all(v["int2"] > 0 and v["bf16"] > 0 for v in d["decode_tok_s"].values())
+    m = d["mtp"]
+    assert m["acceptance"] == 0.7 and m["trunk_layers"] == 61
+    assert m["verify_cost_ratio"] > 0 and m["projected_speedup_k1"] > 0

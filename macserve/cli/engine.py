@@ -306,6 +306,14 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     help="the chunk compared against single steps",
 )
 @click.option(
+    "--bf16-chunk-tokens",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="also compare a chunk of this many tokens with single steps with the model in bf16 "
+    "(only where the engine computes in float32, a CPU; slow there)",
+)
+@click.option(
     "--acceptance",
     type=click.FloatRange(0, 1),
     help="MTP acceptance for the projection [default: measured on the demo model]",
@@ -319,6 +327,7 @@ def bench_engine(
     held_contexts,
     decode_contexts,
     chunk_tokens,
+    bf16_chunk_tokens,
     acceptance,
     as_json,
 ):
@@ -344,6 +353,7 @@ def bench_engine(
         acceptance,
         chunk_tokens,
         progress=lambda m: click.echo(f"... {m}", err=True),
+        bf16_chunk_tokens=bf16_chunk_tokens,
     )
     if as_json:
         click.echo(json.dumps(res, indent=1))
@@ -389,8 +399,15 @@ def _print_engine(r: dict) -> None:
     )
     cs = r["chunk_vs_steps_max_logit_diff"]
     click.echo(
-        f"chunk vs single steps, max |logit diff|: int2 {cs['int2']:.3g}, bf16 {cs['bf16']:.3g}"
+        f"chunk vs single steps, max |log-prob diff|: int2 {cs['int2']:.3g}, "
+        f"bf16 {cs['bf16']:.3g}, bf16-stored latent {cs['bf16_latent']:.3g}"
     )
+    if "chunk_vs_steps_bf16_model" in r:
+        cb = r["chunk_vs_steps_bf16_model"]
+        click.echo(
+            f"the same, model in bf16: int2 {cb['int2']:.3g}, bf16 {cb['bf16']:.3g}, "
+            f"bf16-stored latent {cb['bf16_latent']:.3g}"
+        )
     click.echo(
         "decode tok/s: "
         + ", ".join(

@@ -11,7 +11,10 @@ for a 61-layer trunk) is labelled as such and its formula is in docs/int2-latent
     prefill_transient_bytes    that peak minus what was held just before the chunk
     held_bytes_per_token_per_layer   every array the caches hold after a prefill in
                                2,048-token chunks, per token and layer
-    chunk_vs_steps_max_logit_diff    a chunk against the same tokens fed one by one
+    chunk_vs_steps_max_logit_diff    a chunk against the same tokens fed one by one, in
+                               log-probabilities (the logits less their logsumexp)
+    chunk_vs_steps_bf16_model  the same with the model in bf16, on a float32-computing CPU
+                               only (--bf16-chunk-tokens; a Mac's run above already is)
     decode_tok_s               decode steps per second with the cache filled to that context
     mtp                        costs measured at real width, acceptance from the demo model
 
@@ -288,12 +291,20 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 2) -> dict:
 
 
 def _time(fn, reps: int = 3) -> float:
-    mx.eval(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
+    return _best_of([fn], reps)[0]
+
+
+def _best_of(fns, reps: int) -> list[float]:
+    """Best time of each function over `reps` rounds, the functions interleaved in every
+    round, so a busy moment of the machine weighs on all of them, not on one ratio's side."""
+    for fn in fns:
         mx.eval(fn())
-        best = min(best, time.perf_counter() - t)
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            mx.eval(fn())
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
@@ -320,12 +331,7 @@ def mtp_costs(
 
         return f
 
-    t1, t2 = _time(trunk(1)), _time(trunk(2))
-    head = mx.random.normal((vocab, hidden)).astype(dtype) * 0.01
-    mx.eval(head)
     h1, h2 = (mx.random.normal((1, n, hidden)).astype(dtype) for n in (1, 2))
-    th1, th2 = _time(lambda: h1 @ head.T), _time(lambda: h2 @ head.T)
-    head = None  # 3.7 GB in float32 at DeepSeek-V3's vocabulary: let it go now
     mcache = RotatedLatentCache(s.quant)
     lat = mx.random.normal((1, 1, ctx, s.attn.kv_lora_rank)).astype(dtype)
     mcache.append(lat, mx.random.normal((1, 1, ctx, s.attn.qk_rope_head_dim)).astype(dtype))
@@ -337,7 +343,13 @@ def mtp_costs(
         mcache.trim(1)
         return z
 
-    tm = _time(mtp_step)
+    # Ratios of sub-second times on a shared CPU (one busy second moved a ratio by 50%
+    # between runs): best of 7, interleaved.
+    t1, t2, tm = _best_of([trunk(1), trunk(2), mtp_step], reps=7)
+    head = mx.random.normal((vocab, hidden)).astype(dtype) * 0.01
+    mx.eval(head)
+    th1, th2 = _best_of([lambda: h1 @ head.T, lambda: h2 @ head.T], reps=7)
+    head = None  # 3.7 GB in float32 at DeepSeek-V3's vocabulary: let it go now
     per_layer1 = t1 / s.layers  # the synthetic trunk's small head is negligible at this width
     per_layer2 = t2 / s.layers
     step1 = trunk_layers * per_layer1 + th1
@@ -363,6 +375,7 @@ def run(
     acceptance: float | None = None,
     chunk_tokens: int = CHUNK,
     progress=lambda msg: None,
+    bf16_chunk_tokens: int = 0,
 ) -> dict:
     """The whole report (see the module docstring)."""
     c = contexts or {"prefill": (8192, 32768), "held": (1024, 4096, 32768), "decode": (4096, 32768)}
@@ -375,6 +388,12 @@ def run(
     res["held_bytes_per_token_per_layer"] = {
         str(n): held_bytes_per_token_per_layer(s, n) for n in c["held"]
     }
+    if bf16_chunk_tokens and engine_dtype() is not None:
+        # Where the engine computes in float32 (a CPU), mlx-lm's cache holds float32 rows and
+        # its chunk-vs-steps difference is float32 rounding; this one is the comparison a
+        # Mac makes, every cache and every product in bf16 (slow here: no bf16 BLAS).
+        progress(f"a {bf16_chunk_tokens}-token chunk against single steps, the model in bf16")
+        res["chunk_vs_steps_bf16_model"] = chunk_vs_steps(s, bf16_chunk_tokens)
     to_dtype(s, engine_dtype())
     res["dtype"] = str(model_dtype(s.model)).rsplit(".", 1)[-1]
     peak, transient, predicted = {}, {}, {}
