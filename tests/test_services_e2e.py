@@ -480,22 +480,10 @@ def _listening(port) -> bool:
 def tiny_mlx_f32(tmp_path):
     """The project model with float32 weights: MLX's CPU backend (Linux CI) has no bf16 GatherMM
     for the MoE layers, so mlx_lm.server's generation thread would die on the bf16 original."""
-    mx = pytest.importorskip("mlx.core")
-    import shutil
+    pytest.importorskip("mlx.core")
+    from macserve.engine.bench.serve import float32_copy
 
-    out = tmp_path / "tiny-mla-f32"
-    out.mkdir()
-    for f in TINY_MODEL.iterdir():
-        if f.suffix == ".safetensors":
-            mx.save_safetensors(
-                str(out / f.name), {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()}
-            )
-        elif f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return float32_copy(TINY_MODEL, tmp_path / "tiny-mla-f32")
 
 
 def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_home):

@@ -87,8 +87,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _f32_copy(model: Path, out: Path) -> Path:
-    """The model with float32 weights (what mlx_lm.server can run on MLX's CPU backend)."""
+def float32_copy(model: Path, out: Path) -> Path:
+    """The model with float32 weights: MLX's CPU backend has no bf16 GatherMM for MoE
+    layers, so mlx_lm.server's generation thread would die on a bf16 original."""
     out.mkdir(parents=True)
     for f in model.iterdir():
         if f.suffix == ".safetensors":
@@ -309,7 +310,7 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
         baseline_model = plan.model
         if mx.default_device().type == mx.DeviceType.cpu:
             progress("float32 copy of the model for mlx_lm.server (MLX's CPU backend)")
-            baseline_model = _f32_copy(plan.model, Path(tmp) / "model-f32")
+            baseline_model = float32_copy(plan.model, Path(tmp) / "model-f32")
         with contextlib.ExitStack() as stack:
             urls = {}
             for t in targets(plan.model):
