@@ -46,22 +46,7 @@ def flags_from_help(text: str) -> dict[str, bool]:
     "  --model MODEL   description". Description continuation lines are indented further, so
     a '- row: ...' bullet inside a description is not mistaken for a flag.
     """
-    flags: dict[str, bool] = {}
-    for line in text.splitlines():
-        m = _OPT_LINE.match(line)
-        if not m:
-            continue
-        # llama.cpp pads after "-c," to align columns: squeeze that before cutting at the
-        # two-space gap that separates the option spec from its description.
-        spec = re.sub(r",\s+", ", ", m.group(2).strip())
-        spec = re.split(r"\s{2,}", spec, maxsplit=1)[0]
-        parts = [p.strip() for p in spec.split(", ")]
-        takes = any(" " in p or "=" in p for p in parts)
-        for p in parts:
-            flag = p.split(" ", 1)[0].split("=", 1)[0]
-            if re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*", flag):
-                flags[flag] = takes
-    return flags
+    return {flag: takes for flag, (_, takes) in flag_table(text).items()}
 
 
 def flag_table(text: str) -> dict[str, tuple[str, bool]]:
@@ -72,6 +57,8 @@ def flag_table(text: str) -> dict[str, tuple[str, bool]]:
         m = _OPT_LINE.match(line)
         if not m:
             continue
+        # llama.cpp pads after "-c," to align columns: squeeze that before cutting at the
+        # two-space gap that separates the option spec from its description.
         spec = re.sub(r",\s+", ", ", m.group(2).strip())
         spec = re.split(r"\s{2,}", spec, maxsplit=1)[0]
         parts = [p.strip() for p in spec.split(", ")]
@@ -391,6 +378,17 @@ class BaseProvider:
             {**self.reserved, **self.secret_flags},
             removed_flags(text),
         )
+
+    def refuse_taken_flags(self, profile: Profile) -> None:
+        """For servers checked by their own click parser (which knows nothing of the profile):
+        EXTRA_ARGS may not set what macserve sets from the profile's keys."""
+        taken = {**self.reserved, **self.secret_flags}
+        for a in profile.extra_args:
+            flag = normalize_flag(a.partition("=")[0])
+            if is_flag(a) and flag in taken:
+                raise MacserveError(
+                    f"{flag} is set by macserve from the profile; use the {taken[flag]} key"
+                )
 
     def context_args(self, n_ctx: int) -> list[str] | None:
         return None

@@ -15,7 +15,7 @@ from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, cli_parse, flag_value, is_flag, normalize_flag
+from .base import BaseProvider, cli_parse, flag_value
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 
@@ -68,13 +68,7 @@ class Engine(BaseProvider):
             raise MacserveError(
                 f"{profile.model}: macserve serve needs a local model folder with a config.json"
             )
-        taken = {**self.reserved, **self.secret_flags}
-        for a in profile.extra_args:
-            flag = normalize_flag(a.partition("=")[0])
-            if is_flag(a) and flag in taken:
-                raise MacserveError(
-                    f"{flag} is set by macserve from the profile; use the {taken[flag]} key"
-                )
+        self.refuse_taken_flags(profile)
         self.parse(BaseProvider.argv(self, profile)[len(self.command()) :])
         if profile.multi_host:
             check_hosts(profile)

@@ -45,13 +45,9 @@ class Router(BaseProvider):
 
     def check_args(self, profile: Profile) -> None:
         self.validate(profile)
-        taken = {**self.reserved, **self.secret_flags}
+        self.refuse_taken_flags(profile)
         for a in profile.extra_args:
             flag = normalize_flag(a.partition("=")[0])
-            if is_flag(a) and flag in taken:
-                raise MacserveError(
-                    f"{flag} is set by macserve from the profile; use the {taken[flag]} key"
-                )
             if is_flag(a) and flag in INSTALL_FLAGS:
                 raise MacserveError(
                     f"{flag} installs a router; a router profile's EXTRA_ARGS takes "
