@@ -290,10 +290,6 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 2) -> dict:
     return best
 
 
-def _time(fn, reps: int = 3) -> float:
-    return _best_of([fn], reps)[0]
-
-
 def _best_of(fns, reps: int) -> list[float]:
     """Best time of each function over `reps` rounds, the functions interleaved in every
     round, so a busy moment of the machine weighs on all of them, not on one ratio's side."""
