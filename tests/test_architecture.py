@@ -20,6 +20,7 @@ LEAVES = {
     "macserve.fileio",
     "macserve.int2_format",
     "macserve.listen",
+    "macserve.web",
 }
 ALLOWED = {
     "macserve.sizing": LEAVES,
@@ -33,6 +34,7 @@ ALLOWED = {
     "macserve.fileio": set(),
     "macserve.listen": {"macserve.errors"},
     "macserve.int2_format": set(),
+    "macserve.web": set(),
 }
 TOP = {"macserve.cli", "macserve.__main__", "macserve"}
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from macserve.server.guards import host_name, is_loopback
+from macserve.web.guards import host_name, is_loopback
 
 from .serverproc import serve
 

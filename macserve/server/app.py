@@ -31,16 +31,16 @@ from .. import listen
 from ..engine.caches import EngineOptions
 from ..engine.model import read_config
 from ..errors import MacserveError
+from ..web import guards
+from ..web.body import BodyError, read_body
 from . import anthropic as A
-from . import guards, tools
 from . import protocol as P
+from . import tools
 from .grammar import ConstraintSpec, json_grammar
 from .ranks import Ranks, follow
 from .worker import END, Job, Worker
 
 log = logging.getLogger("macserve.server")
-
-MAX_BODY = 8 * 2**20  # far above any prompt that fits a context; stops a runaway upload early
 
 
 @dataclass(frozen=True)
@@ -193,24 +193,10 @@ def _constraint(worker: Worker, req: P.GenRequest, max_tokens: int) -> Constrain
 
 
 async def _read_body(request: Request, timeout: float) -> bytes:
-    n = request.headers.get("content-length")
-    if n and n.isdigit() and int(n) > MAX_BODY:
-        raise P.ApiError(413, f"request body is over {MAX_BODY // 2**20} MB")
-    chunks, size = [], 0
-
-    async def read():
-        nonlocal size
-        async for c in request.stream():
-            size += len(c)
-            if size > MAX_BODY:
-                raise P.ApiError(413, f"request body is over {MAX_BODY // 2**20} MB")
-            chunks.append(c)
-
     try:
-        await asyncio.wait_for(read(), timeout)
-    except TimeoutError:
-        raise P.ApiError(408, f"the request body did not arrive within {timeout:g} s") from None
-    return b"".join(chunks)
+        return await read_body(request, timeout)
+    except BodyError as e:
+        raise P.ApiError(e.status, e.message) from None
 
 
 def _log_done(req: P.GenRequest, finish: str, stats: dict) -> None:

@@ -40,6 +40,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ... import listen
+from ...web import guards
+from ...web.body import BodyError, read_body
 from .. import providers
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
@@ -65,9 +67,14 @@ _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "request_too_large",
     503: "overloaded_error",
 }
 THREADS = 64  # starts and health waits block a thread each; status reads must not queue behind
+# A client has this long to send its request headers, and again its body (which may be up to
+# web.body.MAX_BODY): far more than any client on a network needs, short enough that a
+# half-sent request does not hold a connection for ever.
+READ_TIMEOUT = 30.0
 
 
 def _api(path: str) -> str:
@@ -85,6 +92,8 @@ def error_response(e: RouteError, api: str) -> Response:
     headers = {"x-should-retry": "true" if e.retry else "false"}
     if e.retry_after:
         headers["retry-after"] = str(int(e.retry_after))
+    if e.status in (408, 413):
+        headers["connection"] = "close"  # the rest of the body is not worth reading
     return JSONResponse(_error_body(e, api), e.status, headers=headers)
 
 
@@ -223,7 +232,10 @@ class Router:
                 lease.release()
 
     async def _parse(self, request: Request, api: str) -> tuple[bytes, Model, bool]:
-        body = await request.body()
+        try:
+            body = await read_body(request, READ_TIMEOUT)
+        except BodyError as e:
+            raise RouteError(e.status, e.message, "invalid_request_error") from None
         try:
             data = json.loads(body)
         except ValueError:
@@ -430,7 +442,12 @@ def run(settings: Settings) -> None:
     )
     sock = listen.bind(settings.host, settings.port)
     app = create_app(settings)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        http=guards.timed_protocol(READ_TIMEOUT),
+        timeout_graceful_shutdown=10,
+    )
     log.info(
         "listening on http://%s:%d (ttl %s, budget %s, %s)",
         settings.host,

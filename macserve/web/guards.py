@@ -1,5 +1,5 @@
-"""What stands between the network and the routes: the API key, the Host check, CORS, and a
-read timeout on request headers.
+"""What stands between the network and the routes: the API key, the Host check, CORS, a read
+timeout on request headers, and a lingering close.
 
 Each gate is plain ASGI (a BaseHTTPMiddleware would buffer responses and hide client
 disconnects from the streams). Errors are JSON in the shape of the API the path belongs to.
@@ -49,6 +49,8 @@ async def _send_error(send, path, status, message, type_, code=None, headers=())
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
+                # A refused request's body is not read: close (lingering) rather than read it.
+                (b"connection", b"close"),
                 *headers,
             ],
         }
@@ -137,14 +139,60 @@ def cors(app, origins: tuple[str, ...]):
     )
 
 
+# A connection closed while the client is still sending its body: keep reading (and dropping)
+# what arrives for this long, this much at most, or until the client is silent this long.
+LINGER_SECONDS = 30.0  # nginx's lingering_time and lingering_timeout
+LINGER_IDLE_SECONDS = 5.0
+LINGER_BYTES = 64 * 2**20
+
+
+class _LingeringTransport:
+    """The transport uvicorn's protocol is handed: `close()` becomes a lingering close while the
+    request body is still arriving. Closing a TCP socket with unread data in it sends a reset,
+    and a reset can destroy a response the client has not read yet: a 413 answered from the
+    Content-Length (or a 401, a 408) would reach the client as a dropped connection. So the
+    write side is shut down after the response (the client reads it, then EOF), and what the
+    client still sends is read and dropped until it closes, goes quiet, or a bound is reached
+    (the "lingering close" of Apache and nginx). Everything else is the real transport."""
+
+    def __init__(self, transport, protocol):
+        self._t, self._p = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def is_closing(self) -> bool:
+        return self._p._linger_timer is not None or self._t.is_closing()
+
+    def close(self) -> None:
+        p = self._p
+        if p._linger_timer is not None or self._t.is_closing():
+            return  # already closing; the linger ends by its own bounds
+        if p.conn.their_state is not h11.SEND_BODY or not self._t.can_write_eof():
+            self._t.close()
+            return
+        self._t.write_eof()  # after the buffered response
+        self._t.resume_reading()  # uvicorn's flow control may have paused it
+        p._linger_start()
+
+
 def timed_protocol(header_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request headers have not all
-    arrived `header_timeout` seconds after its first byte (or after it opened, or after the
-    previous response). uvicorn has a keep-alive timeout but none for a request it has begun
-    to read, so a client can otherwise hold a connection open forever with half its headers."""
+    """uvicorn's h11 protocol with two additions.
+
+    A header read timeout: a connection whose request headers have not all arrived
+    `header_timeout` seconds after its first byte (or after it opened, or after the previous
+    response) gets 408 and is closed. uvicorn has a keep-alive timeout but none for a request
+    it has begun to read, so a client can otherwise hold a connection open forever with half
+    its headers.
+
+    A lingering close (`_LingeringTransport`): an answer given before the body was read
+    reaches the client whole."""
 
     class TimedH11(H11Protocol):
         _header_timer = None
+        _linger_timer = None
+        _linger_until = 0.0
+        _linger_bytes = 0
 
         def _arm(self) -> None:
             if self._header_timer is None:
@@ -168,11 +216,40 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
         def _waiting_for_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
+        # ---- the lingering close ---------------------------------------------------------
+
+        def _linger_start(self) -> None:
+            self._disarm()
+            self._linger_until = self.loop.time() + LINGER_SECONDS
+            self._linger_rearm()
+
+        def _linger_rearm(self) -> None:
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+            at = min(self._linger_until, self.loop.time() + LINGER_IDLE_SECONDS)
+            self._linger_timer = self.loop.call_at(at, self._linger_end)
+
+        def _linger_end(self) -> None:
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+            self._linger_timer = None
+            self._real.close()
+
+        # ---- asyncio's protocol ------------------------------------------------------------
+
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            self._real = transport
+            super().connection_made(_LingeringTransport(transport, self))
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._linger_timer is not None:  # the rest of a body nobody will read
+                self._linger_bytes += len(data)
+                if self._linger_bytes > LINGER_BYTES:
+                    self._linger_end()
+                else:
+                    self._linger_rearm()
+                return
             before = self.cycle
             super().data_received(data)
             if self.cycle is not before or not self._waiting_for_headers():
@@ -180,8 +257,17 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
             if self._waiting_for_headers() and data:
                 self._arm()
 
+        def eof_received(self):
+            if self._linger_timer is not None:
+                self._linger_end()  # the client has sent all it will
+                return None
+            return super().eof_received()
+
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             super().connection_lost(exc)
 
     return TimedH11
