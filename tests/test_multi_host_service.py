@@ -7,7 +7,6 @@ and a rank killed with SIGKILL must bring the whole group back healthy.
 import os
 import re
 import signal
-import time
 
 import httpx
 import psutil
@@ -162,8 +161,17 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
 
     assert cli("rm", "two").returncode == 0
     assert cli("rm", "one").returncode == 0
-    time.sleep(0.5)
-    assert not [p for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def gone():
+        return not [p for p in group if alive(p)]
+
+    poll(gone, "the ranks to exit after rm", timeout=30)
 
 
 def completion(port, **body) -> str:

@@ -19,16 +19,10 @@ import pytest
 
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
+from .serverproc import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def cli(*args, timeout=300):
