@@ -61,13 +61,63 @@ def test_memory_parallel_and_ctx_change_the_plan():
     assert d["over_budget"] == []
 
 
-def test_ctx_over_the_wired_limit_warns_loudly():
+def test_ctx_over_the_wired_limit_warns_loudly_once():
     r = CliRunner().invoke(main, ["inspect", V3, "--memory", "8GB", "--ctx", "150000"])
     assert r.exit_code == 0
-    assert "WARNING: mlx/bf16 at --ctx 150,000" in r.stderr and "wired limit" in r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, r.stderr  # one per situation, naming every row over
+    assert "--ctx 150,000 x 1 is over the 5.3 GB GPU budget" in warnings[0]
+    assert "mlx/bf16" in warnings[0] and "llama.cpp/f16" in warnings[0]
+    assert "lower --ctx" in warnings[0]
     assert "macserve/int2" not in r.stderr  # 13,908 B/token x 150K fits in 6 GB
     d = as_json(V3, "--memory", "8GB", "--ctx", "150000")
     assert set(d["over_budget"]) == {"mlx/bf16", "llama.cpp/f16"}  # 70,272 B x 150,272 cells
+
+
+KIMI = str(CONFIGS / "moonshotai__Kimi-K2-Instruct.json")
+
+
+def test_weights_that_do_not_fit_get_one_verdict_with_the_options_that_help():
+    """Kimi-K2 at 4-bit (~538 GB) on a 128 GB Mac: every row's max ctx is 0, so instead of
+    advice to lower --ctx (which cannot help), one verdict naming what can: how many Macs
+    (the pipeline plan's own count), a raised wired limit (not enough here), a smaller
+    quantization (not enough here). On 512 GB: 2 Macs, or 2-bit weights."""
+    r = CliRunner().invoke(
+        main, ["inspect", KIMI, "--memory", "128GB", "--weights", "4bit", "--ctx", "32768"]
+    )
+    assert r.exit_code == 0, r.output
+    verdict = [line for line in r.stdout.splitlines() if line.startswith(("verdict", "  - "))]
+    assert verdict[0].startswith("verdict: does not fit: the weights alone (537.7 GB)")
+    hosts = next(line for line in verdict if "inspect --hosts" in line)
+    n = int(hosts.split("--hosts ")[1].split(")")[0])
+    d = as_json(KIMI, "--memory", "128GB", "--weights", "4bit", "--hosts", str(n))
+    assert d["multi_host"]["splits"][0]["group_context"]["mlx/bf16"] > 0
+    d = as_json(KIMI, "--memory", "128GB", "--weights", "4bit", "--hosts", str(n - 1))
+    assert d["multi_host"]["splits"][0]["group_context"]["mlx/bf16"] == 0
+    assert any("not a raised wired limit" in line for line in verdict)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "see the verdict" in warnings[0]
+    big = as_json(KIMI, "--memory", "512GB", "--weights", "4bit")["verdict"]
+    assert any("2 Macs" in line for line in big) and any("2-bit" in line for line in big)
+    assert as_json(V3, "--memory", "512GB")["verdict"] == []
+
+
+def test_quant_on_a_config_is_a_note_and_a_path_typo_is_not_a_hub_lookup(tmp_path, monkeypatch):
+    r = run(V3, "--quant", "Q4_K_M", "--modelled")
+    assert r.exit_code == 0 and "note: --quant Q4_K_M ignored" in r.output
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a hub look-up would fail loudly
+    r = run("models/tiny-mal")
+    _one_line_error(r)
+    assert "no such file or folder" in r.output
+
+
+def test_a_limit_the_config_leaves_out_is_the_loaders_default():
+    gemma = str(CONFIGS / "google__gemma-3-27b-it.json")
+    d = as_json(gemma, "--modelled")
+    assert d["model_max_context"] == 131072
+    assert any("Gemma3TextConfig" in n for n in d["notes"])
 
 
 def test_human_output_has_the_table():

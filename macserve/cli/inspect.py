@@ -6,6 +6,7 @@ import json
 
 import click
 
+from ..sizing.advice import over_budget_warning, weights_verdict
 from ..sizing.budget import parse_size
 from ..sizing.hosts import apply_weights, parse_hosts, plan_hosts
 from ..sizing.report import inspect_source, report_of
@@ -71,21 +72,18 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_j
         return
     rep = inspect_source(source, quant, measure=not modelled)
     apply_weights(rep, weights)
-    r = report_of(rep, parse_size(memory) if memory else None, parallel, ctx)
+    mem = parse_size(memory) if memory else None
+    r = report_of(rep, mem, parallel, ctx)
+    r["verdict"] = weights_verdict(rep, r, mem, parallel)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
         _print(r)
-    for k in r["over_budget"]:
-        total = r["memory_at_context"][k][str(ctx)]
-        click.secho(
-            f"WARNING: {k} at --ctx {ctx:,} x {parallel} needs {_gib(total)}, over the "
-            f"{_gib(r['budget_bytes'])} GPU wired limit: expect swapping or a kernel "
-            "panic; lower --ctx or --parallel, or raise iogpu.wired_limit_mb",
-            fg="red",
-            bold=True,
-            err=True,
-        )
+        for line in r["verdict"]:
+            click.echo(line)
+    warning = over_budget_warning(r)
+    if warning:
+        click.secho(warning, fg="red", bold=True, err=True)
 
 
 def _print(r):
@@ -120,7 +118,7 @@ def _print(r):
         click.echo(row)
     click.echo(
         f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
-        f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else '?'})"
+        f"model's limit, {_num(r['model_max_context']) if r['model_max_context'] else 'unknown: the config does not say'})"
     )
     engines = " and ".join(sorted(set(r["measured_with"].values())))
     click.echo(

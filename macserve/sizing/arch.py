@@ -94,6 +94,14 @@ class NoCache:
     kind: str = "none"
 
 
+# The model's limit where a published config leaves it out and the loaders fall back to
+# their config class's default (transformers' configuration_<model>.py; mlx-lm reads no limit).
+DEFAULT_POSITIONS = {
+    "gemma3_text": (131_072, "transformers' Gemma3TextConfig"),
+    "gemma3": (131_072, "transformers' Gemma3TextConfig"),
+}
+
+
 @dataclass
 class ModelShape:
     model_type: str  # what engines dispatch on: config `model_type`, or the GGUF architecture
@@ -483,7 +491,13 @@ def shape_from_config(config: dict) -> ModelShape:
             raise MacserveError(f"{mt}: MTP layers but no attention layer to model them on")
         mtp = [attn] * mtp_n
     max_pos = c.get("max_position_embeddings")
-    return ModelShape(mt, layers, mtp, int(max_pos) if max_pos else None, "config")
+    notes = []
+    if not max_pos and mt in DEFAULT_POSITIONS:
+        max_pos, where = DEFAULT_POSITIONS[mt]
+        notes.append(
+            f"the config has no max_position_embeddings: {max_pos:,}, the default of {where}"
+        )
+    return ModelShape(mt, layers, mtp, int(max_pos) if max_pos else None, "config", notes)
 
 
 def _kimi_hybrid(c: dict, mt: str, n: int) -> list:

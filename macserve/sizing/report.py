@@ -76,6 +76,11 @@ def inspect_source(source: str, quant: str | None = None, measure: bool = True) 
         notes += _measure_mlx(src.config, lays)
     if src.weights_bytes is None:
         notes.append("weights unknown (a bare config): max context assumes no weights")
+    if quant and not src.is_gguf:
+        notes.append(
+            f"--quant {quant} ignored: it picks among GGUF files, and this source is a "
+            "config (for MLX weights of another size, --weights 4bit or a size)"
+        )
     return Report(src, shape, lays, mtp, notes)
 
 

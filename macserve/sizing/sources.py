@@ -396,6 +396,14 @@ def resolve(source: str, quant: str | None = None) -> ModelSource:
         return _local(p, quant)
     if source.endswith((".json", ".gguf")) or source.startswith((".", "/", "~")):
         raise MacserveError(f"{source}: no such file")
+    parent = p.parent
+    if str(parent) not in ("", ".") and parent.is_dir():
+        # `models/tiny-mal` beside a real `models/` folder is a typo, not a hub repo id:
+        # say so before a hub look-up fails with a network error that hides it.
+        raise MacserveError(
+            f"{source}: no such file or folder (a folder {parent}/ is here, so this reads as "
+            "a path; a Hugging Face repo id of the same name can be inspected from elsewhere)"
+        )
     repo, quant = split_source(source, quant)
     cached = cached_source(repo, quant)
     if cached is not None:
