@@ -69,3 +69,20 @@ def test_dash_h_everywhere_and_the_list_complete():
         assert f"  {name} " in r.output, name
     r = CliRunner().invoke(main, ["ls", "-h"])
     assert r.exit_code == 0 and "Usage:" in r.output and "--json" in r.output
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["inspect", "--ctx", "abc", "x"], "inspect: Invalid value for '--ctx'"),
+        (["inspect"], "inspect: Missing argument 'SOURCE'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["bench", "kv"], "bench kv: Missing argument 'MODEL'"),
+    ],
+)
+def test_click_errors_are_one_line_naming_the_option(args, says):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], r.stderr
+    assert "-h` for help" in lines[0]

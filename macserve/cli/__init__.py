@@ -66,6 +66,12 @@ class _Main(LazyGroup):
             # One line, exit 2, no traceback: what a user can act on.
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except click.UsageError as e:
+            # click's own form is three lines (usage, a hint, then the error): one line
+            # naming the option, the command and where its help is.
+            where = e.ctx.command_path if e.ctx else ctx.command_path
+            click.echo(f"error: {where}: {e.format_message()} (`{where} -h` for help)", err=True)
+            sys.exit(2)
 
 
 _S = "macserve.cli.services:"
