@@ -4,7 +4,8 @@ shared GenRequest out; its message and its stream of events back.
 Content blocks map onto the OpenAI-shaped messages the chat template path takes: text blocks
 join into the content, `tool_use` blocks become an assistant's tool_calls, `tool_result`
 blocks become "tool" messages. Thinking blocks from earlier turns are dropped (the model
-writes none); images and documents get a 400.
+writes none); images and documents get a 400. Errors (529 for overloaded included) are
+rendered by web/anthropic_api.py, as the router's are.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """OpenAI request bodies in, a validated GenRequest out; OpenAI response shapes back.
 
 Validation names the field and what was expected, as OpenAI's own 400s do, so a client
-author sees the mistake without reading the server log. Unknown fields are ignored (clients
+author sees the mistake without reading the server log (an HttpError, rendered by
+web/openai_api.py or web/anthropic_api.py for the path the request came through). Unknown fields are ignored (clients
 send penalties, logit_bias, user, ...), but fields whose meaning we would silently change
 (n > 1, echo, best_of, the old `functions`) are refused.
 """

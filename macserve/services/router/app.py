@@ -15,10 +15,11 @@ goes upstream as it came (its key swapped for the profile's, `model` rewritten o
 mlx_lm.server) and the answer comes back as the server wrote it: status, headers, bytes. A
 client that goes away closes the upstream connection, which is how the servers notice.
 
-Failures the router answers itself are JSON errors in the shape of the API the path belongs to
-(Anthropic's for /v1/messages*), with `x-should-retry: false` unless retrying can help. A
-stream whose server dies ends with an error event in its own format (`data: {"error": ...}`
-then `data: [DONE]`; Anthropic's `event: error`).
+Failures the router answers itself are RouteErrors (web.errors.HttpError), rendered in the
+shape of the API the path belongs to (web/dialects.py: Anthropic's for /v1/messages*, as
+`serve` renders its own), with `x-should-retry: false` unless retrying can help. A stream
+whose server dies ends with an error event in its own format (`data: {"error": ...}` then
+`data: [DONE]`; Anthropic's `event: error`).
 """
 
 from __future__ import annotations
