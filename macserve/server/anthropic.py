@@ -4,7 +4,8 @@ shared GenRequest out; its message and its stream of events back.
 Content blocks map onto the OpenAI-shaped messages the chat template path takes: text blocks
 join into the content, `tool_use` blocks become an assistant's tool_calls, `tool_result`
 blocks become "tool" messages. Thinking blocks from earlier turns are dropped (the model
-writes none); images and documents get a 400.
+writes none); images and documents get a 400. Errors (529 for overloaded included) are
+rendered by web/anthropic_api.py, as the router's are.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import json
 import time
 import uuid
 
+from ..web.errors import HttpError
 from .protocol import (
-    ApiError,
     GenRequest,
     Tool,
     _is_int,
@@ -24,38 +25,12 @@ from .protocol import (
     stop_list,
 )
 
-# Anthropic's error types, by HTTP status.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-OVERLOADED = 529  # Anthropic's status for "try again later" (its clients retry it)
-
-
-def error_body(e: ApiError) -> dict:
-    return {
-        "type": "error",
-        "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message},
-    }
-
-
-def status(e: ApiError) -> int:
-    return OVERLOADED if e.status == 503 else e.status
-
 
 def _blocks(content, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise ApiError(400, f"{where} must be a string or a list of content blocks", where)
+        raise HttpError(400, f"{where} must be a string or a list of content blocks", where)
     return content
 
 
@@ -67,7 +42,7 @@ def _result_text(content, where: str) -> str:
     parts = []
     for b in _blocks(content, where):
         if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise ApiError(400, f"{where}: only text tool results are supported", where)
+            raise HttpError(400, f"{where}: only text tool results are supported", where)
         parts.append(b["text"])
     return "".join(parts)
 
@@ -79,13 +54,13 @@ def _messages(system, msgs) -> list[dict]:
         if sys_text:
             out.append({"role": "system", "content": sys_text})
     if not isinstance(msgs, list) or not msgs:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
+        raise HttpError(400, "messages must be a non-empty list", "messages")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"{where}.role must be user or assistant", f"{where}.role")
+            raise HttpError(400, f"{where}.role must be user or assistant", f"{where}.role")
         if "content" not in m:
-            raise ApiError(400, f"{where}.content is required", f"{where}.content")
+            raise HttpError(400, f"{where}.content is required", f"{where}.content")
         texts, calls = [], []
         for j, b in enumerate(_blocks(m["content"], f"{where}.content")):
             kind, bw = b.get("type"), f"{where}.content[{j}]"
@@ -95,7 +70,7 @@ def _messages(system, msgs) -> list[dict]:
                 continue
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str):
-                    raise ApiError(400, f"{bw}.name is required", bw)
+                    raise HttpError(400, f"{bw}.name is required", bw)
                 calls.append(
                     {
                         "id": str(b.get("id") or f"toolu_{i}_{j}"),
@@ -114,7 +89,7 @@ def _messages(system, msgs) -> list[dict]:
                     {"role": "tool", "content": text, "tool_call_id": str(b.get("tool_use_id", ""))}
                 )
             else:
-                raise ApiError(
+                raise HttpError(
                     400,
                     f"{bw}: content blocks of type {json.dumps(kind)} are not supported here",
                     bw,
@@ -133,21 +108,21 @@ def _tools(v) -> tuple[Tool, ...]:
     if v in (None, []):
         return ()
     if not isinstance(v, list):
-        raise ApiError(400, "tools must be a list", "tools")
+        raise HttpError(400, "tools must be a list", "tools")
     out, names = [], set()
     for i, t in enumerate(v):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "custom") != "custom":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise ApiError(
+            raise HttpError(
                 400,
                 f"{where}: only custom tools are supported (got type {json.dumps(kind)})",
                 where,
             )
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise ApiError(400, f"{where}.name is required", where)
+            raise HttpError(400, f"{where}.name is required", where)
         if t["name"] in names:
-            raise ApiError(400, f"{where}: two tools are named {t['name']}", where)
+            raise HttpError(400, f"{where}: two tools are named {t['name']}", where)
         names.add(t["name"])
         schema = schema_of(t.get("input_schema"), f"{where}.input_schema")
         out.append(Tool(t["name"], str(t.get("description") or ""), schema))
@@ -158,17 +133,19 @@ def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
     if v is None:
         return "auto", None, True
     if not isinstance(v, dict) or v.get("type") not in ("auto", "any", "tool", "none"):
-        raise ApiError(
+        raise HttpError(
             400, 'tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice"
         )
     parallel = not v.get("disable_parallel_tool_use", False)
     kind = v["type"]
     if kind in ("any", "tool") and not tools:
-        raise ApiError(400, f"tool_choice {kind} needs tools", "tool_choice")
+        raise HttpError(400, f"tool_choice {kind} needs tools", "tool_choice")
     if kind == "tool":
         name = v.get("name")
         if name not in {t.name for t in tools}:
-            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+            raise HttpError(
+                400, f"tool_choice names {name!r}, which is not in tools", "tool_choice"
+            )
         return "function", name, parallel
     return {"auto": "auto", "any": "required", "none": "none"}[kind], None, parallel
 
@@ -176,9 +153,9 @@ def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
 def parse(body: dict) -> GenRequest:
     mt = body.get("max_tokens")
     if mt is None:
-        raise ApiError(400, "max_tokens is required", "max_tokens")
+        raise HttpError(400, "max_tokens is required", "max_tokens")
     if not _is_int(mt) or mt < 1:
-        raise ApiError(
+        raise HttpError(
             400, f"max_tokens must be a positive integer, got {json.dumps(mt)[:60]}", "max_tokens"
         )
     _opt(body, "model", lambda v: isinstance(v, str), "a string")
@@ -326,10 +303,6 @@ class Stream:
             event("message_delta", delta),
             event("message_stop", {"type": "message_stop"}),
         ]
-
-    @staticmethod
-    def error(e: ApiError) -> bytes:
-        return event("error", error_body(e))
 
 
 def models_entry(model_id: str) -> dict:

@@ -31,8 +31,9 @@ from .. import listen
 from ..engine.caches import EngineOptions
 from ..engine.model import read_config
 from ..errors import MacserveError
-from ..web import guards
-from ..web.body import BodyError, read_body
+from ..web import dialects, guards
+from ..web.body import read_body
+from ..web.errors import HttpError
 from . import anthropic as A
 from . import protocol as P
 from . import tools
@@ -96,11 +97,11 @@ class Engine:
 
     def bundle(self):
         if self.worker.error:
-            raise P.ApiError(
+            raise HttpError(
                 503, f"the model failed to load: {self.worker.error}", type_="unavailable_error"
             )
         if not self.worker.ready:
-            raise P.ApiError(
+            raise HttpError(
                 503, "the model is still loading", type_="unavailable_error", retry_after=1
             )
         return self.worker.bundle
@@ -118,7 +119,7 @@ class Engine:
 
     def refuse_if_draining(self) -> None:
         if self.worker.drain_until is not None:
-            raise P.ApiError(
+            raise HttpError(
                 503, "the server is shutting down", type_="unavailable_error", retry_after=1
             )
 
@@ -127,13 +128,13 @@ def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
     tok = bundle.tokenizer
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
-            raise P.ApiError(400, "this model has no chat template; use /v1/completions")
+            raise HttpError(400, "this model has no chat template; use /v1/completions")
         fmt = tools.tool_format(tok)
         msgs, extra = tools.render(list(req.messages), req.tools if req.uses_tools else (), fmt)
         try:
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
-            raise P.ApiError(
+            raise HttpError(
                 400, f"the chat template rejected these messages: {e}", "messages"
             ) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -142,7 +143,7 @@ def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
     if isinstance(req.prompt, tuple):
         vocab = bundle.config.get("vocab_size")
         if vocab and max(req.prompt) >= vocab:
-            raise P.ApiError(400, f"prompt has a token id >= the vocabulary size {vocab}", "prompt")
+            raise HttpError(400, f"prompt has a token id >= the vocabulary size {vocab}", "prompt")
         return list(req.prompt)
     # mlx-lm's rule: add BOS etc. unless the prompt already starts with the BOS text.
     bos = tok.bos_token
@@ -155,9 +156,9 @@ def _n(k: int) -> str:
 
 def _budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> int:
     if n_prompt == 0:
-        raise P.ApiError(400, "the prompt is empty after tokenization", "prompt")
+        raise HttpError(400, "the prompt is empty after tokenization", "prompt")
     if n_prompt >= ctx:
-        raise P.ApiError(
+        raise HttpError(
             400,
             f"the prompt is {_n(n_prompt)}; the context is {ctx}",
             "messages" if req.kind == "chat" else "prompt",
@@ -166,7 +167,7 @@ def _budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> int:
     if req.max_tokens is None:
         return min(default, ctx - n_prompt)
     if n_prompt + req.max_tokens > ctx:
-        raise P.ApiError(
+        raise HttpError(
             400,
             f"prompt ({_n(n_prompt)}) + max_tokens ({req.max_tokens}) is more "
             f"than the context ({ctx})",
@@ -190,13 +191,6 @@ def _constraint(worker: Worker, req: P.GenRequest, max_tokens: int) -> Constrain
     spec = ConstraintSpec(grammar, param, max_tokens, req.temperature, req.top_p, req.top_k)
     worker.vocab.matcher(grammar, param)
     return spec
-
-
-async def _read_body(request: Request, timeout: float) -> bytes:
-    try:
-        return await read_body(request, timeout)
-    except BodyError as e:
-        raise P.ApiError(e.status, e.message) from None
 
 
 def _log_done(req: P.GenRequest, finish: str, stats: dict) -> None:
@@ -226,14 +220,14 @@ async def _admitted(eng: Engine, job: Job) -> None:
         await asyncio.wait_for(job.started.wait(), max(0.0, job.deadline - time.monotonic()))
     except TimeoutError:
         job.cancel()
-        raise P.ApiError(
+        raise HttpError(
             503,
             f"the request waited {eng.settings.request_timeout:g} s in the queue",
             type_="unavailable_error",
             retry_after=eng.retry_after(),
         ) from None
     if job.ended_by == "shutdown":
-        raise P.ApiError(
+        raise HttpError(
             503, "the server is shutting down", type_="unavailable_error", retry_after=1
         )
 
@@ -252,7 +246,7 @@ class Finish:
 async def _read(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> AsyncIterator:
     """("text", str, [TokenLogprob]) and ("call", ToolCall) events, then one Finish. Stop
     strings are cut (and never streamed, even split across tokens); with tools, calls are
-    split out of the text. Raises ApiError when the job fails or the server stopped it."""
+    split out of the text. Raises HttpError when the job fails or the server stopped it."""
     matcher = P.StopMatcher(req.stop)
     splitter = tools.Splitter(fmt, req.tools, id_prefix) if req.uses_tools else None
     pending: list[P.TokenLogprob] = []
@@ -264,15 +258,15 @@ async def _read(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> Asyn
                 finish, hit = "length", False  # the server's time limit cut it, as max_tokens would
                 item = None
             elif job.ended_by == "shutdown":
-                raise P.ApiError(
+                raise HttpError(
                     503, "the server is shutting down", type_="unavailable_error", retry_after=1
                 )
             elif job.disconnected:
                 return
             else:
-                raise P.ApiError(500, "generation ended without a result", type_="server_error")
+                raise HttpError(500, "generation ended without a result")
         elif isinstance(item, Exception):
-            raise P.ApiError(500, f"generation failed: {item}", type_="server_error")
+            raise HttpError(500, f"generation failed: {item}")
         else:
             stats = item.stats
             if item.logprob is not None:
@@ -323,10 +317,10 @@ async def _collect(job, req, rid, model, vocab, fmt, api: str) -> dict:
             lps += ev[2]
         else:
             calls.append(ev[1])
-    raise P.ApiError(500, "generation ended without a result", type_="server_error")
+    raise HttpError(500, "generation ended without a result")
 
 
-async def _openai_events(job, req, rid, model, vocab, fmt):
+async def _openai_events(job, req, rid, model, vocab, fmt, path: str):
     n_calls, offset = 0, 0
     try:
         if req.kind == "chat":
@@ -346,8 +340,9 @@ async def _openai_events(job, req, rid, model, vocab, fmt):
                     c = P.chunk(req, rid, model, None, calls=[ev[1]], first_call=n_calls)
                     yield P.sse(c)
                     n_calls += 1
-        except P.ApiError as e:
-            yield P.sse(e.body())
+        except HttpError as e:
+            yield dialects.error_event(e, path)  # the error, then [DONE]
+            return
         yield P.SSE_DONE
     except (asyncio.CancelledError, GeneratorExit):
         # Starlette cancels the response when the client disconnects: stop that generation.
@@ -357,7 +352,7 @@ async def _openai_events(job, req, rid, model, vocab, fmt):
         job.cancel()
 
 
-async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
+async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int, path: str):
     s = A.Stream(rid, model, n_prompt, job.cached_tokens)
     try:
         for b in s.start():
@@ -373,8 +368,8 @@ async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
                     out = s.call(ev[1])
                 for b in out:
                     yield b
-        except P.ApiError as e:
-            yield s.error(e)
+        except HttpError as e:
+            yield dialects.error_event(e, path)
     except (asyncio.CancelledError, GeneratorExit):
         job.disconnect()
         raise
@@ -382,21 +377,12 @@ async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int):
         job.cancel()
 
 
-def _error_response(e: P.ApiError, api: str) -> Response:
-    headers = e.headers() or {}
-    if e.status in (408, 413):
-        headers["Connection"] = "close"  # the rest of the body is not worth reading
-    if api == "anthropic":
-        return JSONResponse(A.error_body(e), A.status(e), headers=headers)
-    return JSONResponse(e.body(), e.status, headers=headers)
-
-
 async def _prepare(request: Request, api: str, kind: str):
-    """Body -> (request, prompt ids, token budget, constraint), or an ApiError."""
+    """Body -> (request, prompt ids, token budget, constraint), or an HttpError."""
     eng: Engine = request.app.state.engine
     bundle = eng.bundle()
     eng.refuse_if_draining()
-    body = P.parse_json(await _read_body(request, eng.settings.read_timeout))
+    body = P.parse_json(await read_body(request, eng.settings.read_timeout))
     if api == "anthropic":
         req = A.parse(body)
     else:
@@ -412,11 +398,12 @@ async def _prepare(request: Request, api: str, kind: str):
 async def _generate(request: Request, kind: str, api: str = "openai") -> Response:
     eng: Engine = request.app.state.engine
     arrived = time.monotonic()
+    path = request.url.path
     job = None
     try:
         req, ids, max_tokens, spec = await _prepare(request, api, kind)
         if eng.full():
-            raise P.ApiError(
+            raise HttpError(
                 503,
                 f"{eng.settings.max_queue} requests are already waiting; retry later",
                 type_="unavailable_error",
@@ -449,18 +436,19 @@ async def _generate(request: Request, kind: str, api: str = "openai") -> Respons
         finally:
             watcher.cancel()
         if api == "anthropic":
-            return _SSEResponse(_anthropic_events(job, req, rid, model, vocab, fmt, len(ids)))
-        return _SSEResponse(_openai_events(job, req, rid, model, vocab, fmt))
-    except P.ApiError as e:
+            events = _anthropic_events(job, req, rid, model, vocab, fmt, len(ids), path)
+            return _SSEResponse(events)
+        return _SSEResponse(_openai_events(job, req, rid, model, vocab, fmt, path))
+    except HttpError as e:
         if job is not None:
             job.cancel()
-        return _error_response(e, api)
+        return dialects.error_response(e, path)
     except Exception as e:  # noqa: BLE001 - one request's bug must not become a dead server
         log.exception("request failed")
         if job is not None:
             job.cancel()
-        err = P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error")
-        return _error_response(err, api)
+        err = HttpError(500, f"internal error: {type(e).__name__}: {e}")
+        return dialects.error_response(err, path)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -479,12 +467,12 @@ async def count_tokens(request: Request) -> Response:
     eng: Engine = request.app.state.engine
     try:
         bundle = eng.bundle()
-        body = P.parse_json(await _read_body(request, eng.settings.read_timeout))
+        body = P.parse_json(await read_body(request, eng.settings.read_timeout))
         req = A.count_tokens_request(body)
         ids = await run_in_threadpool(_prompt_ids, bundle, req)
         return JSONResponse({"input_tokens": len(ids)})
-    except P.ApiError as e:
-        return _error_response(e, "anthropic")
+    except HttpError as e:
+        return dialects.error_response(e, request.url.path)
 
 
 def _model_entry(eng: Engine) -> dict:
@@ -547,18 +535,17 @@ async def health(request: Request) -> Response:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    body = guards.error_json(request.url.path, exc.status_code, exc.detail, kind)
-    return Response(
-        body, exc.status_code, headers=getattr(exc, "headers", None), media_type="application/json"
-    )
+    """Starlette's own errors (an unknown path, a wrong method) and a route's 404."""
+    kind = "not_found_error" if exc.status_code == 404 else None
+    err = HttpError(exc.status_code, exc.detail, type_=kind)
+    resp = dialects.error_response(err, request.url.path)
+    resp.headers.update(getattr(exc, "headers", None) or {})  # a 405's Allow
+    return resp
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    body = guards.error_json(
-        request.url.path, 500, f"internal error: {type(exc).__name__}", "server_error"
-    )
-    return Response(body, 500, media_type="application/json")
+    err = HttpError(500, f"internal error: {type(exc).__name__}")
+    return dialects.error_response(err, request.url.path)
 
 
 def create_app(settings: Settings, on_load_failed=lambda why: None):

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_sampler
 
-from .protocol import ApiError
+from ..web.errors import HttpError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Tried in this order by the closing path: end what is open, then the shortest values; inside
@@ -72,7 +72,7 @@ def json_grammar(schema: dict) -> str:
             strict_schema(schema), overrides=JSON_OPTIONS
         )
     except ValueError as e:
-        raise ApiError(400, f"invalid JSON schema: {e}", "response_format") from None
+        raise HttpError(400, f"invalid JSON schema: {e}", "response_format") from None
 
 
 def lark_json(schema: dict) -> str:
@@ -129,7 +129,7 @@ class Vocab:
     def matcher(self, grammar: str, param: str) -> llguidance.LLMatcher:
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise ApiError(400, f"cannot constrain the output: {m.get_error()}", param)
+            raise HttpError(400, f"cannot constrain the output: {m.get_error()}", param)
         return m
 
 

@@ -1,7 +1,8 @@
 """OpenAI request bodies in, a validated GenRequest out; OpenAI response shapes back.
 
 Validation names the field and what was expected, as OpenAI's own 400s do, so a client
-author sees the mistake without reading the server log. Unknown fields are ignored (clients
+author sees the mistake without reading the server log (an HttpError, rendered by
+web/openai_api.py or web/anthropic_api.py for the path the request came through). Unknown fields are ignored (clients
 send penalties, logit_bias, user, ...), but fields whose meaning we would silently change
 (n > 1, echo, best_of, the old `functions`) are refused.
 """
@@ -14,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..web.errors import HttpError
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_DEPTH = 64  # JSON nesting a body may have: far above any real schema, far below recursion
 MAX_TOP_LOGPROBS = 20
@@ -24,39 +27,6 @@ _REFUSED = {
     "echo": (None, False),
     "best_of": (None, 1),
 }
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        retry_after: int | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status,
-            message,
-            param,
-            type_,
-            code,
-        )
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def headers(self) -> dict | None:
-        if self.retry_after is None:
-            return None
-        return {"Retry-After": str(self.retry_after)}
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -109,13 +79,13 @@ def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep") from None
+        raise HttpError(400, f"request body is nested more than {MAX_DEPTH} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        raise HttpError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise HttpError(400, "request body must be a JSON object")
     if _depth(body) > MAX_DEPTH:
-        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep")
+        raise HttpError(400, f"request body is nested more than {MAX_DEPTH} levels deep")
     return body
 
 
@@ -147,7 +117,7 @@ def _opt(body: dict, key: str, check, expected: str, default=None):
     if v is None:
         return default
     if not check(v):
-        raise ApiError(400, f"{key} must be {expected}, got {json.dumps(v)[:60]}", key)
+        raise HttpError(400, f"{key} must be {expected}, got {json.dumps(v)[:60]}", key)
     return v
 
 
@@ -159,10 +129,10 @@ def _text(content, where: str) -> str:
         parts = []
         for p in content:
             if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ApiError(400, f"{where}: only text content parts are supported", where)
+                raise HttpError(400, f"{where}: only text content parts are supported", where)
             parts.append(p["text"])
         return "".join(parts)
-    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+    raise HttpError(400, f"{where} must be a string or a list of text parts", where)
 
 
 def stop_list(stop, key: str, most: int | None = 4) -> tuple[str, ...]:
@@ -174,13 +144,13 @@ def stop_list(stop, key: str, most: int | None = 4) -> tuple[str, ...]:
         and all(isinstance(s, str) and s for s in stop)
     ):
         n = f"up to {most} " if most else ""
-        raise ApiError(400, f"{key} must be a string or a list of {n}non-empty strings", key)
+        raise HttpError(400, f"{key} must be a string or a list of {n}non-empty strings", key)
     return tuple(stop or ())
 
 
 def schema_of(v, where: str) -> dict:
     if not isinstance(v, dict):
-        raise ApiError(400, f"{where} must be a JSON schema object", where)
+        raise HttpError(400, f"{where} must be a JSON schema object", where)
     return v
 
 
@@ -189,15 +159,15 @@ def _tool_list(body: dict) -> tuple:
     if from_tools in (None, []):
         return ()
     if not isinstance(from_tools, list):
-        raise ApiError(400, "tools must be a list", "tools")
+        raise HttpError(400, "tools must be a list", "tools")
     out, names = [], set()
     for i, t in enumerate(from_tools):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise ApiError(400, f'{where} must be {{"type": "function", "function": ...}}', where)
+            raise HttpError(400, f'{where} must be {{"type": "function", "function": ...}}', where)
         f = t.get("function")
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise ApiError(400, f"{where}.function.name is required", f"{where}.function.name")
+            raise HttpError(400, f"{where}.function.name is required", f"{where}.function.name")
         params = f.get("parameters")
         params = (
             {"type": "object"}
@@ -206,9 +176,9 @@ def _tool_list(body: dict) -> tuple:
         )
         desc = f.get("description") or ""
         if not isinstance(desc, str):
-            raise ApiError(400, f"{where}.function.description must be a string", where)
+            raise HttpError(400, f"{where}.function.description must be a string", where)
         if f["name"] in names:
-            raise ApiError(400, f"{where}: two tools are named {f['name']}", where)
+            raise HttpError(400, f"{where}: two tools are named {f['name']}", where)
         names.add(f["name"])
         out.append(Tool(f["name"], desc, params))
     return tuple(out)
@@ -227,16 +197,16 @@ def _tool_choice(v, tools: tuple) -> tuple[str, str | None]:
     ):
         choice, name = "function", v["function"]["name"]
     else:
-        raise ApiError(
+        raise HttpError(
             400,
             'tool_choice must be "auto", "none", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
     if choice in ("required", "function") and not tools:
-        raise ApiError(400, f"tool_choice {json.dumps(v)} needs tools", "tool_choice")
+        raise HttpError(400, f"tool_choice {json.dumps(v)} needs tools", "tool_choice")
     if name is not None and name not in {t.name for t in tools}:
-        raise ApiError(400, f"tool_choice names {name}, which is not in tools", "tool_choice")
+        raise HttpError(400, f"tool_choice names {name}, which is not in tools", "tool_choice")
     return choice, name
 
 
@@ -251,13 +221,13 @@ def _response_format(v) -> dict | None:
     if kind == "json_schema":
         js = v.get("json_schema")
         if not isinstance(js, dict) or "schema" not in js:
-            raise ApiError(
+            raise HttpError(
                 400,
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
                 "response_format",
             )
         return schema_of(js["schema"], "response_format.json_schema.schema")
-    raise ApiError(
+    raise HttpError(
         400,
         'response_format.type must be "text", "json_object" or "json_schema"',
         "response_format",
@@ -292,17 +262,19 @@ def _common(body: dict, kind: str) -> dict:
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if mt is not None:
         if not _is_int(mt) or mt < 1:
-            raise ApiError(400, f"{key} must be a positive integer, got {json.dumps(mt)[:60]}", key)
+            raise HttpError(
+                400, f"{key} must be a positive integer, got {json.dumps(mt)[:60]}", key
+            )
         kw["max_tokens"] = mt
     kw.update(sampling(body))
     so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     kw["include_usage"] = bool(so.get("include_usage"))
     kw["stop"] = stop_list(body.get("stop"), "stop")
     if _opt(body, "n", _is_int, "an integer", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+        raise HttpError(400, "only n=1 is supported", "n")
     for key, harmless in _REFUSED.items():
         if body.get(key) not in harmless:
-            raise ApiError(400, f"{key} is not supported by this server", key)
+            raise HttpError(400, f"{key} is not supported by this server", key)
     kw["json_schema"] = _response_format(body.get("response_format"))
     return kw
 
@@ -310,29 +282,29 @@ def _common(body: dict, kind: str) -> dict:
 def _message(m, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise ApiError(400, f"{where} must be an object", where)
+        raise HttpError(400, f"{where} must be an object", where)
     role = m.get("role")
     if role not in ROLES:
-        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+        raise HttpError(400, f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
     role = "system" if role == "developer" else role
     calls = m.get("tool_calls") if role == "assistant" else None
     if "content" not in m and not calls:
-        raise ApiError(400, f"{where}.content is required", f"{where}.content")
+        raise HttpError(400, f"{where}.content is required", f"{where}.content")
     content = m.get("content")
     out = {"role": role, "content": "" if content is None else _text(content, f"{where}.content")}
     if calls:
         if not isinstance(calls, list):
-            raise ApiError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            raise HttpError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
         out["tool_calls"] = []
         for j, c in enumerate(calls):
             f = c.get("function") if isinstance(c, dict) else None
             if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                raise ApiError(
+                raise HttpError(
                     400, f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls"
                 )
             args = f.get("arguments", "{}")
             if not isinstance(args, (str, dict)):
-                raise ApiError(
+                raise HttpError(
                     400, f"{where}.tool_calls[{j}].function.arguments must be a string", where
                 )
             out["tool_calls"].append(
@@ -350,9 +322,9 @@ def _message(m, i: int) -> dict:
 def parse_chat(body: dict) -> GenRequest:
     msgs = body.get("messages")
     if msgs is None:
-        raise ApiError(400, "messages is required", "messages")
+        raise HttpError(400, "messages is required", "messages")
     if not isinstance(msgs, list) or not msgs:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
+        raise HttpError(400, "messages must be a non-empty list", "messages")
     kw = _common(body, "chat")
     kw["messages"] = tuple(_message(m, i) for i, m in enumerate(msgs))
     kw["tools"] = _tool_list(body)
@@ -361,7 +333,7 @@ def parse_chat(body: dict) -> GenRequest:
         body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True
     )
     if kw["json_schema"] is not None and kw["tool_choice"] in ("required", "function"):
-        raise ApiError(
+        raise HttpError(
             400, "response_format cannot be combined with a forced tool call", "tool_choice"
         )
     kw["logprobs"] = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
@@ -373,28 +345,28 @@ def parse_chat(body: dict) -> GenRequest:
         0,
     )
     if kw["top_logprobs"] and not kw["logprobs"]:
-        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return GenRequest(**kw)
 
 
 def parse_completion(body: dict) -> GenRequest:
     p = body.get("prompt")
     if p is None:
-        raise ApiError(400, "prompt is required", "prompt")
+        raise HttpError(400, "prompt is required", "prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]  # the one-prompt batch form clients send
     if isinstance(p, list):
         if not p or not all(_is_int(t) and t >= 0 for t in p):
-            raise ApiError(
+            raise HttpError(
                 400, "prompt must be a string, or a non-empty list of token ids", "prompt"
             )
         p = tuple(p)
     elif not isinstance(p, str) or not p:
-        raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+        raise HttpError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     kw = _common(body, "completion")
     for key in ("tools", "tool_choice"):
         if body.get(key) not in (None, [], "none"):
-            raise ApiError(400, f"{key} needs /v1/chat/completions (a chat template)", key)
+            raise HttpError(400, f"{key} needs /v1/chat/completions (a chat template)", key)
     # The legacy API: logprobs is how many alternatives to list (0..5), null for none.
     lp = _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 5, "an integer from 0 to 5")
     kw["logprobs"], kw["top_logprobs"] = lp is not None, lp or 0

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from mlx_lm.tool_parsers import json_tools
 
+from ..web.errors import HttpError
 from . import grammar
-from .protocol import ApiError, Tool
+from .protocol import Tool
 
 TOOLS_PROMPT = """# Tools
 
@@ -160,7 +161,7 @@ def forced_grammar(
 ) -> str:
     """The grammar of an answer that is only tool calls: of `name`, or of any of `tools`."""
     if not fmt.json_body:
-        raise ApiError(
+        raise HttpError(
             400,
             "tool_choice 'required' or a named function needs a JSON tool-call format; this "
             "model's template uses another one (use tool_choice 'auto')",

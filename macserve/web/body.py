@@ -8,20 +8,16 @@ import asyncio
 
 from starlette.requests import Request
 
+from .errors import HttpError
+
 MAX_BODY = 8 * 2**20  # far above any prompt that fits a context; stops a runaway upload early
 
 
-class BodyError(Exception):
-    """413 (too large) or 408 (too slow). The answer carries `Connection: close`; the server's
-    lingering close (guards.timed_protocol) lets the client read it before the socket closes."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
 async def read_body(request: Request, timeout: float, limit: int = MAX_BODY) -> bytes:
-    too_large = BodyError(413, f"request body is over {limit // 2**20} MB")
+    """The body, or HttpError 413 (too large) or 408 (too slow). Either answer carries
+    `Connection: close`; the server's lingering close (guards.timed_protocol) lets the client
+    read it before the socket closes."""
+    too_large = HttpError(413, f"request body is over {limit // 2**20} MB")
     n = request.headers.get("content-length")
     if n and n.isdigit() and int(n) > limit:
         raise too_large
@@ -38,5 +34,5 @@ async def read_body(request: Request, timeout: float, limit: int = MAX_BODY) -> 
     try:
         await asyncio.wait_for(read(), timeout)
     except TimeoutError:
-        raise BodyError(408, f"the request body did not arrive within {timeout:g} s") from None
+        raise HttpError(408, f"the request body did not arrive within {timeout:g} s") from None
     return b"".join(chunks)

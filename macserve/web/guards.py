@@ -2,18 +2,21 @@
 timeout on request headers, and a lingering close.
 
 Each gate is plain ASGI (a BaseHTTPMiddleware would buffer responses and hide client
-disconnects from the streams). Errors are JSON in the shape of the API the path belongs to.
+disconnects from the streams). Errors are HttpErrors in the shape of the API the path belongs
+to (dialects.py).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 
 import h11
 from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from . import dialects
+from .errors import HttpError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -28,31 +31,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def is_anthropic(path: str) -> bool:
-    return path.startswith("/v1/messages")
-
-
-def error_json(path: str, status: int, message: str, type_: str, code: str | None = None) -> bytes:
-    if is_anthropic(path):
-        body = {"type": "error", "error": {"type": type_, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return json.dumps(body).encode()
-
-
-async def _send_error(send, path, status, message, type_, code=None, headers=()):
-    body = error_json(path, status, message, type_, code)
+async def _send_error(send, path: str, e: HttpError, headers: dict[str, str] | None = None):
+    status, base, body = dialects.error_parts(e, path)
+    # A refused request's body is not read: close (lingering) rather than read it.
+    all_headers = {
+        **base,
+        **(headers or {}),
+        "content-length": str(len(body)),
+        "connection": "close",
+    }
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                # A refused request's body is not read: close (lingering) rather than read it.
-                (b"connection", b"close"),
-                *headers,
-            ],
+            "headers": [(k.encode(), v.encode("latin-1")) for k, v in all_headers.items()],
         }
     )
     await send({"type": "http.response.body", "body": body})
@@ -82,15 +74,13 @@ class ApiKeyGate:
             or self._ok(dict(scope["headers"]))
         ):
             return await self.app(scope, receive, send)
-        await _send_error(
-            send,
-            scope["path"],
+        e = HttpError(
             401,
             "invalid or missing API key (send Authorization: Bearer KEY, or x-api-key: KEY)",
-            "authentication_error",
-            "invalid_api_key",
-            [(b"www-authenticate", b"Bearer")],
+            type_="authentication_error",
+            code="invalid_api_key",
         )
+        await _send_error(send, scope["path"], e, {"www-authenticate": "Bearer"})
 
 
 class HostGate:
@@ -108,14 +98,12 @@ class HostGate:
         name = host_name(raw.decode("latin-1")) if raw is not None else None
         if name is None or name in self.allowed:
             return await self.app(scope, receive, send)
-        await _send_error(
-            send,
-            scope["path"],
+        e = HttpError(
             400,
             f"Host {name!r} is not allowed: this server listens on loopback and answers "
             "localhost names only (add names with --allowed-hosts)",
-            "invalid_request_error",
         )
+        await _send_error(send, scope["path"], e)
 
 
 def host_name(host: str) -> str:

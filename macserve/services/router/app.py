@@ -15,10 +15,11 @@ goes upstream as it came (its key swapped for the profile's, `model` rewritten o
 mlx_lm.server) and the answer comes back as the server wrote it: status, headers, bytes. A
 client that goes away closes the upstream connection, which is how the servers notice.
 
-Failures the router answers itself are JSON errors in the shape of the API the path belongs to
-(Anthropic's for /v1/messages*), with `x-should-retry: false` unless retrying can help. A
-stream whose server dies ends with an error event in its own format (`data: {"error": ...}`
-then `data: [DONE]`; Anthropic's `event: error`).
+Failures the router answers itself are RouteErrors (web.errors.HttpError), rendered in the
+shape of the API the path belongs to (web/dialects.py: Anthropic's for /v1/messages*, as
+`serve` renders its own), with `x-should-retry: false` unless retrying can help. A stream
+whose server dies ends with an error event in its own format (`data: {"error": ...}` then
+`data: [DONE]`; Anthropic's `event: error`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ... import listen
-from ...web import guards
-from ...web.body import BodyError, read_body
+from ...web import anthropic_api, dialects, guards
+from ...web.body import read_body
+from ...web.errors import HttpError
 from .. import providers
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
@@ -63,46 +65,11 @@ _HOP = {
 }
 _REQUEST_DROP = _HOP | {"authorization", "x-api-key", "accept-encoding"}
 _RESPONSE_DROP = _HOP | {"date", "server", "content-encoding"}
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    503: "overloaded_error",
-}
 THREADS = 64  # starts and health waits block a thread each; status reads must not queue behind
 # A client has this long to send its request headers, and again its body (which may be up to
 # web.body.MAX_BODY): far more than any client on a network needs, short enough that a
 # half-sent request does not hold a connection for ever.
 READ_TIMEOUT = 30.0
-
-
-def _api(path: str) -> str:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
-
-
-def _error_body(e: RouteError, api: str) -> dict:
-    if api == "anthropic":
-        kind = _ANTHROPIC_TYPES.get(e.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": e.message}}
-    return {"error": {"message": e.message, "type": e.type_, "param": None, "code": e.code}}
-
-
-def error_response(e: RouteError, api: str) -> Response:
-    headers = {"x-should-retry": "true" if e.retry else "false"}
-    if e.retry_after:
-        headers["retry-after"] = str(int(e.retry_after))
-    if e.status in (408, 413):
-        headers["connection"] = "close"  # the rest of the body is not worth reading
-    return JSONResponse(_error_body(e, api), e.status, headers=headers)
-
-
-def error_event(e: RouteError, api: str) -> bytes:
-    """The error as the last event of a stream, in that API's own form."""
-    body = json.dumps(_error_body(e, api), separators=(",", ":"))
-    if api == "anthropic":
-        return f"event: error\ndata: {body}\n\n".encode()
-    return f"data: {body}\n\ndata: [DONE]\n\n".encode()
 
 
 class _Leased(StreamingResponse):
@@ -140,9 +107,8 @@ class Router:
         return bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
     def _unauthorized(self, path: str) -> Response:
-        return error_response(
-            RouteError(401, "invalid or missing API key", "authentication_error"), _api(path)
-        )
+        e = RouteError(401, "invalid or missing API key", "authentication_error")
+        return dialects.error_response(e, path)
 
     # ---- listing -------------------------------------------------------------------------------
 
@@ -172,20 +138,19 @@ class Router:
         try:
             name = self.pool.resolve(request.path_params["model_id"]).name
         except RouteError as e:
-            return error_response(e, "openai")
+            return dialects.error_response(e, request.url.path)
         return JSONResponse(next(_entry(x) for x in await self.pool.listing() if x["id"] == name))
 
     # ---- forwarding ----------------------------------------------------------------------------
 
     async def forward(self, request: Request) -> Response:
         path = request.url.path
-        api = _api(path)
         if not self.authorized(request):
             return self._unauthorized(path)
         try:
-            body, m, stream = await self._parse(request, api)
+            body, m, stream = await self._parse(request)
         except RouteError as e:
-            return error_response(e, api)
+            return dialects.error_response(e, path)
         lease = self.pool.lease(m)
         handed_over = False
         waiting = asyncio.ensure_future(self.pool.ready(m))
@@ -194,7 +159,7 @@ class Router:
                 await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
                 if not waiting.done():
                     handed_over = True
-                    gen = self._kept_alive(waiting, m, request, body, api)
+                    gen = self._kept_alive(waiting, m, request, body)
                     return _Leased(
                         gen,
                         lease,
@@ -207,7 +172,7 @@ class Router:
             resp = await _until(request, self._open(m, request, body))
             if _is_stream(resp):
                 handed_over = True
-                gen = self._pipe(resp, m, api)
+                gen = self._pipe(resp, m, path)
                 return _Leased(
                     gen,
                     lease,
@@ -223,7 +188,7 @@ class Router:
                 await resp.aclose()
             return Response(content, resp.status_code, headers=_headers(resp))
         except RouteError as e:
-            return error_response(e, api)
+            return dialects.error_response(e, path)
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the work was cancelled
         finally:
@@ -231,11 +196,11 @@ class Router:
                 waiting.cancel()
                 lease.release()
 
-    async def _parse(self, request: Request, api: str) -> tuple[bytes, Model, bool]:
+    async def _parse(self, request: Request) -> tuple[bytes, Model, bool]:
         try:
             body = await read_body(request, READ_TIMEOUT)
-        except BodyError as e:
-            raise RouteError(e.status, e.message, "invalid_request_error") from None
+        except HttpError as e:  # 408, 413: said with the router's x-should-retry: false
+            raise RouteError(e.status, e.message, e.type) from None
         try:
             data = json.loads(body)
         except ValueError:
@@ -254,7 +219,7 @@ class Router:
             )
         m = self.pool.resolve(name)
         prov = m.provider
-        if api == "anthropic" and not prov.anthropic_api:
+        if dialects.for_path(request.url.path) is anthropic_api and not prov.anthropic_api:
             raise RouteError(
                 400,
                 f"model {m.name} is served by {prov.label}, which has no Anthropic Messages "
@@ -288,7 +253,7 @@ class Router:
                 await _until(request, self.pool.ready(m))
         raise AssertionError("unreachable")
 
-    async def _pipe(self, resp: httpx.Response, m: Model, api: str):
+    async def _pipe(self, resp: httpx.Response, m: Model, path: str):
         """The upstream stream as it comes; if the server goes away mid-stream, an error event
         (after a blank line if it was cut mid-event) instead of a silent end."""
         tail = b"\n\n"
@@ -301,9 +266,9 @@ class Router:
             m.ready_pid = None
             log.warning("%s: stream cut: %s", m.name, e)
             cut = b"" if tail == b"\n\n" else b"\n" if tail.endswith(b"\n") else b"\n\n"
-            yield cut + error_event(RouteError(502, _gone(m, e)), api)
+            yield cut + dialects.error_event(RouteError(502, _gone(m, e)), path)
 
-    async def _kept_alive(self, waiting: asyncio.Future, m: Model, request, body, api):
+    async def _kept_alive(self, waiting: asyncio.Future, m: Model, request, body):
         """SSE comments while the model starts, then its stream (or the reason it failed)."""
         t0 = time.monotonic()
         resp = None
@@ -315,15 +280,16 @@ class Router:
                 waiting.result()
                 resp = await self._open(m, request, body)
             except RouteError as e:
-                yield error_event(e, api)
+                yield dialects.error_event(e, request.url.path)
                 return
             except _ClientGone:
                 return
             if not _is_stream(resp):  # the server refused the request (4xx): say why
                 text = (await resp.aread()).decode(errors="replace")
-                yield error_event(RouteError(resp.status_code, _message(text)), api)
+                err = RouteError(resp.status_code, _message(text))
+                yield dialects.error_event(err, request.url.path)
                 return
-            async for b in self._pipe(resp, m, api):
+            async for b in self._pipe(resp, m, request.url.path):
                 yield b
         finally:
             waiting.cancel()

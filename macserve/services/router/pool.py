@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from ...errors import MacserveError
 from ...sizing.budget import machine_budget
+from ...web.errors import HttpError
 from .. import manager, providers
 from ..profiles import MODELLESS, Profile
 from ..supervisors import Status
@@ -67,9 +68,10 @@ class Settings:
     api_key: str | None = None
 
 
-class RouteError(MacserveError):
-    """A request the router answers itself: HTTP status, message, and whether a client should
-    retry (`x-should-retry`, which the OpenAI and Anthropic clients honour)."""
+class RouteError(HttpError):
+    """A request the router answers itself (web.errors.HttpError, with the router's argument
+    order). The router always says whether a client should retry (`x-should-retry`): by
+    default not, since its errors are the request's or a server's that failed to start."""
 
     def __init__(
         self,
@@ -80,9 +82,9 @@ class RouteError(MacserveError):
         retry_after: float | None = None,
         code: str | None = None,
     ):
-        super().__init__(message)
-        self.status, self.message, self.type_ = status, message, type_
-        self.retry, self.retry_after, self.code = retry, retry_after, code
+        super().__init__(
+            status, message, type_=type_, code=code, retry_after=retry_after, retry=retry
+        )
 
 
 class Model:
