@@ -205,3 +205,26 @@ def test_measuring_loads_mlx_and_one_model_module_only(tmp_path):
     again, mods = _inspect_imports(tmp_path)
     assert again == report
     assert _top(mods) == []
+
+
+def test_the_services_wing_never_imports_the_router():
+    """The router (services/router/) builds on the services wing and asks it for what it needs
+    (`manager`, `routed`); nothing else in services/ imports it back."""
+    bad = [
+        f"{m} -> {t}"
+        for m, targets in graph().items()
+        if m.startswith("macserve.services.") and not m.startswith("macserve.services.router")
+        for t in targets
+        if t.startswith("macserve.services.router")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_services_module_over_500_lines():
+    """A module that grows past this does several jobs: split it by purpose."""
+    long = {
+        str(p.relative_to(REPO)): n
+        for m, p in MODULES.items()
+        if m.startswith("macserve.services") and (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
