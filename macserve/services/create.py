@@ -58,22 +58,25 @@ def new(
     tick=None,
     api_key: str | None = None,
     pull=None,
+    kv: str | None = None,
 ) -> Outcome:
     """`pull(source, quant) -> local path`, when given, downloads a hub model first (with
-    progress) so the service starts from the local copy instead of downloading in its wait."""
+    progress) so the service starts from the local copy instead of downloading in its wait.
+    `kv`: the cache type (the provider's own name; None: its default), sized and written as KV."""
     name = check_name(name) if name else default_name(source, quant)
     st = store()
     if st.exists(name):
         raise MacserveError(
             f"profile {name} exists (change it with macserve set {name}, or pick --name)"
         )
-    plan = sizing_plan.plan(source, quant, provider, ctx)
+    plan = sizing_plan.plan(source, quant, provider, ctx, kv=kv)
     prov = providers.get(plan.provider)
     notes = list(plan.notes)
     args: list[str] = []
-    ctx_args = prov.context_args(plan.n_ctx) if plan.n_ctx else None
-    if ctx_args:
-        args += ctx_args
+    typed = {"KV": plan.kv}
+    cache = plan.cache_key or f"{plan.kv} (not modelled by inspect)"
+    if plan.n_ctx and (prov.context_args(plan.n_ctx) or ctx not in (None, "auto")):
+        typed["CTX"] = str(plan.n_ctx)
         why = (
             "from --ctx"
             if ctx not in (None, "auto")
@@ -83,7 +86,12 @@ def new(
                 else f"the most that fits the {plan.budget_bytes / 2**30:.1f} GB budget"
             )
         )
-        notes.append(f"context {plan.n_ctx:,} tokens ({why}; {plan.cache_key} cache)")
+        notes.append(f"context {plan.n_ctx:,} tokens ({why}; {cache} cache)")
+        if prov.context_args(plan.n_ctx) is None:
+            notes.append(
+                f"{plan.provider} has no context-size flag: CTX is what doctor and the router "
+                "count its cache up to, not a limit the server keeps"
+            )
     elif plan.n_ctx:
         notes.append(
             f"{plan.provider} has no context-size flag: its cache grows per request; "
@@ -112,6 +120,7 @@ def new(
         "MODEL": model,
         "HOST": host,
         "PORT": None,
+        **{k: v for k, v in typed.items() if v},
         "EXTRA_ARGS": shlex.join(args),
     }
     secrets = {}
@@ -227,6 +236,9 @@ def _create(
             check_port(host, port, used, start)
         profile = Profile(name, {**values, "PORT": str(port)}, (comment,))
         prov = providers.for_profile(profile)
+        profile, lifted = prov.lift(profile)  # --extra-args '-c N': the CTX key
+        if lifted:
+            notes.append(lifted)
         profile, moved = prov.move_secrets(profile)
         if moved:
             notes.append(moved_note(st, name, prov, moved))

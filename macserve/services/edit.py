@@ -81,25 +81,33 @@ def parse_assignments(items: tuple[str, ...]) -> Changes:
 
 @dataclass
 class _Edit:
-    old: Profile
+    old: Profile  # the file as it was: what a rollback writes back
     new: Profile
     old_secrets: dict[str, str]
     new_secrets: dict[str, str]
     notes: list[str]
+    # `old` with CTX and KV lifted out of an old profile's EXTRA_ARGS: what `new` is compared
+    # with to decide what changed (the lift alone restarts nothing)
+    base: Profile
 
     @property
     def changed(self) -> bool:
         return self.new.values != self.old.values or self.new_secrets != self.old_secrets
+
+    @property
+    def only_lifted(self) -> bool:
+        return self.new.values == self.base.values and self.new_secrets == self.old_secrets
 
 
 def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | None = None) -> _Edit:
     """The edit `changes` makes to profile `name`, checked like a start would check it: keys,
     secrets the server can take, ports, flags. The provider's check is skipped when the result
     equals `checked` (it is slow for multi-host profiles: it inspects the model, ssh-checks hosts)."""
-    old = st.load(name)
+    raw = st.load(name)
+    old, lifted = providers.for_profile(raw).lift(raw)
     old_secrets = st.load_secrets(name)
     values = dict(changes.values)
-    notes: list[str] = []
+    notes: list[str] = [lifted] if lifted else []
     prov = providers.get(values.get("PROVIDER") or old.provider)
     if changes.add_args or changes.drop_args:
         args = edit_flags(
@@ -108,6 +116,9 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
         values["EXTRA_ARGS"] = shlex.join(args)
     new = old.updated(values)
     prov = providers.for_profile(new)
+    new, lifted = prov.lift(new)  # EXTRA_ARGS+='-c N' sets CTX
+    if lifted:
+        notes.append(lifted)
     new, moved = prov.move_secrets(new)
     if moved:
         notes.append(moved_note(st, name, prov, moved))
@@ -125,7 +136,7 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
         check_port(new.host, new.port, ports_used(st, but=name), new.port != old.port)
     if new.aliases != old.aliases:
         _check_aliases(st, new)
-    edit = _Edit(old, new, old_secrets, secrets, notes)
+    edit = _Edit(raw, new, old_secrets, secrets, notes, old)
     prov.validate(new)  # no I/O: also when only the router's keys changed
     if _server_values(new) != _server_values(old) and (checked is None or new != checked.new):
         prov.check_args(new)  # refuse before anything is written or restarted
@@ -165,6 +176,10 @@ def set_values(
         if not edit.changed:
             out.notes.append("no change")
             return out
+        if edit.only_lifted:
+            _save(st, edit.new, edit.new_secrets)
+            out.notes.append("saved; the server runs as before, so nothing was restarted")
+            return out
         if _router_only(edit):
             _save(st, edit.new, edit.new_secrets)
             out.notes.append(
@@ -192,8 +207,8 @@ def _server_values(p: Profile) -> dict[str, str]:
 
 
 def _router_only(edit: _Edit) -> bool:
-    keys = set(edit.new.values) | set(edit.old.values)
-    changed = {k for k in keys if edit.new.values.get(k) != edit.old.values.get(k)}
+    keys = set(edit.new.values) | set(edit.base.values)
+    changed = {k for k in keys if edit.new.values.get(k) != edit.base.values.get(k)}
     return edit.new_secrets == edit.old_secrets and bool(changed) and changed <= set(ROUTER_KEYS)
 
 

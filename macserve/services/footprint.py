@@ -44,7 +44,7 @@ class Footprint:
 
 
 def footprint(name: str) -> Footprint:
-    p = store().load(name)
+    p = providers.typed(store().load(name))
     prov = providers.for_profile(p)
     if p.provider in MODELLESS:
         note = (
@@ -58,13 +58,17 @@ def footprint(name: str) -> Footprint:
         rep = inspect_source(p.model)
     except MacserveError as e:
         return Footprint(name, cache_key=key, error=str(e))
-    ctx, note = prov.context_of(p), ""
+    ctx, note = p.ctx, ""
     if ctx is None:
         ctx = rep.shape.max_position_embeddings
         note = "no context set: counted at the model's limit"
         if prov.context_args(1) is None:
             note = f"{prov.label} grows its cache per request: counted up to the model's limit"
-    lay = rep.layouts.get(key)
+    elif prov.context_args(1) is None:
+        note = f"{prov.label} grows its cache per request: counted up to CTX"
+    if key is None:
+        note = (note + "; " if note else "") + f"inspect does not model a {p.kv} cache"
+    lay = rep.layouts.get(key) if key else None
     cache = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
     if p.multi_host:
         note = (note + "; " if note else "") + "the whole model, before it is split over HOSTS"

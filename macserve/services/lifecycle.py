@@ -15,7 +15,7 @@ from .supervisors import get_backend, log_path, logs
 def checked(name: str) -> Profile:
     """The profile, refused now if its server would refuse it (secrets, flags, model)."""
     st = store()
-    profile = st.load(name)
+    profile = providers.typed(st.load(name))
     prov = providers.for_profile(profile)
     prov.check_secrets(st.load_secrets(name))
     prov.check_args(profile)

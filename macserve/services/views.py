@@ -74,7 +74,7 @@ def show(name: str) -> dict:
     p = st.load(name)
     prov = providers.for_profile(p)
     try:
-        argv = prov.argv(p)
+        argv = prov.argv(providers.typed(p))
     except MacserveError as e:
         argv = [f"<{e}>"]
     secrets = st.load_secrets(name)

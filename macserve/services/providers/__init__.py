@@ -74,3 +74,14 @@ def get(name: str) -> Provider:
 
 def for_profile(profile: Profile) -> Provider:
     return get(profile.provider)
+
+
+def serving(fmt: str) -> list[Provider]:
+    """The providers that serve model files of `fmt` ("gguf", "mlx"), the default first."""
+    return [p for p in REGISTRY.values() if fmt in p.formats]
+
+
+def typed(profile: Profile) -> Profile:
+    """The profile with CTX and KV lifted out of an old profile's EXTRA_ARGS, in memory (the
+    file changes when it is next written): what checks, argv and footprints read."""
+    return for_profile(profile).lift(profile)[0]

@@ -280,11 +280,10 @@ class Pool:
             m.admitted = True
             return
         if need > budget:
-            flag = m.provider.context_args(1)
             fix = (
-                f"give it a smaller context (macserve set {m.name} -- "
-                f"EXTRA_ARGS+='{flag[0]} N') or raise the limit (macserve doctor)"
-                if flag
+                f"give it a smaller context (macserve set {m.name} -- CTX=N) or raise the "
+                "limit (macserve doctor)"
+                if m.provider.context_args(1)
                 else "raise the limit (macserve doctor)"
             )
             raise RouteError(
