@@ -559,7 +559,7 @@ def test_engine_service_new_set_chat(services, macserve_home):
     r = cli("set", "tiny-engine", "--", "EXTRA_ARGS+=--mtp-k x")
     assert (r.returncode, r.stderr.strip()) == (
         2,
-        "error: macserve serve: Invalid value for '--mtp-k': 'x' is not a valid integer.",
+        "error: macserve serve: Invalid value for '--mtp-k': 'x' is not a valid integer range.",
     )
     # a cache type the engine does not have: the provider's own names, refused before a restart
     r = cli("set", "tiny-engine", "--", "KV=int3")
