@@ -205,3 +205,49 @@ def test_measuring_loads_mlx_and_one_model_module_only(tmp_path):
     again, mods = _inspect_imports(tmp_path)
     assert again == report
     assert _top(mods) == []
+
+
+def test_the_services_wing_never_imports_the_router():
+    """The router (services/router/) builds on the services wing and asks it for what it needs
+    (`manager`, `routed`); nothing else in services/ imports it back."""
+    bad = [
+        f"{m} -> {t}"
+        for m, targets in graph().items()
+        if m.startswith("macserve.services.") and not m.startswith("macserve.services.router")
+        for t in targets
+        if t.startswith("macserve.services.router")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_services_module_over_500_lines():
+    """A module that grows past this does several jobs: split it by purpose."""
+    long = {
+        str(p.relative_to(REPO)): n
+        for m, p in MODULES.items()
+        if m.startswith("macserve.services") and (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+def test_only_providers_read_context_or_cache_type_out_of_extra_args():
+    """CTX and KV are typed profile keys; each provider renders them as its flags (and lifts an
+    old profile's flags out of EXTRA_ARGS). Elsewhere nobody looks for those flags in
+    EXTRA_ARGS, nor reads it through `flag_value`."""
+    spellings = (
+        '"-c"',
+        '"--ctx-size"',
+        '"--ctx"',
+        '"-ctk"',
+        '"--cache-type',
+        '"--kv"',
+        "--kv-bits",
+    )
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith("macserve.services") or m.startswith("macserve.services.providers"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if "flag_value" in line or ("extra_args" in line and any(s in line for s in spellings)):
+                bad.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not bad, "\n".join(bad)

@@ -237,11 +237,17 @@ def test_cli_set_no_restart_writes(macserve_home, llama_server, tmp_path):
     assert ProfileStore().load("a").port == 9001
     code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-c 2048 --alias 'my model'")
     assert code == 0, err
-    assert ProfileStore().load("a").extra_args == ("-c", "2048", "--alias", "my model")
+    # -c is the CTX key now: lifted out of EXTRA_ARGS, with a note
+    a = ProfileStore().load("a")
+    assert (a.ctx, a.extra_args) == (2048, ("--alias", "my model"))
+    assert "moved -c 2048 out of EXTRA_ARGS into CTX=2048" in out + err
     before = snapshot(macserve_home / "profiles")
     for bad, msg in [
         ("EXTRA_ARGS=-c 2048 --no-such-flag", "llama-server does not accept --no-such-flag"),
-        ("EXTRA_ARGS=-c", "-c expects a value"),
+        ("EXTRA_ARGS=--alias", "--alias expects a value"),
+        ("EXTRA_ARGS=-c", "-c is set by macserve from the profile; use the CTX key"),
+        ("KV=q9_9", "KV q9_9: llama-server caches f16 | q8_0 | q4_0 | bf16"),
+        ("CTX=0", "bad CTX '0': expected context tokens, a positive integer"),
         ("EXTRA_ARGS=--port 9", "--port is set by macserve from the profile; use the PORT key"),
         (f"MODEL={tmp_path}/missing.gguf", "not found"),
     ]:
@@ -301,18 +307,24 @@ def test_set_edits_single_flags_and_names_lost_ones(macserve_home, llama_server,
     model = tmp_path / "a.gguf"
     model.write_bytes(b"GGUF")
     st = ProfileStore()
-    st.save(Profile("a", dict(BASE, MODEL=str(model), EXTRA_ARGS="-c 1024 --spec-type draft-mtp")))
-    # -c and --ctx-size are one flag (aliases on one --help line): replaced in place
-    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--ctx-size 512 -t 2")
+    st.save(
+        Profile("a", dict(BASE, MODEL=str(model), EXTRA_ARGS="-c 1024 --spec-type draft-mtp -t 4"))
+    )
+    # -t and --threads are one flag (aliases on one --help line): replaced in place; the old
+    # profile's -c moves to CTX on this first write
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--threads 2 -np 1")
     assert code == 0, err
-    assert st.load("a").extra_args == ("--ctx-size", "512", "--spec-type", "draft-mtp", "-t", "2")
-    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS-=-t")
+    a = st.load("a")
+    assert a.extra_args == ("--spec-type", "draft-mtp", "--threads", "2", "-np", "1")
+    assert a.ctx == 1024 and "moved -c 1024 out of EXTRA_ARGS into CTX=1024" in out
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS-=--parallel")
     assert code == 0, err
-    assert st.load("a").extra_args == ("--ctx-size", "512", "--spec-type", "draft-mtp")
+    assert st.load("a").extra_args == ("--spec-type", "draft-mtp", "--threads", "2")
     # replacing the whole value is allowed, and says which flags went
     code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-np 1")
     assert code == 0, err
-    assert "EXTRA_ARGS no longer has --ctx-size 512, --spec-type draft-mtp" in out
+    assert "EXTRA_ARGS no longer has --spec-type draft-mtp, --threads 2" in out
+    assert st.load("a").ctx == 1024  # a key, not a flag: EXTRA_ARGS= leaves it
 
 
 def test_set_api_key_where_the_server_cannot_enforce_it(macserve_home, tmp_path):

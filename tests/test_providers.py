@@ -86,7 +86,9 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
             "PROVIDER": "llama.cpp",
             "MODEL": str(m),
             "PORT": "9000",
-            "EXTRA_ARGS": "-c 4096 --alias 'my model'",
+            "CTX": "4096",
+            "KV": "q8_0",
+            "EXTRA_ARGS": "--alias 'my model'",
         },
     )
     prov = providers.for_profile(p)
@@ -100,11 +102,20 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
         "9000",
         "-c",
         "4096",
+        "-ctk",
+        "q8_0",
+        "-ctv",
+        "q8_0",
         "--alias",
         "my model",
     ]
     assert prov.health_url(p) == "http://127.0.0.1:9000/health"
     prov.check_args(p)
+    # the same settings written before CTX and KV were keys: the same server command
+    old = p.updated(
+        {"CTX": "", "KV": "", "EXTRA_ARGS": "-c 4096 -ctk q8_0 -ctv q8_0 --alias 'my model'"}
+    )
+    assert prov.argv(providers.typed(old)) == prov.argv(p)
     hf = p.updated({"MODEL": "unsloth/Some-Model-GGUF:Q4_K_M"})
     assert prov.argv(hf)[1:3] == ["--hf-repo", "unsloth/Some-Model-GGUF:Q4_K_M"]
     assert prov.draft_args(1) == ["--spec-type", "draft-mtp"]  # this build lists draft-mtp

@@ -298,7 +298,8 @@ def test_engine_provider_argv_flags_and_checks():
             "PROVIDER": "macserve",
             "MODEL": str(TINY_MODEL),
             "PORT": "9002",
-            "EXTRA_ARGS": "--ctx 256 --mtp-k 1",
+            "CTX": "256",
+            "EXTRA_ARGS": "--mtp-k 1",
         },
     )
     prov = providers.for_profile(p)
@@ -323,7 +324,8 @@ def test_engine_provider_argv_flags_and_checks():
     for extra, why in (
         ("--bogus 1", "does not accept --bogus"),
         ("--port 1", "set by macserve"),
-        ("--ctx", "expects a value"),
+        ("--ctx 256", "set by macserve from the profile; use the CTX key"),
+        ("--kv int2", "use the KV key"),
     ):
         with pytest.raises(MacserveError, match=why):
             prov.check_args(p.updated({"EXTRA_ARGS": extra}))

@@ -127,7 +127,7 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     )
     assert r.returncode == 0, r.stderr
     assert f"tiny: healthy at {url}/v1" in r.stdout
-    assert "EXTRA_ARGS='-c 1024 --spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
+    assert "CTX=1024\nEXTRA_ARGS='--spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
     s = status("tiny")
     assert (s["state"], s["healthy"], s["port"]) == ("running", True, port)
     pid1 = s["pid"]
@@ -151,15 +151,19 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     assert [(x["name"], x["state"], x["pid"]) for x in rows] == [("tiny", "running", pid1)]
     assert rows[0]["rss_bytes"] > 0 and rows[0]["uptime_s"] is not None
 
-    # set one flag: the service restarts by itself; the flags `new` computed stay
-    r = cli("set", "tiny", "--", "EXTRA_ARGS+=-c 512")
+    # set the context and cache type: the service restarts by itself; the flags `new`
+    # computed stay
+    r = cli("set", "tiny", "--", "CTX=512", "KV=q8_0")
     assert r.returncode == 0, r.stderr
     assert "restarted, healthy" in r.stdout
-    assert "EXTRA_ARGS='-c 512 --spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
+    text = profile.read_text()
+    assert "CTX=512\n" in text and "KV=q8_0\n" in text
+    assert "EXTRA_ARGS='--spec-type draft-mtp -t 1 -np 1'\n" in text
     pid2 = status("tiny")["pid"]
     services.append(pid2)
     assert pid2 != pid1 and not psutil.pid_exists(pid1)
     assert n_ctx(port) == 512
+    assert "-c 512 -ctk q8_0 -ctv q8_0" in " ".join(psutil.Process(pid2).cmdline())
 
     # kill -9: supervisord brings it back, nobody asks
     os.kill(pid2, signal.SIGKILL)
@@ -499,6 +503,19 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
         json={"messages": [{"role": "user", "content": "Who's there?"}], "max_tokens": 4},
     )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
+    # CTX and KV on mlx: KV=q8 is --kv-bits 8; mlx_lm.server has no context flag, so CTX is
+    # what doctor (and the router's budget) count its cache up to
+    r = cli("set", "tiny-mlx", "--", "CTX=512", "KV=q8", timeout=300)
+    assert r.returncode == 0, r.stderr
+    s2 = status("tiny-mlx")
+    assert s2["healthy"] and s2["pid"] != s["pid"]
+    services.append(s2["pid"])
+    cmd = psutil.Process(s2["pid"]).cmdline()
+    assert cmd[cmd.index("--kv-bits") + 1] == "8" and "512" not in cmd
+    d = json.loads(cli("doctor", "--json").stdout)
+    row = next(p for p in d["profiles"] if p["name"] == "tiny-mlx")
+    assert (row["ctx"], row["cache_key"]) == (512, None)
+    assert "counted up to CTX" in row["note"] and "does not model a q8 cache" in row["note"]
     assert cli("rm", "tiny-mlx").returncode == 0
 
 
@@ -533,17 +550,24 @@ def test_engine_service_new_set_chat(services, macserve_home):
     assert httpx.get(models, timeout=10).status_code == 401
     assert httpx.get(models, headers={"Authorization": f"Bearer {key}"}, timeout=10).is_success
     # serve's own click parser checks the values before any restart (not its --help text)
-    r = cli("set", "tiny-engine", "--", "EXTRA_ARGS+=--kv int3")
+    r = cli("set", "tiny-engine", "--", "EXTRA_ARGS+=--mtp-k x")
     assert (r.returncode, r.stderr.strip()) == (
         2,
-        "error: macserve serve: Invalid value for '--kv': 'int3' is not one of 'bf16', 'int2'.",
+        "error: macserve serve: Invalid value for '--mtp-k': 'x' is not a valid integer range.",
+    )
+    # a cache type the engine does not have: the provider's own names, refused before a restart
+    r = cli("set", "tiny-engine", "--", "KV=int3")
+    assert (r.returncode, r.stderr.strip()) == (
+        2,
+        "error: KV int3: macserve serve caches bf16 | int2",
     )
     assert status("tiny-engine")["pid"] == first["pid"]
-    r = cli("set", "tiny-engine", "--", "EXTRA_ARGS=--ctx 1024 --kv int2 --mtp-k 1", timeout=300)
+    r = cli("set", "tiny-engine", "--", "CTX=1024", "KV=int2", timeout=300)
     assert r.returncode == 0, r.stderr
     second = status("tiny-engine")
     assert second["healthy"] and second["pid"] != first["pid"]
     services.append(second["pid"])
+    assert "--ctx 1024 --kv int2 --mtp-k 1" in " ".join(psutil.Process(second["pid"]).cmdline())
     # one profile: `chat "a prompt"` asks it (with the profile's key)
     r = cli("chat", "What country, friends, is this?")
     assert r.returncode == 0, r.stderr

@@ -114,6 +114,11 @@ def _ctx(value):
     show_default=True,
     help="Context tokens, or auto: the most that fits the memory budget.",
 )
+@click.option(
+    "--kv",
+    help="Cache type, in the provider's names (llama.cpp f16, q8_0, q4_0, ...; mlx bf16, q8, "
+    "q4; macserve bf16, int2). Default: the provider's own.",
+)
 @click.option("--port", type=click.IntRange(1, 65535), help="Default: the first free from 8080.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--extra-args", default="", help="More server flags, e.g. '--threads 8'.")
@@ -124,7 +129,7 @@ def _ctx(value):
     "file and given to the server in its environment. '-' reads it from stdin.",
 )
 @TIMEOUT
-def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, timeout, api_key):
+def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start, timeout, api_key):
     """Write a profile for SOURCE sized to this Mac, install the service and start it.
     A Hugging Face repo is downloaded first (macserve pull), with progress."""
     ctx = _ctx(ctx)
@@ -146,6 +151,7 @@ def new(source, quant, name, provider, ctx, port, host, extra_args, no_start, ti
         timeout=timeout,
         api_key=api_key,
         pull=pull_model,
+        kv=kv,
     )
     for n in out.notes:
         click.echo(f"note: {n}", err=True)

@@ -2,7 +2,16 @@
 
     profiles.py     the profile file format and store; `Profile`, typed and parsed once
     plan.py         what `new` serves and how big (from sizing's report)
-    manager.py      new, set (restart, health wait, rollback), start/stop/restart/rm, rows
+    manager.py      the service commands by name (for the CLI, doctor, the router), from:
+      health.py       health waits, Outcome, SetFailed
+      ports.py        a free port no other profile has
+      create.py       new, new_worker, new_router
+      edit.py         set: check, save, restart, roll back
+      lifecycle.py    start, stop, restart, remove; endpoint
+      footprint.py    weights + cache at the profile's CTX and KV
+      views.py        the rows behind ls / status / show
+    routed.py       what running routers publish for ls (router/ writes it; nothing here
+                    imports router/)
     run.py          `macserve run NAME`: exec the profile's server (what a service runs), with
                     its secrets in the environment, back-off and launchd log rotation
     pull.py         download a hub model into the Hugging Face cache (only what it needs)

@@ -87,7 +87,7 @@ def doctor(memory_bytes: int | None = None) -> Report:
     if rep.at_login_bytes > suggested_limit_mb(b.total_bytes) * 2**20:
         rep.notes.append(
             "the services that start at login need more than the suggested limit leaves: stop "
-            "one (macserve stop NAME) or give it a smaller context (macserve set NAME -- "
-            "EXTRA_ARGS+='-c N')"
+            "one (macserve stop NAME) or give it a smaller context or cache (macserve set NAME -- "
+            "CTX=N KV=TYPE)"
         )
     return rep

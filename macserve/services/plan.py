@@ -1,7 +1,8 @@
-"""What `macserve new` serves and how big: provider, MODEL value, context, MTP layers.
+"""What `macserve new` serves and how big: provider, MODEL value, context, cache type, MTP layers.
 
 All the model reading and KV arithmetic is `inspect`'s (sizing.report, which is sources ->
-arch -> kv_layout); this module only turns its report into profile choices.
+arch -> kv_layout); which provider serves a format, its cache types and how sizing names them
+are the providers' own facts. This module only turns the report into profile choices.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from pathlib import Path
 
 from ..errors import MacserveError
 from ..sizing.report import report
+from . import providers
 
-# Which of inspect's cache figures describe each provider's default cache.
-# The engine serves bf16 unless EXTRA_ARGS asks for --kv int2, so size for what it runs.
-CACHE_KEY = {"llama.cpp": "llama.cpp/f16", "mlx": "mlx/bf16", "macserve": "mlx/bf16"}
+FORMAT_NAMES = {"gguf": "GGUF files", "mlx": "MLX/safetensors models"}
 
 
 @dataclass
@@ -24,7 +24,8 @@ class Plan:
     n_ctx: int | None  # tokens per sequence to configure (None: leave to the server)
     mtp_layers: int
     is_gguf: bool
-    cache_key: str
+    kv: str | None  # the KV key to write (None: the provider's default, not written)
+    cache_key: str | None  # sizing's key for that cache (None: inspect does not model it)
     fits: int | None  # what fits in the budget for that cache (for messages)
     budget_bytes: int
     model_max: int | None = None
@@ -38,28 +39,29 @@ def plan(
     provider: str | None = None,
     ctx: int | str | None = "auto",
     parallel: int = 1,
+    kv: str | None = None,
 ) -> Plan:
     r = report(source, quant, parallel=parallel)
     is_gguf = bool(r["is_gguf"])
-    provider = provider or ("llama.cpp" if is_gguf else "mlx")
-    if provider == "llama.cpp" and not is_gguf:
+    fmt = "gguf" if is_gguf else "mlx"
+    prov = providers.get(provider) if provider else providers.serving(fmt)[0]
+    if fmt not in prov.formats:
+        others = " or ".join(p.name for p in providers.serving(fmt))
         raise MacserveError(
-            f"{source}: llama.cpp serves GGUF files; give a .gguf or a GGUF repo with :QUANT"
+            f"{source}: {prov.name} does not serve {FORMAT_NAMES[fmt]} (use --provider {others})"
         )
-    if provider in ("mlx", "macserve") and is_gguf:
-        raise MacserveError(
-            f"{source}: {provider} serves MLX/safetensors models, not GGUF (use --provider llama.cpp)"
-        )
-    key = CACHE_KEY[provider]
-    fits = r["max_context"].get(key)
+    if kv is not None and kv not in prov.cache_types:
+        raise MacserveError(f"--kv {kv}: {prov.label} caches {' | '.join(prov.cache_types)}")
+    key = prov.cache_types[kv or prov.default_kv()]
+    fits = r["max_context"].get(key) if key else None
     if ctx in (None, "auto"):
-        if fits is None:
-            raise MacserveError(f"{source}: {provider} cannot cache this model's layers")
-        if fits <= 0:
+        if key is not None and fits is None:
+            raise MacserveError(f"{source}: {prov.name} cannot cache this model's layers")
+        if fits is not None and fits <= 0:
             raise MacserveError(
                 f"{source}: the weights alone do not fit the {r['budget_bytes'] / 2**30:.1f} GB budget"
             )
-        n_ctx = fits
+        n_ctx = fits  # None for a cache inspect does not model: the server's default
     else:
         n_ctx = int(ctx)
         if n_ctx < 1:
@@ -71,11 +73,12 @@ def plan(
     else:
         model = f"{source}:{quant}" if quant and is_gguf and ":" not in source else source
     pl = Plan(
-        provider,
+        prov.name,
         model,
         n_ctx,
         int(r.get("mtp_layers") or 0),
         is_gguf,
+        kv,
         key,
         fits,
         r["budget_bytes"],

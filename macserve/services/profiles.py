@@ -10,7 +10,12 @@ Keys:
   MODEL       path, HF repo id, or repo:QUANT         (required, except for llama.cpp-rpc)
   PORT        1..65535                                (required)
   HOST        bind address, default 127.0.0.1
-  EXTRA_ARGS  provider flags, split with shlex (never through a shell)
+  CTX         context tokens the server is configured for (a positive integer); each provider
+              renders it as its own flag (llama.cpp -c, the engine --ctx). mlx_lm.server has no
+              such flag: there CTX is what doctor and the router count its cache up to
+  KV          cache type, in the provider's own names (llama.cpp f16, q8_0, q4_0, ...; mlx
+              bf16, q8, q4; macserve bf16, int2); checked and rendered by the provider
+  EXTRA_ARGS  the provider flags macserve does not model, split with shlex (never a shell)
   HOSTS       serve across several Macs. mlx: IPs/hosts `a,b,...` (first = this head host,
               rank 0) or a path to an mlx.launch hostfile (JSON). llama.cpp: the RPC workers,
               `host[:port],...` (port default 50052), this head not included
@@ -66,6 +71,8 @@ KEYS = (
     "MODEL",
     "HOST",
     "PORT",
+    "CTX",
+    "KV",
     "EXTRA_ARGS",
     "HOSTS",
     "BACKEND",
@@ -136,6 +143,8 @@ class Profile:
     model: str = field(init=False)
     host: str = field(init=False)
     port: int = field(init=False)
+    ctx: int | None = field(init=False)  # CTX: context tokens; None: the server's default
+    kv: str | None = field(init=False)  # KV: a cache type the provider names; None: its default
     extra_args: tuple[str, ...] = field(init=False)
     hosts: tuple[HostEntry, ...] = field(init=False)  # () unless HOSTS lists hosts
     hostfile: Path | None = field(init=False)  # HOSTS names an mlx.launch hostfile
@@ -173,6 +182,14 @@ class Profile:
         if not re.fullmatch(r"[A-Za-z0-9_.:\-\[\]]+", host):
             raise MacserveError(f"bad HOST {host!r}")
         set_(self, "host", host)
+        ctx = v.get("CTX", "")
+        if ctx and (not ctx.isdigit() or int(ctx) < 1):
+            raise MacserveError(f"bad CTX {ctx!r}: expected context tokens, a positive integer")
+        set_(self, "ctx", int(ctx) if ctx else None)
+        kv = v.get("KV", "")
+        if kv and not re.fullmatch(r"[A-Za-z0-9_]+", kv):
+            raise MacserveError(f"bad KV {kv!r}: expected a cache type name (f16, q8_0, int2, ...)")
+        set_(self, "kv", kv or None)
         try:
             set_(self, "extra_args", tuple(shlex.split(v.get("EXTRA_ARGS", ""))))
         except ValueError as e:

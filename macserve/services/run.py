@@ -102,7 +102,7 @@ def _watch_log(paths, server: psutil.Process) -> None:
 
 def exec_profile(name: str) -> None:
     st = ProfileStore()
-    profile = st.load(name)
+    profile = providers.typed(st.load(name))  # an old profile runs as its typed keys say
     provider = providers.for_profile(profile)
     argv = provider.argv(profile)
     variables = dict(os.environ)

@@ -1,29 +1,10 @@
-"""Providers: how a profile becomes a running model server.
+"""Providers: how a profile becomes a running model server, and every fact about that server.
 
 A provider is a module in this package that defines `PROVIDER`, an object with the `Provider`
 interface below (`base.BaseProvider` supplies the common parts). Registration is explicit:
-REGISTRY maps each profile PROVIDER value to its object.
-
-    name: str                             the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
-    validate(profile) -> None             the provider's own rules for HOSTS, BACKEND, SHARDING,
-                                          SPLIT, MODEL; no I/O; one-line MacserveError
-    argv(profile) -> list[str]            the server command line; argv[0] is an absolute path.
-                                          Never a shell string: EXTRA_ARGS is split with shlex.
-    env(profile) -> dict[str, str]        variables to add to the service environment
-    health_url(profile) -> str            the URL a person or monitor can poll
-    ready(profile, timeout) -> bool       readiness probe: True when a request would be served
-                                          now (llama.cpp: /health 200; mlx: a 1-token completion)
-    failed(profile) -> str | None         a reason when the server is up but can never become
-                                          ready (mlx: generation thread died); None otherwise
-    check_args(profile) -> None           validate, then raise MacserveError (one line) if the
-                                          server would refuse the profile (unknown flag, missing
-                                          model file, unreachable host). Called before any
-                                          restart so a bad edit never becomes a crash loop.
-    context_args(n_ctx) -> list[str]|None flags that set the context size, None if the server
-                                          has no such flag (macserve new reports that)
-    draft_args(mtp_layers) -> list[str]   flags enabling MTP drafting, [] when unsupported
-    anthropic_api: bool                   the router may send it /v1/messages
-    upstream_model: str | None            the `model` the router sends it (None: the client's)
+REGISTRY maps each profile PROVIDER value to its object. The interface lists exactly what the
+rest of macserve uses; a provider's flag spellings, cache types, health route and reserved
+flags are its own, and nothing outside this package parses EXTRA_ARGS for them.
 
 Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, and one
 line in REGISTRY below.
@@ -42,17 +23,53 @@ __all__ = ["Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
 
 
 class Provider(Protocol):
-    name: str
+    # who it is
+    name: str  # the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
+    label: str  # the server, in messages ("llama-server does not accept --foo")
+    # what it serves: the model formats `new` may give it ("gguf", "mlx"); () serves no model
+    formats: tuple[str, ...]
+    # KV names -> sizing's cache key (None: inspect does not model it); the default first
+    cache_types: dict[str, str | None]
+    # the variable its server reads an API key from (None: no API key support)
+    api_key_env: str | None
+    # the router: whether it answers /v1/messages, and the `model` to send it (None: the client's)
+    anthropic_api: bool
+    upstream_model: str | None
 
+    # the profile's keys: its own rules, no I/O, one-line MacserveError
     def validate(self, profile: Profile) -> None: ...
-    def argv(self, profile: Profile) -> list[str]: ...
-    def env(self, profile: Profile) -> dict[str, str]: ...
-    def health_url(self, profile: Profile) -> str: ...
-    def ready(self, profile: Profile, timeout: float = 2.0) -> bool: ...
-    def failed(self, profile: Profile) -> str | None: ...
+    # validate, then refuse (one line) what the server would refuse at start: unknown or
+    # reserved flags, a missing model, an unreachable host. Called before any write or restart.
     def check_args(self, profile: Profile) -> None: ...
+    # an old profile's context and cache flags moved out of EXTRA_ARGS into CTX and KV, with
+    # a note (None: nothing moved)
+    def lift(self, profile: Profile) -> tuple[Profile, str | None]: ...
+    # secret flags moved out of EXTRA_ARGS: (the profile, {API_KEY or HF_TOKEN: value})
+    def move_secrets(self, profile: Profile) -> tuple[Profile, dict[str, str]]: ...
+    # refuse secrets the server would ignore (an API_KEY it cannot enforce)
+    def check_secrets(self, secrets: dict[str, str]) -> None: ...
+    # the server command; argv[0] absolute; EXTRA_ARGS split with shlex, never a shell
+    def argv(self, profile: Profile) -> list[str]: ...
+    # variables added to the service's environment; the secrets as variables
+    def env(self, profile: Profile) -> dict[str, str]: ...
+    def secret_env(self, secrets: dict[str, str]) -> dict[str, str]: ...
+    # {flag: (canonical name, takes a value)} from its --help: what EXTRA_ARGS+=/-= edit by
+    def flags(self) -> dict[str, tuple[str, bool]]: ...
+    # the flags that set a context of n_ctx tokens; None: the server has no context limit
     def context_args(self, n_ctx: int) -> list[str] | None: ...
+    # KV's default name, and sizing's cache key for the profile's KV (None: not modelled)
+    def default_kv(self) -> str | None: ...
+    def cache_key(self, profile: Profile) -> str | None: ...
+    # flags enabling MTP drafting with the model's own layers ([]: it cannot)
     def draft_args(self, mtp_layers: int) -> list[str]: ...
+    # its health route, for people and monitors
+    def health_url(self, profile: Profile) -> str: ...
+    # readiness: a request would be served now (llama.cpp /health 200; mlx a 1-token completion)
+    def ready(self, profile: Profile, timeout: float = 2.0) -> bool: ...
+    # why a server that is up can never become ready (mlx: its generation thread died)
+    def failed(self, profile: Profile) -> str | None: ...
+    # the server's own reason for failing, from its log lines
+    def error_line(self, lines: list[str]) -> str | None: ...
 
 
 REGISTRY: dict[str, Provider] = {
@@ -74,3 +91,14 @@ def get(name: str) -> Provider:
 
 def for_profile(profile: Profile) -> Provider:
     return get(profile.provider)
+
+
+def serving(fmt: str) -> list[Provider]:
+    """The providers that serve model files of `fmt` ("gguf", "mlx"), the default first."""
+    return [p for p in REGISTRY.values() if fmt in p.formats]
+
+
+def typed(profile: Profile) -> Profile:
+    """The profile with CTX and KV lifted out of an old profile's EXTRA_ARGS, in memory (the
+    file changes when it is next written): what checks, argv and footprints read."""
+    return for_profile(profile).lift(profile)[0]

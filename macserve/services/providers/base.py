@@ -275,6 +275,15 @@ class BaseProvider:
     api_key_env: str | None = None
     # Flags that carry a secret: found in EXTRA_ARGS, they are moved to the secrets file.
     secret_flags: dict[str, str] = {}
+    # What it serves: model formats `new` may give it ("gguf", "mlx"); () for a server of no model.
+    formats: tuple[str, ...] = ()
+    # Context: its flags, the first one rendered from CTX (the others are its aliases, lifted out
+    # of an old profile's EXTRA_ARGS). () : no context flag.
+    ctx_flags: tuple[str, ...] = ()
+    # Cache types by the server's own names (the KV key), the default first, each with sizing's
+    # key for it (None: inspect does not model that cache); and the flags that set one.
+    cache_types: dict[str, str | None] = {}
+    kv_flags: tuple[str, ...] = ()
     # The router: whether the server answers Anthropic's Messages API (/v1/messages), and the
     # `model` to send it in place of the client's (None: the client's, which it ignores).
     anthropic_api = True
@@ -294,8 +303,24 @@ class BaseProvider:
             self.command()
             + self.model_args(profile)
             + ["--host", profile.host, "--port", str(profile.port)]
+            + self.typed_args(profile)
             + list(profile.extra_args)
         )
+
+    def typed_args(self, profile: Profile) -> list[str]:
+        """CTX and KV as this server's flags."""
+        out = (self.context_args(profile.ctx) or []) if profile.ctx else []
+        return out + (self.kv_args(profile.kv) if profile.kv else [])
+
+    def taken(self, profile: Profile) -> dict[str, str]:
+        """{flag: profile key}: the flags macserve sets from the profile, which EXTRA_ARGS may
+        not repeat."""
+        return {
+            **self.reserved,
+            **self.secret_flags,
+            **dict.fromkeys(self.ctx_flags, "CTX"),
+            **dict.fromkeys(self.kv_flags, "KV"),
+        }
 
     def env(self, profile: Profile) -> dict[str, str]:
         return {}
@@ -360,6 +385,13 @@ class BaseProvider:
         """The provider's own rules for the profile's keys, without I/O (one-line errors)."""
         if profile.multi_host and not self.multi_host:
             raise MacserveError(f"{self.name} does not run across hosts: remove HOSTS")
+        if profile.kv and profile.kv not in self.cache_types:
+            raise MacserveError(
+                f"KV {profile.kv}: {self.label} caches "
+                + (" | ".join(self.cache_types) if self.cache_types else "no model (remove KV)")
+            )
+        if profile.ctx and not self.formats:
+            raise MacserveError(f"CTX is for a server of a model, not for {self.label}")
         if profile.provider in MODELLESS:
             for key in ROUTER_KEYS:
                 if profile.values.get(key):
@@ -375,14 +407,14 @@ class BaseProvider:
             list(profile.extra_args),
             flags_from_help(text),
             self.label,
-            {**self.reserved, **self.secret_flags},
+            self.taken(profile),
             removed_flags(text),
         )
 
     def refuse_taken_flags(self, profile: Profile) -> None:
         """For servers checked by their own click parser (which knows nothing of the profile):
         EXTRA_ARGS may not set what macserve sets from the profile's keys."""
-        taken = {**self.reserved, **self.secret_flags}
+        taken = self.taken(profile)
         for a in profile.extra_args:
             flag = normalize_flag(a.partition("=")[0])
             if is_flag(a) and flag in taken:
@@ -390,18 +422,70 @@ class BaseProvider:
                     f"{flag} is set by macserve from the profile; use the {taken[flag]} key"
                 )
 
+    # ---- context and cache type: the CTX and KV keys --------------------------------------------
+
     def context_args(self, n_ctx: int) -> list[str] | None:
+        """The flags that set CTX; None: the server has no context limit (CTX is then only what
+        doctor and the router count its cache up to)."""
+        return [self.ctx_flags[0], str(n_ctx)] if self.ctx_flags else None
+
+    def kv_args(self, kind: str) -> list[str]:
+        """The flags that make the server cache `kind` (a name in `cache_types`)."""
+        return []
+
+    def default_kv(self) -> str | None:
+        return next(iter(self.cache_types), None)
+
+    def cache_key(self, profile: Profile) -> str | None:
+        """sizing's key for the cache this profile runs (None: inspect does not model it)."""
+        return self.cache_types.get(profile.kv or self.default_kv() or "")
+
+    def lift(self, profile: Profile) -> tuple[Profile, str | None]:
+        """A profile written before CTX and KV were keys, with those flags still in EXTRA_ARGS:
+        (the profile with them moved into CTX and KV, a one-line note), or (profile, None).
+        A flag in EXTRA_ARGS wins over the key, as it did on the command line (it came last)."""
+        if not (self.ctx_flags or self.kv_flags) or not profile.extra_args:
+            return profile, None
+        values, kept, moved = {}, [], []
+        kv_too = self.one_cache_type(profile)
+        for canon, group in flag_groups(list(profile.extra_args), {}):
+            value = group[1] if len(group) > 1 else group[0].partition("=")[2]
+            key = self._lifted_key(canon, value, kv_too) if canon else None
+            if key is None:
+                kept += group
+                continue
+            k, v = key
+            if v is not None:
+                values[k] = v
+            moved.append(shlex.join(group))
+        if not moved:
+            return profile, None
+        values["EXTRA_ARGS"] = shlex.join(kept)
+        new = profile.updated(values)
+        set_ = ", ".join(f"{k}={new.values[k]}" for k in ("CTX", "KV") if k in new.values)
+        return new, (
+            f"moved {', '.join(moved)} out of EXTRA_ARGS into "
+            f"{set_ or 'the profile (the default, so no key)'}: CTX and KV are profile keys now"
+        )
+
+    def one_cache_type(self, profile: Profile) -> bool:
+        """Whether the cache flags in EXTRA_ARGS name one cache type that KV can say (llama.cpp
+        types its K and V caches apart: a mix stays in EXTRA_ARGS)."""
+        return True
+
+    def _lifted_key(self, flag: str, value: str, kv_too: bool) -> tuple[str, str | None] | None:
+        """(CTX or KV, its value) for one EXTRA_ARGS flag, or None to keep the flag there."""
+        if flag in self.ctx_flags and value.isdigit():
+            return "CTX", value if int(value) > 0 else None  # 0: the model's limit, no CTX
+        if kv_too and flag in self.kv_flags:
+            kind = self.kv_name(value)
+            if kind is not None:
+                return "KV", kind
         return None
 
-    # What the server will cache, for footprints (doctor, the router): sizing's cache key
-    # and the context the profile configures (None: the server has no such flag).
-    default_cache_key = "mlx/bf16"
-
-    def context_of(self, profile: Profile) -> int | None:
-        return None
-
-    def cache_key(self, profile: Profile) -> str:
-        return self.default_cache_key
+    def kv_name(self, value: str) -> str | None:
+        """The KV name for a value of one of `kv_flags` (None: not one KV can say)."""
+        return value if value in self.cache_types else None
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return []

@@ -15,7 +15,7 @@ from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
-from .base import BaseProvider, cli_parse, flag_value
+from .base import BaseProvider, cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 
@@ -24,6 +24,11 @@ class Engine(BaseProvider):
     label = "macserve serve"
     reserved = {"--host": "HOST", "--port": "PORT", "--split": "SPLIT"}
     multi_host = True
+    formats = ("mlx",)
+    ctx_flags = ("--ctx",)
+    # serve --kv: bf16 (mlx-lm's own cache, the default) or int2 (the INT2 latent cache)
+    cache_types = {"bf16": "mlx/bf16", "int2": "macserve/int2"}
+    kv_flags = ("--kv",)
     api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
 
@@ -56,6 +61,7 @@ class Engine(BaseProvider):
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
 
     def validate(self, profile: Profile) -> None:
+        super().validate(profile)
         if profile.multi_host and profile.sharding != "pipeline":
             raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
         validate_hosts(profile)
@@ -78,16 +84,8 @@ class Engine(BaseProvider):
         """`serve`'s own click parser on `args` (macserve parse-args serve ...)."""
         cli_parse("serve", args)
 
-    def context_args(self, n_ctx: int) -> list[str]:
-        return ["--ctx", str(n_ctx)]
-
-    def context_of(self, profile: Profile) -> int | None:
-        v = flag_value(profile.extra_args, "--ctx")
-        return int(v) if v and v.isdigit() else None
-
-    def cache_key(self, profile: Profile) -> str:
-        kv = flag_value(profile.extra_args, "--kv")
-        return "macserve/int2" if kv == "int2" else "mlx/bf16"
+    def kv_args(self, kind: str) -> list[str]:
+        return ["--kv", kind]
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return ["--mtp-k", "1"] if mtp_layers > 0 else []

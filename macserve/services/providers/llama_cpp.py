@@ -29,6 +29,8 @@ _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
 RPC_PORT = 50052  # rpc-server's default
 RPC_CONNECT_TIMEOUT = 3.0
 _LOG_ERROR = re.compile(r"^\s*[\d.]+ E (.+)$")
+_K_FLAGS = ("-ctk", "--cache-type-k")
+_V_FLAGS = ("-ctv", "--cache-type-v")
 
 
 def _from_env(var: str, p: str | None) -> str | None:
@@ -90,6 +92,22 @@ class LlamaCpp(BaseProvider):
         "--hf-repo": "MODEL",
         "--rpc": "HOSTS",
     }
+    formats = ("gguf",)
+    # -c is the whole KV cache, shared by the -np slots
+    ctx_flags = ("-c", "--ctx-size")
+    # llama-server --help, --cache-type-k: the types it allows; inspect models three of them
+    cache_types = {
+        "f16": "llama.cpp/f16",
+        "q8_0": "llama.cpp/q8_0",
+        "q4_0": "llama.cpp/q4_0",
+        "bf16": None,
+        "f32": None,
+        "q4_1": None,
+        "iq4_nl": None,
+        "q5_0": None,
+        "q5_1": None,
+    }
+    kv_flags = _K_FLAGS + _V_FLAGS
     api_key_env = "LLAMA_API_KEY"  # llama-server --help: "--api-key KEY ... (env: LLAMA_API_KEY)"
     secret_flags = {"--api-key": "API_KEY", "--hf-token": "HF_TOKEN", "-hft": "HF_TOKEN"}
 
@@ -112,6 +130,7 @@ class LlamaCpp(BaseProvider):
         return argv
 
     def validate(self, profile: Profile) -> None:
+        super().validate(profile)
         if not profile.multi_host:
             return
         if (profile.backend or "rpc") != "rpc":
@@ -140,19 +159,19 @@ class LlamaCpp(BaseProvider):
                     f"`rpc-server -H 0.0.0.0 -p PORT` there first"
                 )
 
-    def context_args(self, n_ctx: int) -> list[str]:
-        return ["-c", str(n_ctx)]
+    def kv_args(self, kind: str) -> list[str]:
+        return ["-ctk", kind, "-ctv", kind]  # KV types both caches alike
 
-    default_cache_key = "llama.cpp/f16"
+    def one_cache_type(self, profile: Profile) -> bool:
+        k = flag_value(profile.extra_args, *_K_FLAGS)
+        return k is not None and k == flag_value(profile.extra_args, *_V_FLAGS)
 
-    def context_of(self, profile: Profile) -> int | None:
-        # -c is the whole KV cache, shared by the -np slots; 0 (or none) = the model's limit
-        v = flag_value(profile.extra_args, "-c", "--ctx-size")
-        return int(v) if v and v.isdigit() and int(v) > 0 else None
-
-    def cache_key(self, profile: Profile) -> str:
-        kind = flag_value(profile.extra_args, "-ctk", "--cache-type-k") or "f16"
-        return f"llama.cpp/{kind}" if kind in ("f16", "q8_0", "q4_0") else self.default_cache_key
+    def taken(self, profile: Profile) -> dict[str, str]:
+        taken = super().taken(profile)
+        if profile.kv is None and not self.one_cache_type(profile):
+            # K and V typed apart, by hand: EXTRA_ARGS keeps them (KV would type both alike)
+            taken = {f: k for f, k in taken.items() if f not in self.kv_flags}
+        return taken
 
     def error_line(self, lines: list[str]) -> str | None:
         # llama.cpp logs "0.00.038.759 E llama_adapter_lora_init: failed to open ...": the first

@@ -47,6 +47,12 @@ class MlxLm(BaseProvider):
     label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
     multi_host = True
+    formats = ("mlx",)
+    # No context flag: its cache grows per request (CTX is what doctor and the router count).
+    # Its cache is the model's own dtype, or quantized by --kv-bits (inspect models neither
+    # quantized kind).
+    cache_types = {"bf16": "mlx/bf16", "q8": None, "q4": None}
+    kv_flags = ("--kv-bits",)
     # mlx_lm.server has no /v1/messages, and it loads whatever `model` a request names (from the
     # hub, if it is not the one it serves): its own name for --model is "default_model".
     anthropic_api = False
@@ -88,6 +94,7 @@ class MlxLm(BaseProvider):
         return {"PYTHONUNBUFFERED": "1"}
 
     def validate(self, profile: Profile) -> None:
+        super().validate(profile)
         validate_hosts(profile)
 
     def check_args(self, profile: Profile) -> None:
@@ -119,8 +126,11 @@ class MlxLm(BaseProvider):
             return "mlx_lm.server is up but its generation thread died (see the log)"
         return None
 
-    def context_args(self, n_ctx: int) -> None:
-        return None  # mlx_lm.server has no context flag
+    def kv_args(self, kind: str) -> list[str]:
+        return [] if kind == "bf16" else ["--kv-bits", kind.removeprefix("q")]
+
+    def kv_name(self, value: str) -> str | None:
+        return f"q{value}" if f"q{value}" in self.cache_types else None
 
 
 def check_model_folder(model: str) -> None:

@@ -9,8 +9,9 @@
             the request (or keep an SSE client alive with comments) while the model starts,
             pass the answer through untouched, end a stream whose server died with an error
             event.
-  state.py  what a running router tells `macserve ls`: a small JSON file per router.
+What a running router tells `macserve ls` (a small JSON file per router) is
+`services/routed.py`: the router writes it, `ls` reads it, and the services wing never imports
+this package (tests/test_architecture.py checks it).
 
-This package's __init__ imports nothing: `services.manager` reads state.py, and pool.py
-imports the manager.
+This package's __init__ imports nothing; pool.py imports the services wing (`manager`).
 """

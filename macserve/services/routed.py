@@ -1,5 +1,8 @@
 """What a running router publishes for `macserve ls`: `$MACSERVE_HOME/run/routers/PORT.json`.
 
+A services-level file format, so the router (services/router/, which writes it) and `ls`
+(views.py, which reads it) share it without the services wing importing the router.
+
 Written (atomically) by the router when what it manages changes; read by `ls`, which trusts a
 file only while the process that wrote it is alive (its pid and that process's start time
 match), so a killed router leaves no false claim behind.
@@ -13,8 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from ... import env
-from ...fileio import atomic_write
+from .. import env
+from ..fileio import atomic_write
 
 
 def folder() -> Path:

@@ -1,0 +1,65 @@
+"""What the router knows of one profile (`Model`: its requests in flight, last use, start or
+stop under way, footprint) and the router's own settings. Mutated on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .. import manager, providers
+from ..profiles import Profile
+
+DEFAULT_TTL = 300.0  # seconds idle before a stop, like Ollama's keep_alive default (5 min)
+DEFAULT_START_TIMEOUT = 300.0
+
+
+def size(b: int | None) -> str:
+    if b is None:
+        return "unknown"
+    return f"{b / 2**30:,.1f} GB" if b >= 2**30 else f"{b / 2**20:,.1f} MB"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ttl: float | None = DEFAULT_TTL  # None: never (--ttl never)
+    memory_bytes: int | None = None  # plan for a Mac with this much RAM (tests); None: this one
+    keep_alive: float = 10.0  # hold a streaming request this long, then SSE comments this often
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    api_key: str | None = None
+
+
+class Model:
+    """One profile's runtime state in the router (mutated on the event loop only)."""
+
+    def __init__(self, profile: Profile, api_key: str | None, stamp: tuple):
+        self.name = profile.name
+        self.inflight = 0  # requests waiting for it or being answered by it
+        self.last_used = 0.0  # time.monotonic() of the end of its last request; 0: never
+        self.start_task: asyncio.Task | None = None
+        self.stop_task: asyncio.Task | None = None
+        self.ready_pid: int | None = None  # the process last seen ready
+        self.admitted = False  # counted in the budget, its start under way
+        self.state = "stopped"  # the supervisor's, as last read
+        self.error: str | None = None  # why the last start failed
+        self.footprint: manager.Footprint | None = None
+        self.update(profile, api_key, stamp)
+
+    def update(self, profile: Profile, api_key: str | None, stamp: tuple) -> None:
+        self.profile, self.api_key, self.stamp = profile, api_key, stamp
+        self.footprint = None  # the context or model may have changed
+
+    @property
+    def provider(self):
+        return providers.for_profile(self.profile)
+
+    def ttl(self, default: float | None) -> float | None:
+        """Seconds of idleness before a stop; None: never (TTL=never)."""
+        if self.profile.always_on:
+            return None
+        return self.profile.ttl if self.profile.ttl is not None else default
+
+    def idle(self, now: float) -> float | None:
+        return None if not self.last_used or self.inflight else now - self.last_used

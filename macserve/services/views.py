@@ -1,0 +1,94 @@
+"""The rows behind `ls`, `status` and `show`: each profile's values, its supervisor's record,
+the process's uptime and memory, and (for `ls`) the running routers that serve it, from what
+they publish (`routed.py`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from ..errors import MacserveError
+from . import providers, routed
+from .health import base_url, store
+from .supervisors import Status, get_backend, log_path
+
+
+def _proc_info(pid: int | None) -> dict:
+    if not pid:
+        return {"uptime_s": None, "rss_bytes": None}
+    try:
+        p = psutil.Process(pid)
+        rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        return {"uptime_s": max(0.0, time.time() - p.create_time()), "rss_bytes": rss}
+    except psutil.Error:
+        return {"uptime_s": None, "rss_bytes": None}
+
+
+def row(name: str, health: bool = False, backend=None) -> dict:
+    backend = backend or get_backend()
+    r: dict = {
+        "name": name,
+        "provider": None,
+        "model": None,
+        "port": None,
+        "url": None,
+        "error": None,
+    }
+    try:
+        p = store().load(name)
+        r.update(provider=p.provider, model=p.model, port=p.port, host=p.host, url=base_url(p))
+    except MacserveError as e:
+        p = None
+        r["error"] = str(e)
+    s: Status = backend.status(name)
+    r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=s.detail)
+    r.update(_proc_info(s.pid if s.state in ("running", "starting") else None))
+    if health:
+        r["healthy"] = bool(
+            p and s.state == "running" and providers.for_profile(p).ready(p, timeout=2.0)
+        )
+    return r
+
+
+def rows(health: bool = False) -> list[dict]:
+    """Every profile's row; `routed` lists the running routers that serve it (the router's
+    own state file: its URL, the profile's TTL there, None for always on, its state)."""
+    backend = get_backend()
+    routers = routed.live()
+    out = []
+    for n in store().names():
+        r = row(n, health, backend)
+        r["routed"] = [
+            {"router": x.get("url"), **x["models"][n]}
+            for x in routers
+            if n in (x.get("models") or {})
+        ]
+        out.append(r)
+    return out
+
+
+def show(name: str) -> dict:
+    st = store()
+    p = st.load(name)
+    prov = providers.for_profile(p)
+    try:
+        argv = prov.argv(providers.typed(p))
+    except MacserveError as e:
+        argv = [f"<{e}>"]
+    secrets = st.load_secrets(name)
+    r = row(name)
+    r.update(
+        file=str(st.path(name)),
+        text=st.path(name).read_text(),
+        values=dict(p.values),
+        argv=argv,
+        # names only: the values stay in the 0600 file
+        secrets={k: sorted(prov.secret_env({k: secrets[k]})) for k in sorted(secrets)},
+        secrets_file=str(st.secrets_path(name)) if secrets else None,
+        health_url=prov.health_url(p),
+        log=str(log_path(name)),
+        backend=get_backend().name,
+    )
+    return r
