@@ -138,6 +138,20 @@ def test_unmapped_types_are_one_line_errors():
         llama_truth.skeleton_metadata({"model_type": "frobnicator", "num_hidden_layers": 2})
 
 
+@pytest.mark.parametrize(
+    "cfg, why",
+    [
+        ({"model_type": "step3"}, "no text architecture in this llama.cpp build"),
+        ({"model_type": "minimax_m1"}, "lightning attention"),
+        # transformers' `minimax` type also covers MiniMax-Text-01 / M1: not written as M2.
+        ({"model_type": "minimax", "attn_type_list": [0, 0, 1]}, "lightning attention"),
+    ],
+)
+def test_what_cannot_be_checked_says_why(cfg, why):
+    with pytest.raises(MacserveError, match=why):
+        llama_truth.skeleton_metadata({"num_hidden_layers": 3, **cfg})
+
+
 def test_the_dev_command_prints_both_figures(llama_server):
     path = str(CONFIGS / "openai__gpt-oss-120b.json")
     r = CliRunner().invoke(

@@ -141,12 +141,30 @@ def _mla(kv: dict, c: dict) -> None:
     kv["expert_gating_func"] = 2  # sigmoid (DeepSeek-V3)
 
 
+# Model types asked for that are not mapped, and why (issue 27).
+UNMAPPED = {
+    "step3": "llama-truth: step3 (Step-3, MFA attention) has no text architecture in this "
+    "llama.cpp build (src/models/ has step35 for Step-3.5/3.7 only; step3vl is a vision "
+    "encoder in tools/mtmd)",
+    "step3_vl": "llama-truth: step3 (Step-3, MFA attention) has no text architecture in this "
+    "llama.cpp build (src/models/ has step35 for Step-3.5/3.7 only)",
+    "minimax_m1": "llama-truth: MiniMax-M1 / Text-01 (lightning attention) is not mapped: "
+    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
+    "minimax_text_01": "llama-truth: MiniMax-Text-01 (lightning attention) is not mapped: "
+    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
+    "minimax_m3": "llama-truth: minimax_m3 is not mapped yet (llama.cpp has minimax-m3; no "
+    "published config of it was found to check against)",
+}
+
+
 def skeleton_metadata(config: dict) -> Skeleton:
     """The llama.cpp architecture and hyperparameters for `config` (raises for the model types
     this tool does not map; the list is `ARCHS`)."""
     mt = config.get("model_type")
     c = _tc(config)
     fn = ARCHS.get(mt) or ARCHS.get(c.get("model_type"))
+    if fn is None and (mt in UNMAPPED or c.get("model_type") in UNMAPPED):
+        raise MacserveError(UNMAPPED.get(mt) or UNMAPPED[c["model_type"]])
     if fn is None:
         raise MacserveError(
             f"llama-truth: no GGUF mapping for model_type {mt!r} (have: {', '.join(sorted(ARCHS))})"
@@ -167,6 +185,10 @@ def _qwen3moe(c):
 
 
 def _minimax(c):
+    types = c.get("layer_types") or c.get("attn_type_list") or []
+    if "linear_attention" in types or 0 in types:
+        # transformers' `minimax` type is also MiniMax-Text-01 / M1 (lightning attention).
+        raise MacserveError(UNMAPPED["minimax_m1"])
     kv = _base(c)
     _moe(kv, c)
     kv["rope.dimension_count"] = int(c.get("rotary_dim") or kv["attention.key_length"])
