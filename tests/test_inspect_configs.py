@@ -73,6 +73,15 @@ ADDED = {
     # 36 attend within chunks of 8,192 tokens (state: mlx-lm's ChunkedKVCache, llama.cpp's
     # iSWA cache with n_swa = 8192).
     "meta-llama__Llama-4-Scout-17B-16E-Instruct": (49152, 49152, 12 * 8 * 272, 12 * 8 * 144, _),
+    # Issue 27. Qwen2.5-7B: `use_sliding_window` false, so full attention on all 28 layers,
+    # 4 KV heads x (128 + 128) x 2 B (mlx-lm's qwen2, llama.cpp's models/qwen2.cpp).
+    "Qwen__Qwen2.5-7B-Instruct": (57344, 57344, 28 * 2 * 4 * 136, 28 * 2 * 4 * 72, _),
+    # GLM-4.7 (glm4_moe): GQA on all 92 layers, 8 KV heads x (128 + 128) x 2 B; partial
+    # rotary does not change what is cached. llama.cpp's models/glm4-moe.cpp.
+    "zai-org__GLM-4.7.ABRIDGED": (376832, 376832, 92 * 2 * 8 * 136, 92 * 2 * 8 * 72, _),
+    # LFM2.5-VL (lfm2 text model): 6 attention layers x 8 KV heads x (64 + 64) x 2 B; the 10
+    # short-conv layers are state ((3 - 1) x 2,048 values each, f32 in llama.cpp).
+    "LiquidAI__LFM2.5-VL-1.6B": (12288, 12288, 6 * 2 * 8 * 68, 6 * 2 * 8 * 36, _),
 }
 # EXPECTED.md gives a range for GLM-5.3-Flash's mlx/bf16 figure.
 GLM53_MLX_RANGE = (11264, 14080)

@@ -22,7 +22,15 @@ from .test_inspect_configs import ADDED, DERIVED, EXPECTED, STATE
 MLX_TESTS = CONFIGS / "mlx-lm"  # mlx-lm's own test configs (tests/configs/README.md)
 REAL = sorted(p.stem for p in CONFIGS.glob("*.json"))
 # Where mlx-lm 0.32.2 has no module: the row stays modelled.
-NO_MODULE = {"deepseek-ai__DeepSeek-V4-Flash", "zai-org__GLM-5.3-Flash.RECONSTRUCTED"}
+NO_MODULE = {
+    "deepseek-ai__DeepSeek-V4-Flash",
+    "zai-org__GLM-5.3-Flash.RECONSTRUCTED",
+    "LiquidAI__LFM2.5-VL-1.6B",  # lfm2_vl: a VLM type mlx-lm leaves to mlx-vlm
+}
+# Published abridged: mlx-lm's glm4_moe ModelArgs requires fields (rope_theta, rms_norm_eps,
+# partial_rotary_factor, ...) the abridged copy leaves out, so it cannot build it; the row
+# stays modelled. Its llama.cpp row is checked by tests/test_llama_truth.py.
+NOT_BUILT = {"zai-org__GLM-4.7.ABRIDGED"}
 
 
 def _cfg(path):
@@ -42,6 +50,9 @@ def test_mlx_lm_allocates_what_inspect_says(name):
     m = mlx_measure.measure(cfg, use_cache=False)
     if name in NO_MODULE:
         assert not m.ok and "has no module" in m.reason
+        return
+    if name in NOT_BUILT:
+        assert not m.ok and "could not build it" in m.reason
         return
     assert m.ok, m.reason
     want = _hand_figure(name)

@@ -2,10 +2,11 @@
 skeleton (macserve/dev/llama_truth.py) that the real llama-server loads, and the caches it
 logs must be what inspect computes for the same `-c`.
 
-Runs 15 of the 24 configs in tests/configs, one per llama.cpp architecture and kind of
-memory (`macserve dev llama-truth tests/configs/*.json` runs all 24; the mlx-lm test configs
-are not run), at -c 4096 with one sequence, Llama 4 and EXAONE 4 also past their window; a
-few seconds each (tensor discovery: one llama-server start per kind of tensor)."""
+Runs 18 of the 27 configs in tests/configs, one per llama.cpp architecture and kind of
+memory, plus mlx-lm's own test configs of mixtral, smollm3 and nemotron_h (no published
+config of those was found verbatim); `macserve dev llama-truth tests/configs/*.json` runs all
+27. At -c 4096 with one sequence, Llama 4 and EXAONE 4 also past their window; a few seconds
+each (tensor discovery: one llama-server start per kind of tensor)."""
 
 import json
 
@@ -43,8 +44,20 @@ ONE_PER_ARCH = [
     "LGAI-EXAONE__EXAONE-4.0-32B",  # exaone4: LLLG sliding pattern, window 4096
     "google__gemma-3-27b-it",  # gemma3: llama.cpp's default pattern 6, window 1024
     "tencent__Hunyuan-A13B-Instruct",  # hunyuan-moe: GQA on every layer
+    "Qwen__Qwen2.5-7B-Instruct",  # qwen2: a sliding_window the config turns off
+    "zai-org__GLM-4.7.ABRIDGED",  # glm4moe: GQA, partial rotary, leading dense blocks
+    "LiquidAI__LFM2.5-VL-1.6B",  # lfm2: KV + short-conv recurrent (R in f32), VLM wrapper
 ]
-MAPPED = [CONFIGS / f"{n}.json" for n in ONE_PER_ARCH]
+# Architectures whose only config here is the small one mlx-lm's own tests build the model
+# type from (no published config.json found verbatim; tests/configs/README.md).
+MLX_TEST_ARCHS = [
+    "mixtral",  # written as llama with experts
+    "smollm3",  # smollm3: NoPE layers still cache K and V
+    "nemotron_h",  # nemotron_h: KV on '*' layers + Mamba-2 recurrent (R, S in f32)
+]
+MAPPED = [CONFIGS / f"{n}.json" for n in ONE_PER_ARCH] + [
+    CONFIGS / "mlx-lm" / f"{n}.json" for n in MLX_TEST_ARCHS
+]
 # Also read back from the skeleton GGUF: inspect's GGUF path must agree with llama.cpp too
 # (`macserve inspect model.gguf` reads those keys, not the config).
 GGUF_ALSO = {
@@ -53,6 +66,9 @@ GGUF_ALSO = {
     "meta-llama__Llama-4-Scout-17B-16E-Instruct",
     "google__gemma-3-27b-it",
     "tencent__Hunyuan-A13B-Instruct",
+    "Qwen__Qwen2.5-7B-Instruct",
+    "zai-org__GLM-4.7.ABRIDGED",
+    "LiquidAI__LFM2.5-VL-1.6B",
 }
 # Contexts past the window + ubatch (a window no shorter than -c 4096 is not seen at 4096):
 # Llama 4's chunk, 8,192 + 512 cells; EXAONE 4's window, 4,096 + 512 = 4,608 cells.
@@ -82,8 +98,9 @@ def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
     cfg = json.loads(path.read_text())
     gguf = tmp_path / "skeleton.gguf"
     sk = llama_truth.write_skeleton(cfg, gguf, llama_server)
-    from_gguf = shape_from_gguf(read_gguf_file(gguf).gguf_meta)
-    shapes = [shape_from_config(cfg)] + ([from_gguf] if path.stem in GGUF_ALSO else [])
+    shapes = [shape_from_config(cfg)]
+    if path.stem in GGUF_ALSO:
+        shapes.append(shape_from_gguf(read_gguf_file(gguf).gguf_meta))
     for ctx in (CTX, *MORE_CTX.get(path.stem, ())):
         got = llama_truth.caches_of(gguf, sk.arch, llama_server, ctx)
         for shape in shapes:
@@ -119,6 +136,20 @@ def test_the_skeleton_is_small_and_says_what_llama_cpp_needs(llama_server, tmp_p
 def test_unmapped_types_are_one_line_errors():
     with pytest.raises(MacserveError, match="no GGUF mapping"):
         llama_truth.skeleton_metadata({"model_type": "frobnicator", "num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize(
+    "cfg, why",
+    [
+        ({"model_type": "step3"}, "no text architecture in this llama.cpp build"),
+        ({"model_type": "minimax_m1"}, "lightning attention"),
+        # transformers' `minimax` type also covers MiniMax-Text-01 / M1: not written as M2.
+        ({"model_type": "minimax", "attn_type_list": [0, 0, 1]}, "lightning attention"),
+    ],
+)
+def test_what_cannot_be_checked_says_why(cfg, why):
+    with pytest.raises(MacserveError, match=why):
+        llama_truth.skeleton_metadata({"num_hidden_layers": 3, **cfg})
 
 
 def test_the_dev_command_prints_both_figures(llama_server):

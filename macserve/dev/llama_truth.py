@@ -141,12 +141,30 @@ def _mla(kv: dict, c: dict) -> None:
     kv["expert_gating_func"] = 2  # sigmoid (DeepSeek-V3)
 
 
+# Model types asked for that are not mapped, and why (issue 27).
+UNMAPPED = {
+    "step3": "llama-truth: step3 (Step-3, MFA attention) has no text architecture in this "
+    "llama.cpp build (src/models/ has step35 for Step-3.5/3.7 only; step3vl is a vision "
+    "encoder in tools/mtmd)",
+    "step3_vl": "llama-truth: step3 (Step-3, MFA attention) has no text architecture in this "
+    "llama.cpp build (src/models/ has step35 for Step-3.5/3.7 only)",
+    "minimax_m1": "llama-truth: MiniMax-M1 / Text-01 (lightning attention) is not mapped: "
+    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
+    "minimax_text_01": "llama-truth: MiniMax-Text-01 (lightning attention) is not mapped: "
+    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
+    "minimax_m3": "llama-truth: minimax_m3 is not mapped yet (llama.cpp has minimax-m3; no "
+    "published config of it was found to check against)",
+}
+
+
 def skeleton_metadata(config: dict) -> Skeleton:
     """The llama.cpp architecture and hyperparameters for `config` (raises for the model types
     this tool does not map; the list is `ARCHS`)."""
     mt = config.get("model_type")
     c = _tc(config)
     fn = ARCHS.get(mt) or ARCHS.get(c.get("model_type"))
+    if fn is None and (mt in UNMAPPED or c.get("model_type") in UNMAPPED):
+        raise MacserveError(UNMAPPED.get(mt) or UNMAPPED[c["model_type"]])
     if fn is None:
         raise MacserveError(
             f"llama-truth: no GGUF mapping for model_type {mt!r} (have: {', '.join(sorted(ARCHS))})"
@@ -167,6 +185,10 @@ def _qwen3moe(c):
 
 
 def _minimax(c):
+    types = c.get("layer_types") or c.get("attn_type_list") or []
+    if "linear_attention" in types or 0 in types:
+        # transformers' `minimax` type is also MiniMax-Text-01 / M1 (lightning attention).
+        raise MacserveError(UNMAPPED["minimax_m1"])
     kv = _base(c)
     _moe(kv, c)
     kv["rope.dimension_count"] = int(c.get("rotary_dim") or kv["attention.key_length"])
@@ -425,6 +447,84 @@ def _hunyuan(c):
     return Skeleton("hunyuan-moe", kv)
 
 
+def _qwen2(c):
+    # conversion/qwen.py Qwen2Model: the llama keys; Qwen2.5 publishes `sliding_window` with
+    # `use_sliding_window: false`, and the converter writes no window for it.
+    kv = _base(c)
+    _moe(kv, c)
+    return Skeleton("qwen2moe" if kv.get("expert_count") else "qwen2", kv)
+
+
+def _smollm3(c):
+    # conversion/llama.py SmolLM3Model: the llama keys (its NoPE layers, every 4th, still
+    # cache K and V; src/models/smollm3.cpp sets the interval itself).
+    return Skeleton("smollm3", _base(c))
+
+
+def _glm4_moe(c):
+    # conversion/glm.py Glm4MoeModel: partial rotary, leading dense blocks, one shared
+    # expert, and the nextn (MTP) blocks after the trunk (filtered out of the main cache).
+    kv = _base(c)
+    _moe(kv, c)
+    kv["rope.dimension_count"] = int(
+        kv["attention.key_length"] * float(c.get("partial_rotary_factor") or 0.5)
+    )
+    kv["leading_dense_block_count"] = int(c.get("first_k_dense_replace") or 0)
+    kv["expert_shared_count"] = int(c.get("n_shared_experts") or 0)
+    kv["expert_weights_scale"] = float(c.get("routed_scaling_factor") or 1.0)
+    kv["expert_weights_norm"] = bool(c.get("norm_topk_prob", True))
+    kv["expert_gating_func"] = 2  # sigmoid
+    nextn = int(c.get("num_nextn_predict_layers") or 0)
+    if nextn:
+        kv["block_count"] += nextn
+        kv["nextn_predict_layers"] = nextn
+    return Skeleton("glm4moe", kv)
+
+
+def _lfm2(c):
+    # conversion/lfm2.py LFM2Model: the short-conv cache, and per-layer KV heads (0: a conv
+    # layer, which llama.cpp makes recurrent). The conv state is (L - 1) x n_embd
+    # (llama_hparams::n_embd_r), so the hidden size is kept.
+    kv = _base(c, int(_need(c, "hidden_size")))
+    kv["attention.layer_norm_rms_epsilon"] = float(c.get("norm_eps") or 1e-5)
+    kv["shortconv.l_cache"] = int(_need(c, "conv_L_cache"))
+    n = kv["block_count"]
+    types = c.get("layer_types")
+    if isinstance(types, list):
+        full = [t == "full_attention" for t in types]
+    else:
+        idx = set(_need(c, "full_attn_idxs"))
+        full = [i in idx for i in range(n)]
+    h = kv["attention.head_count_kv"]
+    kv["attention.head_count_kv"] = [h if f else 0 for f in full]
+    rope = c.get("rope_parameters") or {}
+    kv["rope.freq_base"] = float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    return Skeleton("lfm2", kv)
+
+
+def _nemotron_h(c):
+    # conversion/nemotron.py NemotronHModel: Mamba-2 keys, and per layer the KV heads (only
+    # '*' layers attend) and FFN width (0 for Mamba and attention layers).
+    kv = _base(c)
+    pat = list(_need(c, "hybrid_override_pattern"))
+    kv["block_count"] = len(pat)
+    heads = int(_need(c, "mamba_num_heads"))
+    kv["ssm.conv_kernel"] = int(_need(c, "conv_kernel"))
+    kv["ssm.state_size"] = int(_need(c, "ssm_state_size"))
+    kv["ssm.group_count"] = int(c.get("n_groups") or 1)
+    kv["ssm.time_step_rank"] = heads
+    kv["ssm.inner_size"] = heads * int(_need(c, "mamba_head_dim"))
+    h = kv["attention.head_count_kv"]
+    kv["attention.head_count_kv"] = [h if p == "*" else 0 for p in pat]
+    kv["attention.head_count"] = [kv["attention.head_count"] if p == "*" else 0 for p in pat]
+    kv["feed_forward_length"] = [SMALL_FF if p in "-E" else 0 for p in pat]
+    # src/models/nemotron-h.cpp reads the Mamba norm's epsilon as well as the RMS one.
+    kv["attention.layer_norm_epsilon"] = float(c.get("layer_norm_epsilon") or 1e-5)
+    if "E" in pat:
+        _moe(kv, c)
+    return Skeleton("nemotron_h_moe" if "E" in pat else "nemotron_h", kv)
+
+
 ARCHS = {
     "exaone4": _exaone4,
     "gemma3": _gemma3,
@@ -443,6 +543,14 @@ ARCHS = {
     "nemotron-nas": _deci,
     "llama": _llama,
     "mistral": _llama,
+    # convert_hf_to_gguf writes Mixtral as llama with experts (MixtralForCausalLM -> LlamaModel).
+    "mixtral": _llama,
+    "qwen2": _qwen2,
+    "qwen2_moe": _qwen2,
+    "smollm3": _smollm3,
+    "glm4_moe": _glm4_moe,
+    "lfm2": _lfm2,
+    "nemotron_h": _nemotron_h,
     "qwen3": _qwen3moe,
     "qwen3_moe": _qwen3moe,
     "minimax_m2": _minimax,

@@ -697,6 +697,12 @@ def shape_from_gguf(meta: dict) -> ModelShape:
         lin = _gguf_linear(g, need, arch, heads[0], "gated_deltanet")
         return done([lin if is_recr[i] else Full(kv_heads[i], k_len, v_len) for i in range(blocks)])
 
+    if arch in ("lfm2", "lfm2moe"):
+        # src/models/lfm2.cpp: a layer without KV heads is a short conv, whose recurrent
+        # state is (l_cache - 1) x n_embd values (llama_hparams::n_embd_r); no s state.
+        conv = Linear("short_conv", (int(need("shortconv.l_cache")) - 1) * n_embd, 0)
+        return done([Full(h, k_len, v_len) if h else conv for h in kv_heads])
+
     if g("ssm.state_size") is not None or g("ssm.conv_kernel") is not None:
         raise MacserveError(
             f"GGUF ({arch}): recurrent layout (`{arch}.ssm.*`) of this "
