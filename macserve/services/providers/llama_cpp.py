@@ -48,12 +48,16 @@ def find_llama_server() -> str:
     found = shutil.which("llama-server")
     if found:
         return os.path.abspath(found)
-    for d in HOMEBREW_DIRS:
+    dirs = (str(env.bin_dir()), *HOMEBREW_DIRS)
+    for d in dirs:
         cand = os.path.join(d, "llama-server")
         if os.access(cand, os.X_OK):
-            return cand
+            return os.path.realpath(cand)
     raise MacserveError(
-        "llama-server not found (brew install llama.cpp, or set MACSERVE_LLAMA_SERVER)"
+        "llama-server not found: looked in MACSERVE_LLAMA_SERVER (unset), PATH, "
+        + ", ".join(dirs)
+        + "; install it (brew install llama.cpp) or build it from this checkout "
+        "(bash scripts/build-llama-server.sh, which links it into " + str(env.bin_dir()) + ")"
     )
 
 
