@@ -11,15 +11,18 @@ refuses it), `kill` ends the job's process (recording launchd's "last terminatin
 import json
 import os
 import plistlib
+import shutil
 import sys
 import textwrap
 
 import pytest
 
-from macserve.services import manager
+from macserve.services import manager, providers
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import launchd, log_path, spec_for
+from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
+
+from .conftest import REPO
 
 UID = os.getuid()
 DOMAIN = f"gui/{UID}"
@@ -359,3 +362,84 @@ def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
         ["print", target],
     ]
     assert not ProfileStore().exists("big")
+
+
+def _machine(monkeypatch, tmp_path, python):
+    """Another machine: its own interpreter, home, log folder and shell variables."""
+    monkeypatch.setattr(sys, "executable", python)
+    monkeypatch.setenv("MACSERVE_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("MACSERVE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/blas.so")
+    monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "agents"))
+
+
+def test_checked_in_plists_are_the_codes(monkeypatch, tmp_path):
+    """launchd/ holds what macserve installs for the demo profile and the router, rendered by
+    render_plist with placeholder paths: the same bytes on any machine, and valid plists."""
+    folder = REPO / "launchd"
+    assert launchd_files.stale(REPO) == [], "run: macserve dev launchd-plists"
+    names = sorted(p.name for p in folder.glob("*.plist"))
+    assert names == ["dev.macserve.router.plist", "dev.macserve.tiny-mla.plist"]
+    for n in names:
+        d = plistlib.loads((folder / n).read_bytes())
+        assert n == d["Label"] + ".plist"
+        assert d["ProgramArguments"][-2:] == ["run", d["Label"].removeprefix("dev.macserve.")]
+        assert not any(k in d["EnvironmentVariables"] for k in ("API_KEY", "MACSERVE_API_KEY"))
+        assert str(tmp_path) not in (folder / n).read_text()
+    want = launchd_files.render(REPO)
+    for python in ("/usr/bin/python3", str(tmp_path / "venv" / "bin" / "python")):
+        _machine(monkeypatch, tmp_path, python)
+        assert launchd_files.render(REPO) == want
+
+
+def test_placeholders_change_paths_only(macserve_home):
+    """The checked-in form differs from the installed one in machine paths alone."""
+    p = launchd_files.profiles(REPO)[0]
+    spec = spec_for(p, providers.for_profile(p).env(p))
+    real = plistlib.loads(render_plist(spec, DOMAIN))
+    shown = plistlib.loads(render_plist(launchd_files.placeholder_spec(spec), DOMAIN))
+    paths = {"ProgramArguments", "EnvironmentVariables", "WorkingDirectory"}
+    paths |= {"StandardOutPath", "StandardErrorPath"}
+    assert {k: v for k, v in real.items() if k not in paths} == {
+        k: v for k, v in shown.items() if k not in paths
+    }
+    assert shown["ProgramArguments"][1:] == real["ProgramArguments"][1:]
+    assert shown["ProgramArguments"][0] == launchd_files.PYTHON
+    assert set(shown["EnvironmentVariables"]) == set(real["EnvironmentVariables"])
+    path, shown_path = (d["EnvironmentVariables"]["PATH"].split(":") for d in (real, shown))
+    assert shown_path[1:] == path[1:] and shown_path[0] != path[0]
+    assert shown["StandardOutPath"] == f"{launchd_files.MACSERVE_HOME}/logs/tiny-mla.log"
+
+
+def test_launchd_plists_command_writes_and_checks(tmp_path):
+    """`macserve dev launchd-plists --check` fails on a changed, missing or extra file; without
+    --check it rewrites them (into a copy of the repo's launchd/ and profiles/)."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+
+    shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    shutil.copytree(REPO / "launchd", tmp_path / "launchd")
+
+    def run(*args):
+        return CliRunner().invoke(main, ["dev", "launchd-plists", "--repo", str(tmp_path), *args])
+
+    assert run("--check").exit_code == 0
+    demo = tmp_path / "launchd" / "dev.macserve.tiny-mla.plist"
+    demo.write_bytes(demo.read_bytes().replace(b"<integer>30<", b"<integer>10<"))
+    (tmp_path / "launchd" / "dev.macserve.router.plist").unlink()
+    (tmp_path / "launchd" / "dev.macserve.old.plist").write_bytes(b"")
+    r = run("--check")
+    assert r.exit_code == 1
+    assert [l.split()[0] for l in r.stdout.splitlines()] == [
+        "launchd/dev.macserve.old.plist",
+        "launchd/dev.macserve.router.plist",
+        "launchd/dev.macserve.tiny-mla.plist",
+    ]
+    assert run().exit_code == 0
+    assert run("--check").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "launchd").iterdir()) == [
+        "README.md",
+        "dev.macserve.router.plist",
+        "dev.macserve.tiny-mla.plist",
+    ]

@@ -80,6 +80,7 @@ DEV = {
     "export-gguf": "macserve.cli.dev:export_gguf_cmd",
     "mlx-check": "macserve.cli.dev:mlx_check_cmd",
     "llama-truth": "macserve.cli.dev:llama_truth_cmd",
+    "launchd-plists": "macserve.cli.dev:launchd_plists_cmd",
 }
 
 
@@ -96,4 +97,4 @@ def bench():
 
 @main.group(cls=LazyGroup, lazy=DEV)
 def dev():
-    """Developer commands: train the demo model, export GGUF twins."""
+    """Developer commands: train the demo model, export GGUF twins, render launchd/."""
