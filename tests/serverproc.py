@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,7 @@ import httpx
 import pytest
 
 from .conftest import REPO, TINY_MODEL
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from .fixtures import free_port  # noqa: F401  (its home before fixtures.py)
 
 
 @dataclass

@@ -13,9 +13,6 @@ import os
 import plistlib
 import shutil
 import sys
-import textwrap
-
-import pytest
 
 from macserve.services import manager, providers
 from macserve.services.profiles import Profile, ProfileStore
@@ -23,100 +20,7 @@ from macserve.services.supervisors import launchd, launchd_files, log_path, spec
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
 from .conftest import REPO
-
-UID = os.getuid()
-DOMAIN = f"gui/{UID}"
-
-STAND_IN = textwrap.dedent("""\
-    #!{python}
-    import json, os, plistlib, sys
-    log, state_file = os.environ["FAKE_LAUNCHCTL_LOG"], os.environ["FAKE_LAUNCHCTL_STATE"]
-    args = sys.argv[1:]
-    with open(log, "a") as f:
-        f.write(json.dumps(args) + "\\n")
-    try:
-        state = json.load(open(state_file))
-    except FileNotFoundError:
-        state = {{}}
-    def save():
-        json.dump(state, open(state_file, "w"))
-    def job(target):
-        dom, _, label = target.rpartition("/")
-        j = state.get(label)
-        return label, (j if j and j["domain"] == dom else None)
-    SESSION = {{"gui": "Aqua", "user": "Background"}}
-    verb = args[0]
-    if verb == "bootstrap":
-        d = plistlib.load(open(args[2], "rb"))
-        label = d["Label"]
-        if label in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
-            print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
-        pid = state.get("_pid", 4242)
-        state["_pid"] = pid + 1
-        state[label] = {{"domain": args[1], "pid": pid, "runs": 1, "state": "running"}}; save()
-    elif verb == "bootout":
-        label, j = job(args[1])
-        if j is None:
-            print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
-        del state[label]; save()
-    elif verb == "kill":
-        label, j = job(args[2])
-        if j is None:
-            sys.exit(113)
-        if args[1] == "SIGKILL" or not os.environ.get("FAKE_LAUNCHCTL_IGNORE_TERM"):
-            j.update(state="not running", pid=None,
-                     signal={{"SIGTERM": "Terminated: 15", "SIGKILL": "Killed: 9"}}[args[1]])
-            save()
-    elif verb == "kickstart":
-        label, j = job(args[-1])
-        if j is None:
-            print("Could not find service", file=sys.stderr); sys.exit(113)
-    elif verb == "print":
-        label, j = job(args[1])
-        if j is None:
-            print(f"Could not find service \\"{{label}}\\" in domain for user gui: {uid}", file=sys.stderr)
-            sys.exit(113)
-        lines = ["active count = 1", "path = /x.plist", "type = LaunchAgent",
-                 f"state = {{j['state']}}", "", "program = /usr/bin/python3",
-                 "arguments = {{", "\\tpython3", "}}", "", f"runs = {{j['runs']}}"]
-        if j.get("pid"):
-            lines.append(f"pid = {{j['pid']}}")
-        lines.append(f"last exit code = {{j.get('exit', '(never exited)')}}")
-        if j.get("signal"):
-            lines.append(f"last terminating signal = {{j['signal']}}")
-        lines += ["", "spawn type = interactive (4)", "endpoints = {{", "\\tstate = active", "}}"]
-        print(args[1] + " = {{\\n" + "".join("\\t" + l + "\\n" for l in lines) + "}}")
-    elif verb in ("enable", "disable"):
-        pass
-    else:
-        sys.exit(64)
-""")
-
-
-@pytest.fixture
-def launchctl(tmp_path, monkeypatch):
-    exe = tmp_path / "launchctl"
-    exe.write_text(STAND_IN.format(python=sys.executable, uid=UID))
-    exe.chmod(0o755)
-    calls = tmp_path / "launchctl.calls"
-    monkeypatch.setenv("MACSERVE_LAUNCHCTL", str(exe))
-    monkeypatch.setenv("FAKE_LAUNCHCTL_LOG", str(calls))
-    monkeypatch.setenv("FAKE_LAUNCHCTL_STATE", str(tmp_path / "launchctl.state"))
-    monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "LaunchAgents"))
-    monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "launchd")
-    for var in ("MACSERVE_LAUNCHD_DOMAIN", "SSH_CONNECTION", "SSH_TTY"):
-        monkeypatch.delenv(var, raising=False)
-
-    def take():
-        """The calls made since the last take()."""
-        if not calls.exists():
-            return []
-        out = [json.loads(l) for l in calls.read_text().splitlines()]
-        calls.unlink()
-        return out
-
-    take.state = tmp_path / "launchctl.state"
-    return take
+from .fixtures import DOMAIN, UID
 
 
 def _profile(name="big", provider="llama.cpp", model="/models/big.gguf"):
