@@ -309,7 +309,10 @@ def test_placeholders_change_paths_only(macserve_home):
     }
     assert shown["ProgramArguments"][1:] == real["ProgramArguments"][1:]
     assert shown["ProgramArguments"][0] == launchd_files.PYTHON
-    assert set(shown["EnvironmentVariables"]) == set(real["EnvironmentVariables"])
+    # the installing shell's variables (LD_PRELOAD, MACSERVE_LLAMA_SERVER, ...) are left out
+    assert set(shown["EnvironmentVariables"]) == (
+        set(real["EnvironmentVariables"]) - launchd_files.FROM_SHELL
+    )
     path, shown_path = (d["EnvironmentVariables"]["PATH"].split(":") for d in (real, shown))
     assert shown_path[1:] == path[1:] and shown_path[0] != path[0]
     assert shown["StandardOutPath"] == f"{launchd_files.MACSERVE_HOME}/logs/tiny-mla.log"
