@@ -1,37 +1,87 @@
-"""Shared fixtures: every test runs with its own MACSERVE_HOME, never the real home."""
+"""pytest's hooks: every fixture of tests/fixtures.py registered for every test file, and the
+`e2e` mark on each test that starts a process, found by reading the code it runs.
 
-import os
-import shutil
-from pathlib import Path
+`python3 -m pytest -m "not e2e"` is the fast subset; `bash scripts/test.sh` runs everything.
+"""
+
+import ast
+import inspect
+import subprocess
+import textwrap
+import types
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = Path(__file__).resolve().parent / "configs"  # real published configs, see its README
-TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
+from .fixtures import (  # noqa: F401  (constants other files import from here; fixtures)
+    CONFIGS,
+    REPO,
+    TINY_MODEL,
+    ggufs,
+    hub,
+    launchctl,
+    llama_server,
+    llama_server_binary,
+    macserve_home,
+    model_gguf,
+    services,
+    tiny_gguf,
+    tiny_mlx_f32,
+)
+
+# Fixtures that start a process inside macserve's own code, where reading the test's code
+# cannot see it: supervisord (`services`), the llama-server binary (`llama_server`: a test
+# that asks for it runs it).
+PROCESS_FIXTURES = frozenset({"services", "llama_server"})
 
 
-@pytest.fixture(autouse=True)
-def macserve_home(tmp_path, monkeypatch):
-    home = tmp_path / "macserve-home"
-    home.mkdir()
-    monkeypatch.setenv("MACSERVE_HOME", str(home))
-    return home
+_SEEN: dict = {}
 
 
-def llama_server_binary():
-    """The llama-server the tests use: MACSERVE_LLAMA_SERVER, else PATH; None when absent."""
-    p = os.environ.get("MACSERVE_LLAMA_SERVER")
-    if p and os.access(p, os.X_OK):
-        return p
-    return shutil.which("llama-server")
+def _starts_process(fn) -> bool:
+    """True if `fn`, or a function of the tests it names (followed through the names it
+    uses), refers to the subprocess module: every process the tests start goes through it."""
+    fn = inspect.unwrap(fn)  # contextmanager and pytest's fixture wrappers
+    if fn not in _SEEN:
+        _SEEN[fn] = False  # a function being read (recursion) counts as starting nothing yet
+        _SEEN[fn] = _reads_subprocess(fn)
+    return _SEEN[fn]
 
 
-@pytest.fixture
-def llama_server():
-    p = llama_server_binary()
-    if p is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must provide llama-server (scripts/build-llama-server.sh)")
-        pytest.skip("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
-    return p
+def _reads_subprocess(fn) -> bool:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    scope = getattr(fn, "__globals__", {})
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Name) or node.id not in scope:
+            continue
+        v = scope[node.id]
+        if v is subprocess:
+            return True
+        inner = getattr(v, "__wrapped__", v)
+        if (
+            isinstance(inner, types.FunctionType)
+            and inner is not fn
+            and inner.__module__.startswith(("tests.", "conftest", "fixtures"))
+            and _starts_process(inner)
+        ):
+            return True
+    return False
+
+
+def _is_e2e(item) -> bool:
+    if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    if _starts_process(item.function):
+        return True
+    defs = item._fixtureinfo.name2fixturedefs
+    return any(
+        _starts_process(d[-1].func) for name in item.fixturenames for d in [defs.get(name)] if d
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if isinstance(item, pytest.Function) and _is_e2e(item):
+            item.add_marker(pytest.mark.e2e)

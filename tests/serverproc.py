@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,40 +15,7 @@ import httpx
 import pytest
 
 from .conftest import REPO, TINY_MODEL
-
-
-def _ephemeral_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; macOS hands out 49152 and up
-
-
-_next_port = [0]
-
-
-def free_port() -> int:
-    """A port no server holds now, for a server the test starts next.
-
-    Taken below the kernel's ephemeral range: a port asked of the kernel (bind to 0) comes
-    from that range, where any outgoing connection (a client, a health poll, supervisord's
-    own) may take it before the server binds it; below it, only an explicit bind can, and
-    the tests bind their servers one at a time. Ports are handed out in turn from a start
-    spread by the pid, so consecutive tests (and a leftover server) never share one."""
-    top = _ephemeral_start()
-    lo = max(1024, top - 12000)
-    if not _next_port[0]:
-        _next_port[0] = lo + (os.getpid() * 7) % (top - lo)
-    for _ in range(top - lo):
-        port = _next_port[0]
-        _next_port[0] = lo if port + 1 >= top else port + 1
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port in {lo}-{top}")
+from .fixtures import free_port  # noqa: F401  (its home before fixtures.py)
 
 
 @dataclass

@@ -13,8 +13,9 @@ from macserve.dev.gguf_export import export_gguf
 from macserve.services.profiles import Profile, ProfileStore
 
 from .conftest import TINY_MODEL
-from .serverproc import free_port, serve
-from .test_tiny_model import _serve
+from .fixtures import free_port
+from .fixtures import llama_serve as _serve
+from .serverproc import serve
 
 CTX = 256
 

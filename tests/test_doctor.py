@@ -5,8 +5,7 @@ that start at login are summed against the budget; the sysctl to raise it is pri
 import json
 
 from .conftest import TINY_MODEL
-from .test_pull import GGUF_REPO, MLX_REPO, ggufs, hub  # noqa: F401
-from .test_services_e2e import cli, free_port, services, status  # noqa: F401
+from .fixtures import GGUF_REPO, MLX_REPO, cli, free_port, status
 
 
 def inspect_total(source, ctx, key):

@@ -11,109 +11,16 @@ refuses it), `kill` ends the job's process (recording launchd's "last terminatin
 import json
 import os
 import plistlib
+import shutil
 import sys
-import textwrap
 
-import pytest
-
-from macserve.services import manager
+from macserve.services import manager, providers
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import launchd, log_path, spec_for
+from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
-UID = os.getuid()
-DOMAIN = f"gui/{UID}"
-
-STAND_IN = textwrap.dedent("""\
-    #!{python}
-    import json, os, plistlib, sys
-    log, state_file = os.environ["FAKE_LAUNCHCTL_LOG"], os.environ["FAKE_LAUNCHCTL_STATE"]
-    args = sys.argv[1:]
-    with open(log, "a") as f:
-        f.write(json.dumps(args) + "\\n")
-    try:
-        state = json.load(open(state_file))
-    except FileNotFoundError:
-        state = {{}}
-    def save():
-        json.dump(state, open(state_file, "w"))
-    def job(target):
-        dom, _, label = target.rpartition("/")
-        j = state.get(label)
-        return label, (j if j and j["domain"] == dom else None)
-    SESSION = {{"gui": "Aqua", "user": "Background"}}
-    verb = args[0]
-    if verb == "bootstrap":
-        d = plistlib.load(open(args[2], "rb"))
-        label = d["Label"]
-        if label in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
-            print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
-        pid = state.get("_pid", 4242)
-        state["_pid"] = pid + 1
-        state[label] = {{"domain": args[1], "pid": pid, "runs": 1, "state": "running"}}; save()
-    elif verb == "bootout":
-        label, j = job(args[1])
-        if j is None:
-            print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
-        del state[label]; save()
-    elif verb == "kill":
-        label, j = job(args[2])
-        if j is None:
-            sys.exit(113)
-        if args[1] == "SIGKILL" or not os.environ.get("FAKE_LAUNCHCTL_IGNORE_TERM"):
-            j.update(state="not running", pid=None,
-                     signal={{"SIGTERM": "Terminated: 15", "SIGKILL": "Killed: 9"}}[args[1]])
-            save()
-    elif verb == "kickstart":
-        label, j = job(args[-1])
-        if j is None:
-            print("Could not find service", file=sys.stderr); sys.exit(113)
-    elif verb == "print":
-        label, j = job(args[1])
-        if j is None:
-            print(f"Could not find service \\"{{label}}\\" in domain for user gui: {uid}", file=sys.stderr)
-            sys.exit(113)
-        lines = ["active count = 1", "path = /x.plist", "type = LaunchAgent",
-                 f"state = {{j['state']}}", "", "program = /usr/bin/python3",
-                 "arguments = {{", "\\tpython3", "}}", "", f"runs = {{j['runs']}}"]
-        if j.get("pid"):
-            lines.append(f"pid = {{j['pid']}}")
-        lines.append(f"last exit code = {{j.get('exit', '(never exited)')}}")
-        if j.get("signal"):
-            lines.append(f"last terminating signal = {{j['signal']}}")
-        lines += ["", "spawn type = interactive (4)", "endpoints = {{", "\\tstate = active", "}}"]
-        print(args[1] + " = {{\\n" + "".join("\\t" + l + "\\n" for l in lines) + "}}")
-    elif verb in ("enable", "disable"):
-        pass
-    else:
-        sys.exit(64)
-""")
-
-
-@pytest.fixture
-def launchctl(tmp_path, monkeypatch):
-    exe = tmp_path / "launchctl"
-    exe.write_text(STAND_IN.format(python=sys.executable, uid=UID))
-    exe.chmod(0o755)
-    calls = tmp_path / "launchctl.calls"
-    monkeypatch.setenv("MACSERVE_LAUNCHCTL", str(exe))
-    monkeypatch.setenv("FAKE_LAUNCHCTL_LOG", str(calls))
-    monkeypatch.setenv("FAKE_LAUNCHCTL_STATE", str(tmp_path / "launchctl.state"))
-    monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "LaunchAgents"))
-    monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "launchd")
-    for var in ("MACSERVE_LAUNCHD_DOMAIN", "SSH_CONNECTION", "SSH_TTY"):
-        monkeypatch.delenv(var, raising=False)
-
-    def take():
-        """The calls made since the last take()."""
-        if not calls.exists():
-            return []
-        out = [json.loads(l) for l in calls.read_text().splitlines()]
-        calls.unlink()
-        return out
-
-    take.state = tmp_path / "launchctl.state"
-    return take
+from .conftest import REPO
+from .fixtures import DOMAIN, UID
 
 
 def _profile(name="big", provider="llama.cpp", model="/models/big.gguf"):
@@ -359,3 +266,87 @@ def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
         ["print", target],
     ]
     assert not ProfileStore().exists("big")
+
+
+def _machine(monkeypatch, tmp_path, python):
+    """Another machine: its own interpreter, home, log folder and shell variables."""
+    monkeypatch.setattr(sys, "executable", python)
+    monkeypatch.setenv("MACSERVE_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("MACSERVE_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setenv("LD_PRELOAD", "/opt/blas.so")
+    monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "agents"))
+
+
+def test_checked_in_plists_are_the_codes(monkeypatch, tmp_path):
+    """launchd/ holds what macserve installs for the demo profile and the router, rendered by
+    render_plist with placeholder paths: the same bytes on any machine, and valid plists."""
+    folder = REPO / "launchd"
+    assert launchd_files.stale(REPO) == [], "run: macserve dev launchd-plists"
+    names = sorted(p.name for p in folder.glob("*.plist"))
+    assert names == ["dev.macserve.router.plist", "dev.macserve.tiny-mla.plist"]
+    for n in names:
+        d = plistlib.loads((folder / n).read_bytes())
+        assert n == d["Label"] + ".plist"
+        assert d["ProgramArguments"][-2:] == ["run", d["Label"].removeprefix("dev.macserve.")]
+        assert not any(k in d["EnvironmentVariables"] for k in ("API_KEY", "MACSERVE_API_KEY"))
+        assert str(tmp_path) not in (folder / n).read_text()
+    want = launchd_files.render(REPO)
+    for python in ("/usr/bin/python3", str(tmp_path / "venv" / "bin" / "python")):
+        _machine(monkeypatch, tmp_path, python)
+        assert launchd_files.render(REPO) == want
+
+
+def test_placeholders_change_paths_only(macserve_home):
+    """The checked-in form differs from the installed one in machine paths alone."""
+    p = launchd_files.profiles(REPO)[0]
+    spec = spec_for(p, providers.for_profile(p).env(p))
+    real = plistlib.loads(render_plist(spec, DOMAIN))
+    shown = plistlib.loads(render_plist(launchd_files.placeholder_spec(spec), DOMAIN))
+    paths = {"ProgramArguments", "EnvironmentVariables", "WorkingDirectory"}
+    paths |= {"StandardOutPath", "StandardErrorPath"}
+    assert {k: v for k, v in real.items() if k not in paths} == {
+        k: v for k, v in shown.items() if k not in paths
+    }
+    assert shown["ProgramArguments"][1:] == real["ProgramArguments"][1:]
+    assert shown["ProgramArguments"][0] == launchd_files.PYTHON
+    # the installing shell's variables (LD_PRELOAD, MACSERVE_LLAMA_SERVER, ...) are left out
+    assert set(shown["EnvironmentVariables"]) == (
+        set(real["EnvironmentVariables"]) - launchd_files.FROM_SHELL
+    )
+    path, shown_path = (d["EnvironmentVariables"]["PATH"].split(":") for d in (real, shown))
+    assert shown_path[1:] == path[1:] and shown_path[0] != path[0]
+    assert shown["StandardOutPath"] == f"{launchd_files.MACSERVE_HOME}/logs/tiny-mla.log"
+
+
+def test_launchd_plists_command_writes_and_checks(tmp_path):
+    """`macserve dev launchd-plists --check` fails on a changed, missing or extra file; without
+    --check it rewrites them (into a copy of the repo's launchd/ and profiles/)."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+
+    shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    shutil.copytree(REPO / "launchd", tmp_path / "launchd")
+
+    def run(*args):
+        return CliRunner().invoke(main, ["dev", "launchd-plists", "--repo", str(tmp_path), *args])
+
+    assert run("--check").exit_code == 0
+    demo = tmp_path / "launchd" / "dev.macserve.tiny-mla.plist"
+    demo.write_bytes(demo.read_bytes().replace(b"<integer>30<", b"<integer>10<"))
+    (tmp_path / "launchd" / "dev.macserve.router.plist").unlink()
+    (tmp_path / "launchd" / "dev.macserve.old.plist").write_bytes(b"")
+    r = run("--check")
+    assert r.exit_code == 1
+    assert [l.split()[0] for l in r.stdout.splitlines()] == [
+        "launchd/dev.macserve.old.plist",
+        "launchd/dev.macserve.router.plist",
+        "launchd/dev.macserve.tiny-mla.plist",
+    ]
+    assert run().exit_code == 0
+    assert run("--check").exit_code == 0
+    assert sorted(p.name for p in (tmp_path / "launchd").iterdir()) == [
+        "README.md",
+        "dev.macserve.router.plist",
+        "dev.macserve.tiny-mla.plist",
+    ]

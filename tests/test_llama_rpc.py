@@ -15,7 +15,7 @@ from macserve.errors import MacserveError
 from macserve.services.profiles import parse
 from macserve.services.providers.llama_cpp import RPC_PORT, find_rpc_server, rpc_workers
 
-from .test_services_e2e import cli, free_port, model_gguf, poll, services, status  # noqa: F401
+from .fixtures import cli, free_port, poll, status
 
 
 def profile(extra=""):

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from .test_services_e2e import cli, free_port, poll, services, status, tiny_mlx_f32  # noqa: F401
+from .fixtures import cli, free_port, poll, status
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("mlx.launch") is None

@@ -18,9 +18,8 @@ import time
 
 import pytest
 
+from .fixtures import free_port, router_process
 from .serverproc import serve
-from .test_router import router_process
-from .test_services_e2e import free_port
 
 BODY = 9 * 2**20  # over web.body.MAX_BODY (8 MB)
 TRIES = 30

@@ -8,48 +8,9 @@ import json
 import re
 
 import httpx
-import pytest
-
-from macserve.dev.gguf_export import export_gguf
 
 from .conftest import TINY_MODEL
-from .fakehub import FakeHub
-from .test_services_e2e import cli, free_port, services, status  # noqa: F401
-
-GGUF_REPO, MLX_REPO = "test/tiny-mla-GGUF", "test/tiny-mla"
-
-
-@pytest.fixture(scope="module")
-def ggufs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hub-gguf")
-    return {
-        "F32": export_gguf(TINY_MODEL, d / "tiny-mla-F32.gguf"),
-        "F16": export_gguf(TINY_MODEL, d / "tiny-mla-F16.gguf", dtype="f16"),
-    }
-
-
-@pytest.fixture
-def hub(ggufs, tmp_path, monkeypatch):
-    extra = tmp_path / "consolidated.pth"
-    extra.write_bytes(b"\0" * 4096)  # in the repo, needed by nobody: never fetched
-    repos = {
-        MLX_REPO: {
-            **{p.name: p for p in TINY_MODEL.iterdir() if p.is_file()},
-            "original/consolidated.pth": extra,
-        },
-        GGUF_REPO: {
-            "tiny-mla-F32.gguf": ggufs["F32"],
-            "tiny-mla-F16.gguf": ggufs["F16"],
-            "README.md": TINY_MODEL / "README.md",
-        },
-    }
-    with FakeHub(repos) as h:
-        monkeypatch.setenv("HF_ENDPOINT", h.url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
-            monkeypatch.delenv(var, raising=False)
-        h.cache = tmp_path / "hf" / "hub"
-        yield h
+from .fixtures import GGUF_REPO, MLX_REPO, cli, free_port, status
 
 
 def test_pull_one_quant_resumes_an_interrupted_file(hub, ggufs):

@@ -4,7 +4,6 @@ the official openai and anthropic clients; launchd through the recording launchc
 second or two, small budgets by --memory, every wait a poll with a deadline.
 """
 
-import contextlib
 import json
 import os
 import plistlib
@@ -26,18 +25,9 @@ from macserve.services.supervisors import get_backend, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
 from macserve.sizing.budget import machine_budget
 
-from . import test_launchd, test_services_e2e
 from .conftest import REPO, TINY_MODEL
+from .fixtures import DOMAIN, cli, free_port, poll, router_process
 from .serverproc import serve
-from .test_launchd import DOMAIN
-from .test_services_e2e import cli, free_port, poll
-
-# Their fixtures, shared: real supervisord shut down after each test (no server may outlive
-# it), the demo model as GGUF, the recording launchctl.
-services = test_services_e2e.services
-model_gguf = test_services_e2e.model_gguf
-tiny_mlx_f32 = test_services_e2e.tiny_mlx_f32
-launchctl = test_launchd.launchctl
 
 
 def state(name) -> str:
@@ -79,43 +69,6 @@ def budget_between(fits: int, not_fits: int) -> int:
     b = machine_budget(ram).budget_bytes
     assert fits <= b < not_fits, (fits, b, not_fits)
     return ram
-
-
-@contextlib.contextmanager
-def router_process(home, args, port, env=None):
-    """A router process (its output in a file), /health polled; SIGTERM at the end."""
-    log = home / f"router-{port}.log"
-    variables = env or dict(
-        os.environ,
-        PYTHONPATH=str(REPO),
-        PYTHONUNBUFFERED="1",
-        MACSERVE_SERVICE_BACKEND="supervisor",
-    )
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "macserve", *args],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=variables,
-        )
-    proc.url, proc.log = f"http://127.0.0.1:{port}", log
-    try:
-
-        def up():
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(proc.url + "/health", timeout=2).status_code == 200
-
-        poll(up, "the router to answer", timeout=60)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def test_router_on_demand_ttl_eviction_crash_and_clients(

@@ -10,84 +10,19 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 
-from macserve.services.supervisors.supervisord import SupervisorBackend
-
-from .serverproc import free_port
-
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
-
-
-def cli(*args, timeout=300):
-    # The CLI under test, as a user runs it; PYTHONPATH pins this checkout (the services it
-    # installs inherit the same pin, see macserve.services.supervisors.package_root).
-    env = dict(os.environ, PYTHONPATH=str(REPO), MACSERVE_SERVICE_BACKEND="supervisor")
-    return subprocess.run(
-        [sys.executable, "-m", "macserve", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def status(name) -> dict:
-    r = cli("status", name, "--json")
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)["services"][0]
-
-
-def poll(fn, what, timeout=90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+from .conftest import REPO, TINY_MODEL
+from .fixtures import cli, free_port, poll, status
 
 
 def n_ctx(port) -> int:
     return httpx.get(f"http://127.0.0.1:{port}/props", timeout=10).json()[
         "default_generation_settings"
     ]["n_ctx"]
-
-
-@pytest.fixture
-def services(macserve_home, monkeypatch):
-    """Pids of servers the test saw; after the test supervisord is shut down and none may survive."""
-    monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
-    seen: list[int] = []
-    yield seen
-    SupervisorBackend(macserve_home).shutdown()
-    leaked = [
-        p
-        for p in seen
-        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-    ]
-    for p in leaked:
-        os.kill(p, signal.SIGKILL)
-    assert not leaked, f"server processes outlived supervisord: {leaked}"
-
-
-@pytest.fixture
-def model_gguf(request, tmp_path_factory):
-    """The project's tiny model as GGUF: the lead's `tiny_gguf` fixture if conftest has one,
-    else exported here (a 32 MB deepseek2 GGUF with one MTP layer, in well under a second)."""
-    try:
-        return Path(request.getfixturevalue("tiny_gguf"))
-    except pytest.FixtureLookupError:
-        from macserve.dev.gguf_export import export_gguf
-
-        return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
 
 
 def set_interrupted(sig, *assignments) -> subprocess.CompletedProcess:
@@ -472,16 +407,6 @@ def test_launchd_log_rotates_by_size_while_running(llama_server, model_gguf, mac
 def _listening(port) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.fixture
-def tiny_mlx_f32(tmp_path):
-    """The project model with float32 weights: MLX's CPU backend (Linux CI) has no bf16 GatherMM
-    for the MoE layers, so mlx_lm.server's generation thread would die on the bf16 original."""
-    pytest.importorskip("mlx.core")
-    from macserve.engine.bench.serve import float32_copy
-
-    return float32_copy(TINY_MODEL, tmp_path / "tiny-mla-f32")
 
 
 def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_home):

@@ -2,14 +2,13 @@
 loads by DeepSeek's names, and its GGUF twin runs in a real llama-server."""
 
 import json
-import subprocess
-import time
 
 import httpx
 import mlx.core as mx
 import pytest
 
 from .conftest import TINY_MODEL
+from .fixtures import llama_serve as _serve
 
 
 @pytest.fixture(scope="module")
@@ -67,50 +66,6 @@ def test_mtp_weights_load_by_name(tiny):
     h = model.model(mx.array([[1, 2, 3]]))
     logits, _ = mtp(h[:, -1:], mx.array([[4]]))
     assert logits.shape == (1, 1, model.args.vocab_size)
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    from macserve.dev.gguf_export import export_gguf
-
-    return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
-
-
-def _serve(binary, gguf, port, *extra):
-    # The log goes to a file: a verbose llama-server blocks on a full pipe nobody reads.
-    log = open(gguf.parent / f"llama-server-{port}.log", "w+")
-    p = subprocess.Popen(
-        [
-            binary,
-            "-m",
-            str(gguf),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "-t",
-            "2",
-            "-np",
-            "1",
-            *extra,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    p.log_path = log.name
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return p
-        except httpx.HTTPError:
-            pass
-        if p.poll() is not None:
-            break
-        time.sleep(0.2)
-    p.kill()
-    pytest.fail("llama-server did not become healthy:\n" + open(p.log_path).read()[-2000:])
 
 
 def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):

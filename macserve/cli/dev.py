@@ -13,6 +13,7 @@ from ..dev.gguf_export import export_gguf
 from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
 from ..errors import MacserveError
+from ..services.supervisors import launchd_files, package_root
 from ..sizing.mlx_measure import engine_name
 from ..sizing.report import llama_bytes_at, mlx_check
 
@@ -126,3 +127,24 @@ def llama_truth_cmd(configs, ctx, server):
 
 def _pad256(n):
     return -(-n // 256) * 256
+
+
+@click.command("launchd-plists")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if a file is out of date.")
+@click.option(
+    "--repo",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The checkout whose launchd/ folder to write (default: the one macserve runs from).",
+)
+def launchd_plists_cmd(check, repo):
+    """Render launchd/'s plists (the demo profile's and the router's) from the code."""
+    repo = repo or package_root()
+    if repo is None:
+        raise click.UsageError("macserve runs from site-packages: give --repo CHECKOUT")
+    if check:
+        bad = launchd_files.stale(repo)
+        for n in bad:
+            click.echo(f"launchd/{n} is out of date: run macserve dev launchd-plists")
+        raise SystemExit(1 if bad else 0)
+    changed = launchd_files.write(repo)
+    click.echo(f"launchd/: {', '.join(changed) if changed else 'up to date'}")

@@ -131,4 +131,37 @@ def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
         # MLX's CPU gather_mm (the MoE experts) only runs in float32.
         model.set_dtype(mx.float32)
     mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
+    for token in turn_end_tokens(tokenizer):
+        tokenizer.add_eos_token(str(token))
     return Bundle(model, tokenizer, config, path)
+
+
+TURN_MARKER = "macserve-turn-end-probe"
+
+
+def turn_end_tokens(tokenizer) -> list[int]:
+    """The token the chat template closes an assistant turn with (`<|end|>`, `<|im_end|>`,
+    `<|eot_id|>`, `<end_of_turn>`, DeepSeek's end of sentence), when the tokenizer's
+    `eos_token` is another one: generation must stop there, or an answer runs on through the
+    template's markers into a made-up next turn (the demo model did, for 1,009 tokens).
+    mlx-lm stops only at the eos ids of the tokenizer and generation_config.json.
+
+    Found by rendering a one-exchange conversation and reading the first token after the
+    assistant's text: an added (special) token there is the turn's end."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": TURN_MARKER},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # a template may refuse this conversation in its own way (jinja raise)
+        return []
+    if TURN_MARKER not in text:
+        return []
+    after = tokenizer.encode(text.split(TURN_MARKER, 1)[1], add_special_tokens=False)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    if after and after[0] in added and after[0] not in tokenizer.eos_token_ids:
+        return [after[0]]
+    return []

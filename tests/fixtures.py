@@ -1,0 +1,372 @@
+"""What the test files share, defined once: the paths, the helpers that start and wait for real
+processes, and the fixtures (conftest.py imports every fixture here, so any test file can ask
+for one by name).
+
+Fixtures: `macserve_home` (autouse: every test its own MACSERVE_HOME, never the real one),
+`llama_server` (the binary, or a skip), `tiny_gguf` and `model_gguf` (the demo model's GGUF
+twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU backend),
+`services` (real supervisord, shut down after the test; no server may outlive it),
+`launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
+(a local Hugging Face hub serving the demo model).
+Helpers: `free_port`, `poll`, `cli` and `status` (the macserve CLI in a subprocess, on
+supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
+`macserve serve` on the demo model.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from macserve.services.supervisors.supervisord import SupervisorBackend
+
+from .fakehub import FakeHub
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = Path(__file__).resolve().parent / "configs"  # real published configs, see its README
+TINY_MODEL = REPO / "macserve" / "models" / "tiny-mla"
+GGUF_REPO, MLX_REPO = "test/tiny-mla-GGUF", "test/tiny-mla"  # the local hub's repos
+UID = os.getuid()
+DOMAIN = f"gui/{UID}"  # the launchd domain macserve picks outside SSH
+
+
+@pytest.fixture(autouse=True)
+def macserve_home(tmp_path, monkeypatch):
+    home = tmp_path / "macserve-home"
+    home.mkdir()
+    monkeypatch.setenv("MACSERVE_HOME", str(home))
+    return home
+
+
+def llama_server_binary():
+    """The llama-server the tests use: MACSERVE_LLAMA_SERVER, else PATH; None when absent."""
+    p = os.environ.get("MACSERVE_LLAMA_SERVER")
+    if p and os.access(p, os.X_OK):
+        return p
+    return shutil.which("llama-server")
+
+
+@pytest.fixture
+def llama_server():
+    p = llama_server_binary()
+    if p is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must provide llama-server (scripts/build-llama-server.sh)")
+        pytest.skip("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
+    return p
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS hands out 49152 and up
+
+
+_next_port = [0]
+
+
+def free_port() -> int:
+    """A port no server holds now, for a server the test starts next.
+
+    Taken below the kernel's ephemeral range: a port asked of the kernel (bind to 0) comes
+    from that range, where any outgoing connection (a client, a health poll, supervisord's
+    own) may take it before the server binds it; below it, only an explicit bind can, and
+    the tests bind their servers one at a time. Ports are handed out in turn from a start
+    spread by the pid, so consecutive tests (and a leftover server) never share one."""
+    top = _ephemeral_start()
+    lo = max(1024, top - 12000)
+    if not _next_port[0]:
+        _next_port[0] = lo + (os.getpid() * 7) % (top - lo)
+    for _ in range(top - lo):
+        port = _next_port[0]
+        _next_port[0] = lo if port + 1 >= top else port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {lo}-{top}")
+
+
+def poll(fn, what, timeout=90.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def cli(*args, timeout=300):
+    # The CLI under test, as a user runs it; PYTHONPATH pins this checkout (the services it
+    # installs inherit the same pin, see macserve.services.supervisors.package_root).
+    env = dict(os.environ, PYTHONPATH=str(REPO), MACSERVE_SERVICE_BACKEND="supervisor")
+    return subprocess.run(
+        [sys.executable, "-m", "macserve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def status(name) -> dict:
+    r = cli("status", name, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["services"][0]
+
+
+@pytest.fixture
+def services(macserve_home, monkeypatch):
+    """Pids of servers the test saw; after the test supervisord is shut down and none may survive."""
+    monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
+    seen: list[int] = []
+    yield seen
+    SupervisorBackend(macserve_home).shutdown()
+    leaked = [
+        p
+        for p in seen
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
+    for p in leaked:
+        os.kill(p, signal.SIGKILL)
+    assert not leaked, f"server processes outlived supervisord: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """The demo model's GGUF twin (a 32 MB deepseek2 GGUF with one MTP layer), exported once."""
+    from macserve.dev.gguf_export import export_gguf  # imports mlx: only for tests that need it
+
+    return export_gguf(TINY_MODEL, tmp_path_factory.mktemp("gguf") / "tiny-mla-f32.gguf")
+
+
+@pytest.fixture
+def model_gguf(tiny_gguf):
+    return tiny_gguf
+
+
+@pytest.fixture
+def tiny_mlx_f32(tmp_path):
+    """The project model with float32 weights: MLX's CPU backend (Linux CI) has no bf16 GatherMM
+    for the MoE layers, so mlx_lm.server's generation thread would die on the bf16 original."""
+    pytest.importorskip("mlx.core")
+    from macserve.engine.bench.serve import float32_copy
+
+    return float32_copy(TINY_MODEL, tmp_path / "tiny-mla-f32")
+
+
+def llama_serve(binary, gguf, port, *extra):
+    # The log goes to a file: a verbose llama-server blocks on a full pipe nobody reads.
+    log = open(gguf.parent / f"llama-server-{port}.log", "w+")
+    p = subprocess.Popen(
+        [
+            binary,
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            "2",
+            "-np",
+            "1",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    p.log_path = log.name
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return p
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            break
+        time.sleep(0.2)
+    p.kill()
+    pytest.fail("llama-server did not become healthy:\n" + open(p.log_path).read()[-2000:])
+
+
+@contextlib.contextmanager
+def router_process(home, args, port, env=None):
+    """A router process (its output in a file), /health polled; SIGTERM at the end."""
+    log = home / f"router-{port}.log"
+    variables = env or dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+        MACSERVE_SERVICE_BACKEND="supervisor",
+    )
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "macserve", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=variables,
+        )
+    proc.url, proc.log = f"http://127.0.0.1:{port}", log
+    try:
+
+        def up():
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(proc.url + "/health", timeout=2).status_code == 200
+
+        poll(up, "the router to answer", timeout=60)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    from macserve.dev.gguf_export import export_gguf  # imports mlx: only for tests that need it
+
+    d = tmp_path_factory.mktemp("hub-gguf")
+    return {
+        "F32": export_gguf(TINY_MODEL, d / "tiny-mla-F32.gguf"),
+        "F16": export_gguf(TINY_MODEL, d / "tiny-mla-F16.gguf", dtype="f16"),
+    }
+
+
+@pytest.fixture
+def hub(ggufs, tmp_path, monkeypatch):
+    extra = tmp_path / "consolidated.pth"
+    extra.write_bytes(b"\0" * 4096)  # in the repo, needed by nobody: never fetched
+    repos = {
+        MLX_REPO: {
+            **{p.name: p for p in TINY_MODEL.iterdir() if p.is_file()},
+            "original/consolidated.pth": extra,
+        },
+        GGUF_REPO: {
+            "tiny-mla-F32.gguf": ggufs["F32"],
+            "tiny-mla-F16.gguf": ggufs["F16"],
+            "README.md": TINY_MODEL / "README.md",
+        },
+    }
+    with FakeHub(repos) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        for var in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
+            monkeypatch.delenv(var, raising=False)
+        h.cache = tmp_path / "hf" / "hub"
+        yield h
+
+
+STAND_IN = textwrap.dedent("""\
+    #!{python}
+    import json, os, plistlib, sys
+    log, state_file = os.environ["FAKE_LAUNCHCTL_LOG"], os.environ["FAKE_LAUNCHCTL_STATE"]
+    args = sys.argv[1:]
+    with open(log, "a") as f:
+        f.write(json.dumps(args) + "\\n")
+    try:
+        state = json.load(open(state_file))
+    except FileNotFoundError:
+        state = {{}}
+    def save():
+        json.dump(state, open(state_file, "w"))
+    def job(target):
+        dom, _, label = target.rpartition("/")
+        j = state.get(label)
+        return label, (j if j and j["domain"] == dom else None)
+    SESSION = {{"gui": "Aqua", "user": "Background"}}
+    verb = args[0]
+    if verb == "bootstrap":
+        d = plistlib.load(open(args[2], "rb"))
+        label = d["Label"]
+        if label in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
+            print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
+        pid = state.get("_pid", 4242)
+        state["_pid"] = pid + 1
+        state[label] = {{"domain": args[1], "pid": pid, "runs": 1, "state": "running"}}; save()
+    elif verb == "bootout":
+        label, j = job(args[1])
+        if j is None:
+            print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
+        del state[label]; save()
+    elif verb == "kill":
+        label, j = job(args[2])
+        if j is None:
+            sys.exit(113)
+        if args[1] == "SIGKILL" or not os.environ.get("FAKE_LAUNCHCTL_IGNORE_TERM"):
+            j.update(state="not running", pid=None,
+                     signal={{"SIGTERM": "Terminated: 15", "SIGKILL": "Killed: 9"}}[args[1]])
+            save()
+    elif verb == "kickstart":
+        label, j = job(args[-1])
+        if j is None:
+            print("Could not find service", file=sys.stderr); sys.exit(113)
+    elif verb == "print":
+        label, j = job(args[1])
+        if j is None:
+            print(f"Could not find service \\"{{label}}\\" in domain for user gui: {uid}", file=sys.stderr)
+            sys.exit(113)
+        lines = ["active count = 1", "path = /x.plist", "type = LaunchAgent",
+                 f"state = {{j['state']}}", "", "program = /usr/bin/python3",
+                 "arguments = {{", "\\tpython3", "}}", "", f"runs = {{j['runs']}}"]
+        if j.get("pid"):
+            lines.append(f"pid = {{j['pid']}}")
+        lines.append(f"last exit code = {{j.get('exit', '(never exited)')}}")
+        if j.get("signal"):
+            lines.append(f"last terminating signal = {{j['signal']}}")
+        lines += ["", "spawn type = interactive (4)", "endpoints = {{", "\\tstate = active", "}}"]
+        print(args[1] + " = {{\\n" + "".join("\\t" + l + "\\n" for l in lines) + "}}")
+    elif verb in ("enable", "disable"):
+        pass
+    else:
+        sys.exit(64)
+""")
+
+
+@pytest.fixture
+def launchctl(tmp_path, monkeypatch):
+    exe = tmp_path / "launchctl"
+    exe.write_text(STAND_IN.format(python=sys.executable, uid=UID))
+    exe.chmod(0o755)
+    calls = tmp_path / "launchctl.calls"
+    monkeypatch.setenv("MACSERVE_LAUNCHCTL", str(exe))
+    monkeypatch.setenv("FAKE_LAUNCHCTL_LOG", str(calls))
+    monkeypatch.setenv("FAKE_LAUNCHCTL_STATE", str(tmp_path / "launchctl.state"))
+    monkeypatch.setenv("MACSERVE_LAUNCH_AGENTS", str(tmp_path / "LaunchAgents"))
+    monkeypatch.setenv("MACSERVE_SERVICE_BACKEND", "launchd")
+    for var in ("MACSERVE_LAUNCHD_DOMAIN", "SSH_CONNECTION", "SSH_TTY"):
+        monkeypatch.delenv(var, raising=False)
+
+    def take():
+        """The calls made since the last take()."""
+        if not calls.exists():
+            return []
+        out = [json.loads(l) for l in calls.read_text().splitlines()]
+        calls.unlink()
+        return out
+
+    take.state = tmp_path / "launchctl.state"
+    return take
