@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from urllib.parse import unquote
 
 import h11
 from starlette.middleware.cors import CORSMiddleware
@@ -58,7 +59,7 @@ def cookie_value(headers: dict, name: str) -> str | None:
     for part in headers.get(b"cookie", b"").decode("latin-1").split(";"):
         k, _, v = part.strip().partition("=")
         if k == name:
-            return v
+            return unquote(v)  # the page sets it quoted (a key may hold ; or =)
     return None
 
 

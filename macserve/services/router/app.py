@@ -44,6 +44,8 @@ from ...web import anthropic_api, dialects, guards, jsonbody
 from ...web.body import read_body
 from ...web.errors import HttpError
 from .. import providers
+from . import ui
+from .metrics import Meter, Metrics
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
 log = logging.getLogger("macserve.router")
@@ -94,6 +96,7 @@ class Router:
         self.pool = pool
         self.settings = pool.settings
         self.http: httpx.AsyncClient | None = None
+        self.metrics = Metrics()
 
     # ---- keys ----------------------------------------------------------------------------------
     # The client's key is checked before any route by web.guards.ApiKeyGate (create_app).
@@ -150,6 +153,7 @@ class Router:
     async def forward(self, request: Request, path: str | None = None) -> Response:
         """Route one request; `path` is the upstream path (default: the request's own)."""
         path = path or request.url.path
+        t0 = time.monotonic()  # time to first token counts from here, a start included
         try:
             body, m, stream = await self._parse(request, path)
             self._check_keyed(m)
@@ -163,7 +167,7 @@ class Router:
                 await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
                 if not waiting.done():
                     handed_over = True
-                    gen = self._kept_alive(waiting, m, request, body, path)
+                    gen = self._kept_alive(waiting, m, request, body, path, t0)
                     return _Leased(
                         gen,
                         lease,
@@ -176,7 +180,7 @@ class Router:
             resp = await _until(request, self._open(m, request, body, path))
             if _is_stream(resp):
                 handed_over = True
-                gen = self._pipe(resp, m, path)
+                gen = self._pipe(resp, m, path, t0)
                 return _Leased(
                     gen,
                     lease,
@@ -252,24 +256,29 @@ class Router:
                 await _until(request, self.pool.ready(m))
         raise AssertionError("unreachable")
 
-    async def _pipe(self, resp: httpx.Response, m: Model, path: str):
+    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float):
         """The upstream stream as it comes; if the server goes away mid-stream, an error event
         (after a blank line if it was cut mid-event) instead of a silent end."""
         tail = b"\n\n"
+        meter = Meter(m.name, t0)
         try:
             async for chunk in resp.aiter_raw():
                 if chunk:
                     tail = (tail + chunk)[-2:]
+                    meter.feed(chunk)
                     yield chunk
         except httpx.HTTPError as e:
             m.ready_pid = None
             log.warning("%s: stream cut: %s", m.name, e)
             cut = b"" if tail == b"\n\n" else b"\n" if tail.endswith(b"\n") else b"\n\n"
             yield cut + dialects.error_event(RouteError(502, _gone(m, e)), path)
+        finally:
+            self.metrics.add(meter.sample())  # also for a client gone mid-answer
 
-    async def _kept_alive(self, waiting: asyncio.Future, m: Model, request, body, path: str):
+    async def _kept_alive(
+        self, waiting: asyncio.Future, m: Model, request, body, path: str, t0: float
+    ):
         """SSE comments while the model starts, then its stream (or the reason it failed)."""
-        t0 = time.monotonic()
         resp = None
         try:
             while not waiting.done():
@@ -288,7 +297,7 @@ class Router:
                 err = RouteError(resp.status_code, _message(text))
                 yield dialects.error_event(err, path)
                 return
-            async for b in self._pipe(resp, m, path):
+            async for b in self._pipe(resp, m, path, t0):
                 yield b
         finally:
             waiting.cancel()
@@ -408,11 +417,14 @@ def create_app(settings: Settings):
             Route("/v1/models", router.models),
             Route("/v1/models/{model_id:path}", router.model),
             Route("/v1/{rest:path}", router.forward, methods=["POST"]),
+            *ui.routes(router),
         ],
         exception_handlers={Exception: _server_error},
         lifespan=lifespan,
     )
-    outer = guards.ApiKeyGate(app, settings.api_key)
+    outer = guards.ApiKeyGate(
+        app, settings.api_key, public=("/health", *ui.PUBLIC), cookie_prefix=ui.PREFIX
+    )
     if guards.is_loopback(settings.host):
         outer = guards.HostGate(outer, guards.loopback_hosts(settings.host, settings.allowed_hosts))
     outer.router = router
