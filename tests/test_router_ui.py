@@ -202,6 +202,11 @@ def test_page_wants_the_key_and_refuses_a_forged_host(browser, services, macserv
         assert a.status_code == 403 and "CSRF" in a.text
         assert state("tiny") == "not installed"
 
+        # `macserve router` says where the page is; `macserve ui` finds it
+        assert f"web page at {r.url}/ui" in r.log.read_text()
+        out = cli("ui", "--print")
+        assert out.returncode == 0 and out.stdout.strip() == f"{r.url}/ui", out.stderr
+
         # DNS rebinding: the same router reached by another name is refused
         d.get(f"http://{EVIL}:{port}/ui")
         assert "is not allowed" in d.find_element(By.TAG_NAME, "body").text

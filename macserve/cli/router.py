@@ -12,6 +12,7 @@ from .. import env
 from ..errors import MacserveError
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
+from ..services.providers import url_host
 from ..services.providers.router import DEFAULT_PORT as ROUTER_PORT
 from ..services.router import app as router_app
 from ..services.router import pool as router_pool
@@ -156,8 +157,12 @@ def router(
         if no_start:
             click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
         else:
-            click.echo(f"{out.name}: routing at {out.url}/v1 (pid {out.pid})")
+            click.echo(
+                f"{out.name}: routing at {out.url}/v1, web page at {out.url}/ui (pid {out.pid})"
+            )
         return
+    url = f"http://{url_host(host)}:{port or ROUTER_PORT}"
+    click.echo(f"router: API at {url}/v1, web page at {url}/ui", err=True)
     router_app.run(
         router_pool.Settings(
             host=host,
