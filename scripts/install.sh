@@ -10,6 +10,11 @@ if [ "$(uname)" = "Linux" ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread cmake ninja-build g++ >/dev/null
   fi
+  # The router page's browser tests (tests/test_router_ui.py) drive Debian's chromium.
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
   export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 fi
 python3 -m pip install -q --disable-pip-version-check -e "$here[test]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true

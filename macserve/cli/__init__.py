@@ -90,6 +90,10 @@ COMMANDS = {
         "macserve.cli.router:router",
         "One OpenAI- and Anthropic-compatible endpoint for every profile.",
     ),
+    "ui": (
+        "macserve.cli.ui:ui",
+        "Open the router's web page (profiles, memory, actions, live speed, logs, chat) in a browser.",
+    ),
     "set": (_S + "set_", "Change a profile and restart its service: set NAME -- KEY=VALUE ..."),
     "run": (_S + "run", "Run a profile's server in the foreground (what the service runs)."),
     "ls": (_S + "ls", "Profiles with their service state, pid, port, uptime and memory."),

@@ -12,6 +12,7 @@ from .. import env
 from ..errors import MacserveError
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
+from ..services.providers import url_host
 from ..services.providers.router import DEFAULT_PORT as ROUTER_PORT
 from ..services.router import app as router_app
 from ..services.router import pool as router_pool
@@ -80,6 +81,18 @@ def _memory(ctx, param, value: str | None):
     help="Require this key (Authorization: Bearer KEY or x-api-key). Each profile's own key "
     "is sent to its server by the router.",
 )
+@click.option(
+    "--allow-unauthenticated",
+    is_flag=True,
+    help="Without --api-key, still forward to profiles that have their own API_KEY (anyone "
+    "who reaches the router then uses their key). Default: such requests get 401.",
+)
+@click.option(
+    "--allowed-hosts",
+    default="",
+    help="Bound to loopback, the Host names accepted besides localhost / 127.0.0.1 / [::1] "
+    "(comma-separated): a page whose name resolves to this Mac (DNS rebinding) is refused.",
+)
 @click.option("--install", is_flag=True, help="Install it as a supervised service and start it.")
 @click.option("--name", default="router", show_default=True, help="The service's profile name.")
 @click.option("--no-start", is_flag=True, help="With --install: write the profile only.")
@@ -100,6 +113,8 @@ def router(
     keep_alive,
     start_timeout,
     api_key,
+    allow_unauthenticated,
+    allowed_hosts,
     install,
     name,
     no_start,
@@ -121,6 +136,10 @@ def router(
         ):
             if given(param):
                 args += [opt, value]
+        if allow_unauthenticated:
+            args.append("--allow-unauthenticated")
+        if allowed_hosts:
+            args += ["--allowed-hosts", allowed_hosts]
         key = api_key if given("api_key") else None  # not one exported for `chat`
         if key == "-":
             key = _read_secret("API_KEY")
@@ -138,8 +157,12 @@ def router(
         if no_start:
             click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
         else:
-            click.echo(f"{out.name}: routing at {out.url}/v1 (pid {out.pid})")
+            click.echo(
+                f"{out.name}: routing at {out.url}/v1, web page at {out.url}/ui (pid {out.pid})"
+            )
         return
+    url = f"http://{url_host(host)}:{port or ROUTER_PORT}"
+    click.echo(f"router: API at {url}/v1, web page at {url}/ui", err=True)
     router_app.run(
         router_pool.Settings(
             host=host,
@@ -149,5 +172,7 @@ def router(
             keep_alive=keep_alive,
             start_timeout=start_timeout,
             api_key=api_key or None,
+            allow_unauthenticated=allow_unauthenticated,
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts.split(",") if h.strip()),
         )
     )

@@ -10,7 +10,7 @@ from ..errors import MacserveError
 from ..sizing.report import inspect_source
 from . import providers
 from .health import store
-from .profiles import MODELLESS
+from .profiles import MODELLESS, Profile
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,13 @@ class Footprint:
 
 
 def footprint(name: str) -> Footprint:
-    p = providers.typed(store().load(name))
+    return footprint_of(store().load(name))
+
+
+def footprint_of(profile: Profile) -> Footprint:
+    """A profile's footprint, saved or not (the web page sizes a change before making it)."""
+    p = providers.typed(profile)
+    name = p.name
     prov = providers.for_profile(p)
     if p.provider in MODELLESS:
         note = (

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..errors import MacserveError
 from .create import default_name, new, new_router, new_worker
 from .edit import Changes, parse_assignments, set_values
-from .footprint import Footprint, footprint
+from .footprint import Footprint, footprint, footprint_of
 from .health import Outcome, SetFailed, base_url, store, wait_ready
 from .lifecycle import endpoint, has_profile, remove, restart, start, stop
 from .ports import DEFAULT_PORT, pick_port, port_free
@@ -35,6 +35,7 @@ __all__ = [
     "default_name",
     "endpoint",
     "footprint",
+    "footprint_of",
     "get_backend",
     "has_profile",
     "new",

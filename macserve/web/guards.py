@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from urllib.parse import unquote
 
 import h11
 from starlette.middleware.cors import CORSMiddleware
@@ -50,28 +51,60 @@ async def _send_error(send, path: str, e: HttpError, headers: dict[str, str] | N
     await send({"type": "http.response.body", "body": body})
 
 
+COOKIE = "macserve_key"  # where a web page keeps the key it was given (HttpOnly)
+
+
+def cookie_value(headers: dict, name: str) -> str | None:
+    """One cookie from the raw ASGI headers (bytes keys), or None."""
+    for part in headers.get(b"cookie", b"").decode("latin-1").split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == name:
+            return unquote(v)  # the page sets it quoted (a key may hold ; or =)
+    return None
+
+
+def key_given(headers: dict, key: str, cookie: str | None = None) -> bool:
+    """The request carries `key`: `Authorization: Bearer KEY` (OpenAI clients), `x-api-key: KEY`
+    (Anthropic clients), or, when `cookie` is named, that cookie (a web page's)."""
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer":
+        token = headers.get(b"x-api-key", b"").decode("latin-1")
+    if not token and cookie:
+        token = cookie_value(headers, cookie) or ""
+    return hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 class ApiKeyGate:
-    """The key as `Authorization: Bearer KEY` (OpenAI clients) or `x-api-key: KEY` (Anthropic
-    clients). /health stays open for monitors, and CORS preflights (which carry no
+    """The key as `Authorization: Bearer KEY` or `x-api-key: KEY`; under `cookie_prefix`, also
+    as the `COOKIE` a web page was given (only there: a cookie rides along on requests other
+    sites make, so the API paths never accept one). `public` paths pass without it: /health
+    for monitors; a path ending in "/" is a prefix. CORS preflights (which carry no
     credentials) pass to the CORS layer."""
 
-    def __init__(self, app, key: str | None):
-        self.app, self.key = app, key
+    def __init__(
+        self,
+        app,
+        key: str | None,
+        public: tuple[str, ...] = ("/health",),
+        cookie_prefix: str | None = None,
+    ):
+        self.app, self.key, self.public, self.cookie_prefix = app, key, public, cookie_prefix
 
-    def _ok(self, headers: dict) -> bool:
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            token = headers.get(b"x-api-key", b"").decode("latin-1")
-        return hmac.compare_digest(token.strip().encode(), self.key.encode())
+    def _public(self, path: str) -> bool:
+        return any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.public)
+
+    def _cookie(self, path: str) -> str | None:
+        p = self.cookie_prefix
+        return COOKIE if p and (path == p or path.startswith(p + "/")) else None
 
     async def __call__(self, scope, receive, send):
         if (
             scope["type"] != "http"
             or not self.key
-            or scope["path"] == "/health"
+            or self._public(scope["path"])
             or scope["method"] == "OPTIONS"
-            or self._ok(dict(scope["headers"]))
+            or key_given(dict(scope["headers"]), self.key, self._cookie(scope["path"]))
         ):
             return await self.app(scope, receive, send)
         e = HttpError(
@@ -88,8 +121,8 @@ class HostGate:
     names a loopback address (or one of `extra`). A web page whose name an attacker points at
     127.0.0.1 sends its own name as Host, and is refused."""
 
-    def __init__(self, app, allowed: frozenset[str]):
-        self.app, self.allowed = app, allowed
+    def __init__(self, app, allowed: frozenset[str], option: str = "--allowed-hosts"):
+        self.app, self.allowed, self.option = app, allowed, option
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -101,9 +134,14 @@ class HostGate:
         e = HttpError(
             400,
             f"Host {name!r} is not allowed: this server listens on loopback and answers "
-            "localhost names only (add names with --allowed-hosts)",
+            f"localhost names only (add names with {self.option})",
         )
         await _send_error(send, scope["path"], e)
+
+
+def loopback_hosts(bind: str, extra: tuple[str, ...] = ()) -> frozenset[str]:
+    """The Host names a server bound to `bind` (a loopback address) answers to."""
+    return frozenset(n.lower() for n in {bind.strip("[]"), *LOOPBACK_NAMES, *extra})
 
 
 def host_name(host: str) -> str:

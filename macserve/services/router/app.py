@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -41,10 +40,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ... import listen
-from ...web import anthropic_api, dialects, guards
+from ...web import anthropic_api, dialects, guards, jsonbody
 from ...web.body import read_body
 from ...web.errors import HttpError
 from .. import providers
+from . import ui
+from .metrics import Meter, Metrics
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
 log = logging.getLogger("macserve.router")
@@ -95,20 +96,30 @@ class Router:
         self.pool = pool
         self.settings = pool.settings
         self.http: httpx.AsyncClient | None = None
+        self.metrics = Metrics()
 
-    # ---- auth ----------------------------------------------------------------------------------
+    # ---- keys ----------------------------------------------------------------------------------
+    # The client's key is checked before any route by web.guards.ApiKeyGate (create_app).
 
-    def authorized(self, request: Request) -> bool:
-        key = self.settings.api_key
-        if not key:
-            return True
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
-        return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+    def keyed_open(self) -> list[str]:
+        """Profiles with their own API_KEY that this router, having no key of its own, would
+        hand to anyone who reaches it (it sends their key upstream): refused unless
+        --allow-unauthenticated says so."""
+        s = self.settings
+        if s.api_key or s.allow_unauthenticated:
+            return []
+        return sorted(n for n, m in self.pool.models.items() if m.api_key)
 
-    def _unauthorized(self, path: str) -> Response:
-        e = RouteError(401, "invalid or missing API key", "authentication_error")
-        return dialects.error_response(e, path)
+    def _check_keyed(self, m: Model) -> None:
+        if m.api_key and not self.settings.api_key and not self.settings.allow_unauthenticated:
+            raise RouteError(
+                401,
+                f"model {m.name} has its own API key, and this router has none: it would "
+                "serve the model to anyone who reaches it. Start the router with --api-key "
+                "(or MACSERVE_API_KEY), or with --allow-unauthenticated to forward anyway",
+                "authentication_error",
+                code="router_has_no_key",
+            )
 
     # ---- listing -------------------------------------------------------------------------------
 
@@ -116,8 +127,6 @@ class Router:
         return JSONResponse({"status": "ok", "models": len(self.pool.models)})
 
     async def models(self, request: Request) -> Response:
-        if not self.authorized(request):
-            return self._unauthorized(request.url.path)
         data = [_entry(x) for x in await self.pool.listing()]
         b = self.pool.budget
         return JSONResponse(
@@ -132,8 +141,6 @@ class Router:
         )
 
     async def model(self, request: Request) -> Response:
-        if not self.authorized(request):
-            return self._unauthorized(request.url.path)
         self.pool.refresh()
         try:
             name = self.pool.resolve(request.path_params["model_id"]).name
@@ -143,12 +150,13 @@ class Router:
 
     # ---- forwarding ----------------------------------------------------------------------------
 
-    async def forward(self, request: Request) -> Response:
-        path = request.url.path
-        if not self.authorized(request):
-            return self._unauthorized(path)
+    async def forward(self, request: Request, path: str | None = None) -> Response:
+        """Route one request; `path` is the upstream path (default: the request's own)."""
+        path = path or request.url.path
+        t0 = time.monotonic()  # time to first token counts from here, a start included
         try:
-            body, m, stream = await self._parse(request)
+            body, m, stream = await self._parse(request, path)
+            self._check_keyed(m)
         except RouteError as e:
             return dialects.error_response(e, path)
         lease = self.pool.lease(m)
@@ -159,7 +167,7 @@ class Router:
                 await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
                 if not waiting.done():
                     handed_over = True
-                    gen = self._kept_alive(waiting, m, request, body)
+                    gen = self._kept_alive(waiting, m, request, body, path, t0)
                     return _Leased(
                         gen,
                         lease,
@@ -169,10 +177,10 @@ class Router:
                     )
             await _until(request, waiting)
             # Until the headers: a plain answer sends them only once it is whole.
-            resp = await _until(request, self._open(m, request, body))
+            resp = await _until(request, self._open(m, request, body, path))
             if _is_stream(resp):
                 handed_over = True
-                gen = self._pipe(resp, m, path)
+                gen = self._pipe(resp, m, path, t0)
                 return _Leased(
                     gen,
                     lease,
@@ -196,17 +204,12 @@ class Router:
                 waiting.cancel()
                 lease.release()
 
-    async def _parse(self, request: Request) -> tuple[bytes, Model, bool]:
+    async def _parse(self, request: Request, path: str) -> tuple[bytes, Model, bool]:
         try:
             body = await read_body(request, READ_TIMEOUT)
-        except HttpError as e:  # 408, 413: said with the router's x-should-retry: false
+            data = jsonbody.parse_object(body)
+        except HttpError as e:  # 400, 408, 413: said with the router's x-should-retry: false
             raise RouteError(e.status, e.message, e.type) from None
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise RouteError(400, "the body is not a JSON object", "invalid_request_error")
         self.pool.refresh()
         name = data.get("model")
         if not isinstance(name, str) or not name:
@@ -219,7 +222,7 @@ class Router:
             )
         m = self.pool.resolve(name)
         prov = m.provider
-        if dialects.for_path(request.url.path) is anthropic_api and not prov.anthropic_api:
+        if dialects.for_path(path) is anthropic_api and not prov.anthropic_api:
             raise RouteError(
                 400,
                 f"model {m.name} is served by {prov.label}, which has no Anthropic Messages "
@@ -231,10 +234,10 @@ class Router:
             body = json.dumps(data).encode()
         return body, m, bool(data.get("stream"))
 
-    async def _open(self, m: Model, request: Request, body: bytes) -> httpx.Response:
+    async def _open(self, m: Model, request: Request, body: bytes, path: str) -> httpx.Response:
         """Send the request upstream; a connection that fails before any answer (the server
         died since it was found ready) is retried once, after waiting for it again."""
-        url = providers.base_url(m.profile) + request.url.path
+        url = providers.base_url(m.profile) + path
         if request.url.query:
             url += "?" + request.url.query
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP]
@@ -253,24 +256,29 @@ class Router:
                 await _until(request, self.pool.ready(m))
         raise AssertionError("unreachable")
 
-    async def _pipe(self, resp: httpx.Response, m: Model, path: str):
+    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float):
         """The upstream stream as it comes; if the server goes away mid-stream, an error event
         (after a blank line if it was cut mid-event) instead of a silent end."""
         tail = b"\n\n"
+        meter = Meter(m.name, t0)
         try:
             async for chunk in resp.aiter_raw():
                 if chunk:
                     tail = (tail + chunk)[-2:]
+                    meter.feed(chunk)
                     yield chunk
         except httpx.HTTPError as e:
             m.ready_pid = None
             log.warning("%s: stream cut: %s", m.name, e)
             cut = b"" if tail == b"\n\n" else b"\n" if tail.endswith(b"\n") else b"\n\n"
             yield cut + dialects.error_event(RouteError(502, _gone(m, e)), path)
+        finally:
+            self.metrics.add(meter.sample())  # also for a client gone mid-answer
 
-    async def _kept_alive(self, waiting: asyncio.Future, m: Model, request, body):
+    async def _kept_alive(
+        self, waiting: asyncio.Future, m: Model, request, body, path: str, t0: float
+    ):
         """SSE comments while the model starts, then its stream (or the reason it failed)."""
-        t0 = time.monotonic()
         resp = None
         try:
             while not waiting.done():
@@ -278,18 +286,18 @@ class Router:
                 await asyncio.wait({waiting}, timeout=self.settings.keep_alive)
             try:
                 waiting.result()
-                resp = await self._open(m, request, body)
+                resp = await self._open(m, request, body, path)
             except RouteError as e:
-                yield dialects.error_event(e, request.url.path)
+                yield dialects.error_event(e, path)
                 return
             except _ClientGone:
                 return
             if not _is_stream(resp):  # the server refused the request (4xx): say why
                 text = (await resp.aread()).decode(errors="replace")
                 err = RouteError(resp.status_code, _message(text))
-                yield dialects.error_event(err, request.url.path)
+                yield dialects.error_event(err, path)
                 return
-            async for b in self._pipe(resp, m, request.url.path):
+            async for b in self._pipe(resp, m, path, t0):
                 yield b
         finally:
             waiting.cancel()
@@ -369,7 +377,15 @@ def _entry(x: dict) -> dict:
     }
 
 
-def create_app(settings: Settings) -> Starlette:
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug of ours, in the shared error format (its traceback goes to the log)."""
+    e = RouteError(500, f"internal error in the router: {type(exc).__name__}")
+    return dialects.error_response(e, request.url.path)
+
+
+def create_app(settings: Settings):
+    """The router's ASGI app: the routes behind the Host check (bound to loopback) and the
+    API key (web/guards.py, as `serve` has them). `.router` is the Router."""
     pool = Pool(settings)
     router = Router(pool)
 
@@ -379,6 +395,14 @@ def create_app(settings: Settings) -> Starlette:
         # No read timeout: a long answer may take minutes between its first and last byte.
         router.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         await pool.reap()  # what already runs, counted from now
+        keyed = router.keyed_open()
+        if keyed:
+            log.warning(
+                "profiles with their own API key: %s; this router has no --api-key, so it "
+                "refuses requests for them (401): give it --api-key (or MACSERVE_API_KEY), or "
+                "pass --allow-unauthenticated to serve them to anyone who reaches it",
+                ", ".join(keyed),
+            )
         reaper = asyncio.ensure_future(pool.reap_forever())
         try:
             yield
@@ -393,11 +417,18 @@ def create_app(settings: Settings) -> Starlette:
             Route("/v1/models", router.models),
             Route("/v1/models/{model_id:path}", router.model),
             Route("/v1/{rest:path}", router.forward, methods=["POST"]),
+            *ui.routes(router),
         ],
+        exception_handlers={Exception: _server_error},
         lifespan=lifespan,
     )
-    app.state.router = router
-    return app
+    outer = guards.ApiKeyGate(
+        app, settings.api_key, public=("/health", *ui.PUBLIC), cookie_prefix=ui.PREFIX
+    )
+    if guards.is_loopback(settings.host):
+        outer = guards.HostGate(outer, guards.loopback_hosts(settings.host, settings.allowed_hosts))
+    outer.router = router
+    return outer
 
 
 def run(settings: Settings) -> None:
@@ -419,7 +450,7 @@ def run(settings: Settings) -> None:
         settings.host,
         settings.port,
         "never" if settings.ttl is None else f"{settings.ttl:g}s",
-        size(app.state.router.pool.budget.budget_bytes),
-        app.state.router.pool.budget.source,
+        size(app.router.pool.budget.budget_bytes),
+        app.router.pool.budget.source,
     )
     uvicorn.Server(config).run(sockets=[sock])

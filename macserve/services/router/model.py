@@ -29,6 +29,10 @@ class Settings:
     keep_alive: float = 10.0  # hold a streaming request this long, then SSE comments this often
     start_timeout: float = DEFAULT_START_TIMEOUT
     api_key: str | None = None
+    # Bound to loopback: the Host names answered besides the loopback ones (DNS rebinding).
+    allowed_hosts: tuple[str, ...] = ()
+    # No api_key: forward to profiles with their own key anyway (anyone reaching it uses it).
+    allow_unauthenticated: bool = False
 
 
 class Model:
