@@ -10,8 +10,9 @@ if [ "$(uname)" = "Linux" ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread cmake ninja-build g++ >/dev/null
   fi
-  # The router page's browser tests (tests/test_router_ui.py) drive Debian's chromium.
-  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  # The router page's browser tests (tests/test_router_ui.py) drive Debian's chromium; only
+  # the tests need it (scripts/test.sh sets MACSERVE_TEST_DEPS), not the demo.
+  if [ -n "${MACSERVE_TEST_DEPS:-}" ] && { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; }; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
   fi

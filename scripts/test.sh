@@ -2,7 +2,7 @@
 # Installs what the tests need, checks the style (ruff), then runs the tests.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$here/scripts/install.sh"
+MACSERVE_TEST_DEPS=1 source "$here/scripts/install.sh"
 cd "$here"
 python3 -m ruff check .
 python3 -m ruff format --check .
