@@ -6,7 +6,7 @@ from .. import env
 from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.model import read_config
 from ..server.app import Settings, run
-from ..sizing.budget import parse_size
+from ..sizing.budget import machine_budget, parse_size
 
 
 @click.command()
@@ -60,7 +60,7 @@ from ..sizing.budget import parse_size
     type=click.IntRange(0),
     default=64,
     show_default=True,
-    help="Requests that may wait for the engine; more get 503 with Retry-After.",
+    help="Requests that may wait for the engine; more get 429 with Retry-After.",
 )
 @click.option(
     "--request-timeout",
@@ -99,9 +99,9 @@ from ..sizing.budget import parse_size
 @click.option(
     "--max-batch",
     type=click.IntRange(1, 256),
-    default=8,
-    show_default=True,
-    help="Requests decoded together (continuous batching); more wait in the queue.",
+    help="Requests decoded together (continuous batching); more wait in the queue "
+    "[default: as many whole-context KV caches as fit in the memory budget beside the weights "
+    "and the prompt cache, measured at load, at most 64].",
 )
 @click.option(
     "--prompt-cache-bytes",
@@ -162,6 +162,7 @@ def serve(
             allowed_hosts=_names(allowed_hosts),
             shutdown_grace=shutdown_grace,
             max_batch=max_batch,
+            memory_budget=None if max_batch else machine_budget().budget_bytes,
             prompt_cache_bytes=cache_bytes,
         )
     )

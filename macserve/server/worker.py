@@ -34,12 +34,14 @@ from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
 from . import grammar, ranks
+from .capacity import Capacity, size_batch
 from .prompt_cache import PromptCache
 from .ranks import Ranks
 from .scheduler import Scheduler
 
 log = logging.getLogger("macserve.server")
 
+DEFAULT_MAX_BATCH = 8  # without a memory budget to size it from (an embedding caller's Settings)
 END = object()  # the last item a job delivers, after its Steps (or an Exception)
 
 
@@ -90,9 +92,13 @@ class Worker(threading.Thread):
         options: EngineOptions,
         on_load_failed: Callable[[str], None],
         split=None,
-        max_batch: int = 8,
+        max_batch: int | None = 8,
         prompt_cache_bytes: int = 0,
+        memory_budget: int | None = None,
+        ctx: int | None = None,
     ):
+        """`max_batch` None: sized once the model is loaded (capacity.py) from `memory_budget`
+        (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's)."""
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.options = options
@@ -108,8 +114,13 @@ class Worker(threading.Thread):
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
         self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
-        # Sequences decoded together; one under mlx.launch (see the module's docstring).
-        self.max_batch = 1 if self.ranks.distributed else max_batch
+        # Sequences decoded together; one under mlx.launch (see the module's docstring). Until
+        # an automatic size is measured (at load) nothing is admitted anyway: 1 is a placeholder.
+        self.max_batch = 1 if self.ranks.distributed else (max_batch or 1)
+        self._size_batch = max_batch is None and not self.ranks.distributed
+        self.memory_budget = memory_budget
+        self.ctx = ctx
+        self.capacity: Capacity | None = None
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
         self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
@@ -165,6 +176,8 @@ class Worker(threading.Thread):
             log.info("loading %s", self.model)
             bundle = load(self.model, self.split)
             self.vocab = grammar.Vocab(bundle)
+            if self._size_batch:
+                self._set_max_batch(bundle)
             self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
@@ -176,6 +189,18 @@ class Worker(threading.Thread):
             self._run_ranks()
         else:
             self._run_batched()
+
+    def _set_max_batch(self, bundle) -> None:
+        if self.memory_budget is None:
+            self.max_batch = DEFAULT_MAX_BATCH
+            log.info("--max-batch %d (no memory budget given)", self.max_batch)
+            return
+        ctx = self.ctx or bundle.max_context or 4096
+        self.capacity = size_batch(
+            bundle, self.options.cache, ctx, self.memory_budget, self.prompt_cache.max_bytes
+        )
+        self.max_batch = self.capacity.max_batch
+        log.info("%s", self.capacity.describe())
 
     # -- one process: continuous batching -----------------------------------------------------
 
