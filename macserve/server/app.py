@@ -38,6 +38,7 @@ from . import anthropic as A
 from . import protocol as P
 from . import tools
 from .grammar import ConstraintSpec, json_grammar
+from .metrics import CONTENT_TYPE, CountRequests
 from .ranks import Ranks, follow
 from .worker import END, Job, Worker
 
@@ -541,6 +542,12 @@ async def health(request: Request) -> Response:
     )
 
 
+async def metrics(request: Request) -> Response:
+    """Prometheus' text format; behind the API key like every route but /health."""
+    w = request.app.state.engine.worker
+    return Response(w.metrics.render(), media_type=CONTENT_TYPE)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (an unknown path, a wrong method) and a route's 404."""
     kind = "not_found_error" if exc.status_code == 404 else None
@@ -566,6 +573,7 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
     app = Starlette(
         routes=[
             Route("/health", health),
+            Route("/metrics", metrics),
             Route("/v1/models", models),
             Route("/v1/models/{model_id:path}", model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -581,6 +589,7 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
     if guards.is_loopback(settings.host):
         names = {settings.host.strip("[]").lower(), *guards.LOOPBACK_NAMES, *settings.allowed_hosts}
         outer = guards.HostGate(outer, frozenset(n.lower() for n in names))
+    outer = CountRequests(outer, engine.worker.metrics)  # outermost: 401s and 400s count too
     outer.engine = engine  # for run(): the drain on shutdown
     return outer
 

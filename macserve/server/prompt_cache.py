@@ -105,7 +105,9 @@ class PromptCache:
         self._lock = threading.Lock()
 
     def stats(self) -> dict:
+        """Totals (hits and cached_tokens of every tier) and each tier's own."""
         with self._lock:
+            mem = {"hits": self.hits, "cached_tokens": self.cached_tokens, "bytes": self.nbytes}
             return {
                 "entries": len(self.entries),
                 "bytes": self.nbytes,
@@ -113,6 +115,7 @@ class PromptCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "cached_tokens": self.cached_tokens,
+                "tiers": {"memory": mem, "disk": {"hits": 0, "cached_tokens": 0, "bytes": 0}},
             }
 
     def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:

@@ -35,12 +35,14 @@ from ..engine.caches import EngineOptions
 from ..engine.model import load
 from . import grammar, ranks
 from .capacity import Capacity, size_batch
+from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .ranks import Ranks
 from .scheduler import Scheduler
 
 log = logging.getLogger("macserve.server")
 
+KV_EVERY = 0.5  # seconds between refreshes of the KV bytes in use (/metrics)
 DEFAULT_MAX_BATCH = 8  # without a memory budget to size it from (an embedding caller's Settings)
 END = object()  # the last item a job delivers, after its Steps (or an Exception)
 
@@ -64,6 +66,8 @@ class Job:
     t_started: float | None = None  # time.monotonic() when the worker took it
     cached_tokens: int = 0  # prompt tokens the prompt cache gave (set before `started`)
     ended_by: str | None = None  # "deadline" | "shutdown": the server stopped it
+    t_arrived: float = field(default_factory=time.monotonic)  # for TTFT with the queue wait
+    stats: dict | None = None  # the finished generation's figures (Seq.stats), for /metrics
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -124,6 +128,13 @@ class Worker(threading.Thread):
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
         self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
+        self.draft_tokens = 0  # MTP drafts proposed / accepted, over every finished request
+        self.accepted_tokens = 0
+        self._kv_bytes = 0  # the in-flight sequences' cache bytes, refreshed every KV_EVERY s
+        self.metrics = Metrics(self)
+
+    def kv_bytes_in_use(self) -> int:
+        return self._kv_bytes if self.in_flight() else 0
 
     @property
     def ready(self) -> bool:
@@ -213,6 +224,7 @@ class Worker(threading.Thread):
             self._done,
         )
         self.scheduler = sched
+        kv_at = 0.0
         with wired_limit(self.bundle.model, [generation_stream]), mx.stream(generation_stream):
             while True:
                 while sched.in_flight() < self.max_batch:
@@ -225,6 +237,9 @@ class Worker(threading.Thread):
                     sched.step()
                 except Exception as e:  # noqa: BLE001 - a bug must not stop the thread for good
                     sched.fail_all(e)
+                now = time.monotonic()
+                if now - kv_at > KV_EVERY:  # summing every layer each step would cost a step
+                    self._kv_bytes, kv_at = sched.kv_bytes(), now
 
     def _admit(self, sched: Scheduler, job: Job) -> None:
         if job.cancelled.is_set():
@@ -252,7 +267,15 @@ class Worker(threading.Thread):
             self.served += 1
         took = time.monotonic() - (job.t_started or time.monotonic())
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * took
+        self._record(job)
         job.deliver(END)
+
+    def _record(self, job: Job) -> None:
+        st = job.stats
+        if st:
+            self.draft_tokens += st.get("draft_tokens", 0)
+            self.accepted_tokens += st.get("accepted_tokens", 0)
+        self.metrics.job_done((job.t_started or job.t_arrived) - job.t_arrived, st)
 
     # -- several ranks: one job at a time, in lockstep -----------------------------------------
 
@@ -304,7 +327,9 @@ class Worker(threading.Thread):
                 logits_processors=ranks.processors(job.constraint, job.top_k, self.vocab),
                 top_logprobs=job.top_logprobs,
             ):
+                job.stats = step.stats
                 job.deliver(step)
+            self._record(job)
             if job.disconnected:
                 self.disconnected += 1
             else:
