@@ -64,6 +64,8 @@ class Settings:
     max_batch: int | None = None  # sequences decoded together; None: sized at load (capacity.py)
     memory_budget: int | None = None  # bytes weights + caches may use (sizes max_batch)
     prompt_cache_bytes: int = 4 * 2**30  # the prompt cache's budget; 0: off
+    prompt_cache_dir: Path | None = None  # the disk tier's folder; None: no disk tier
+    prompt_cache_disk: int = 0  # the disk tier's bound in bytes; 0: off
 
     @property
     def model_id(self) -> str:
@@ -92,6 +94,8 @@ class Engine:
             prompt_cache_bytes=settings.prompt_cache_bytes,
             memory_budget=settings.memory_budget,
             ctx=settings.ctx,
+            disk_dir=settings.prompt_cache_dir,
+            disk_bytes=settings.prompt_cache_disk,
         )
 
     @property
@@ -594,6 +598,9 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
     return outer
 
 
+DISK_FLUSH_SECONDS = 5.0  # on SIGTERM, pending disk-cache writes get this long (launchd: 20 s)
+
+
 class _Server(uvicorn.Server):
     """uvicorn, draining the engine first on SIGTERM / SIGINT: queued requests get 503 at
     once, running ones `grace` seconds to finish before their streams end with an error
@@ -615,6 +622,9 @@ class _Server(uvicorn.Server):
         end = time.monotonic() + self.grace + 1.0
         while w.in_flight() > 0 and time.monotonic() < end:
             await asyncio.sleep(0.05)
+        disk = w.prompt_cache.disk
+        if disk is not None:  # the last requests' caches, for the turn after the restart
+            await asyncio.to_thread(disk.flush, DISK_FLUSH_SECONDS)
         await super().shutdown(sockets)
 
     @contextlib.contextmanager

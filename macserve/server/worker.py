@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ from ..engine.caches import EngineOptions
 from ..engine.model import load
 from . import grammar, ranks
 from .capacity import Capacity, size_batch
+from .disk_cache import DiskTier, identity
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .ranks import Ranks
@@ -100,6 +102,8 @@ class Worker(threading.Thread):
         prompt_cache_bytes: int = 0,
         memory_budget: int | None = None,
         ctx: int | None = None,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
     ):
         """`max_batch` None: sized once the model is loaded (capacity.py) from `memory_budget`
         (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's)."""
@@ -125,6 +129,7 @@ class Worker(threading.Thread):
         self.memory_budget = memory_budget
         self.ctx = ctx
         self.capacity: Capacity | None = None
+        self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
         self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
@@ -189,6 +194,7 @@ class Worker(threading.Thread):
             self.vocab = grammar.Vocab(bundle)
             if self._size_batch:
                 self._set_max_batch(bundle)
+            self._open_disk_tier(bundle)
             self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
@@ -200,6 +206,21 @@ class Worker(threading.Thread):
             self._run_ranks()
         else:
             self._run_batched()
+
+    def _open_disk_tier(self, bundle) -> None:
+        """The prompt cache's disk tier (disk_cache.py), behind the memory tier: not under
+        mlx.launch (no prompt cache there), nor with the memory tier off."""
+        pc = self.prompt_cache
+        if self.ranks.distributed or not self.disk_bytes or not self.disk_dir or not pc.max_bytes:
+            return
+        spec = self.options.cache
+        pc.disk = DiskTier(
+            self.disk_dir,
+            self.disk_bytes,
+            identity(bundle, spec),
+            lambda: bundle.caches(spec),
+            bundle.mtp_cache_factory(spec) if self.options.mtp_k > 0 else None,
+        )
 
     def _set_max_batch(self, bundle) -> None:
         if self.memory_budget is None:
