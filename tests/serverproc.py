@@ -67,7 +67,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(log_dir: Path, *extra: str, timeout: float = 120.0):
+def serve(log_dir: Path, *extra: str, timeout: float = 120.0, preexec_fn=None):
+    """`preexec_fn`: run in the child before exec (e.g. a resource limit)."""
     port = free_port()
     log = log_dir / f"serve-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -87,6 +88,7 @@ def serve(log_dir: Path, *extra: str, timeout: float = 120.0):
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=preexec_fn,
         )
     srv = Server(f"http://127.0.0.1:{port}", proc, log)
     try:
