@@ -423,6 +423,9 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
             for t in targets(plan.model):
                 if t.kind == "mlx_lm":
                     t = Target(t.name, t.argv[:-1] + (str(baseline_model),), t.kind)
+                else:  # a disk tier of its own: no hits from an earlier run of the bench
+                    pc = str(Path(tmp) / f"pc-{t.name.replace(' ', '-')}")
+                    t = Target(t.name, t.argv + ("--prompt-cache-dir", pc), t.kind)
                 progress(f"{t.name}: starting")
                 urls[t.name] = stack.enter_context(running(t, plan, log_dir))
             raw = {n: {"chat": [], "one": [], "many": []} for n in urls}
