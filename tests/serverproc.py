@@ -33,9 +33,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(log_dir: Path, *extra: str, timeout: float = 120.0):
+def serve(log_dir: Path, *extra: str, timeout: float = 120.0, preexec_fn=None):
+    """`preexec_fn`: run in the child before exec (e.g. a resource limit)."""
     port = free_port()
     log = log_dir / f"serve-{port}.log"
+    if "--prompt-cache-dir" not in extra:
+        # Each server's disk tier in its own fresh folder: never the real home's, and never
+        # hits left by an earlier test or run.
+        extra = (*extra, "--prompt-cache-dir", str(log_dir / f"prompt-cache-{port}"))
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         proc = subprocess.Popen(
@@ -53,6 +58,7 @@ def serve(log_dir: Path, *extra: str, timeout: float = 120.0):
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=preexec_fn,
         )
     srv = Server(f"http://127.0.0.1:{port}", proc, log)
     try:

@@ -15,6 +15,7 @@ def test_bench_serve_runs_all_three_servers_and_reports_ratios(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     small = ["--turns", "2", "--rounds", "1", "--clients", "2", "--requests", "1"]
     small += ["--load-tokens", "4", "--answer-tokens", "4", "--logs", str(tmp_path / "logs")]
+    small += ["--restart-rounds", "1"]
     r = subprocess.run(
         [sys.executable, "-m", "macserve", "bench", "serve", str(TINY_MODEL), "--json", *small],
         capture_output=True,
@@ -34,4 +35,15 @@ def test_bench_serve_runs_all_three_servers_and_reports_ratios(tmp_path):
             assert load["latency_p50_s"] <= load["latency_p95_s"]
     for q in res["vs_mlx_lm_server"].values():
         assert all(math.isfinite(v) and v > 0 for v in q.values())
-    assert len(list((tmp_path / "logs").iterdir())) == 3  # every server's log kept
+    # 3 servers, then 2 per restart target (before and after the restart)
+    assert len(list((tmp_path / "logs").iterdir())) == 3 + 2 * 2  # every server's log kept
+    assert (
+        math.isfinite(res["restart_followup_ttft_ratio"]) and res["restart_followup_ttft_ratio"] > 0
+    )
+    for r in res["restart"].values():
+        # The follow-up after the restart came from disk: all but the new message's tokens.
+        (got,) = r["restart_cached_tokens"]
+        assert r["first_turn_prompt_tokens"] <= got < r["followup_prompt_tokens"]
+        assert r["tokens_reused_per_tier"]["disk"] >= got
+        assert r["warm_cached_tokens"][0] >= got
+        assert r["cold_cached_tokens"][0] <= 8  # the chat template's first tokens at most

@@ -165,21 +165,23 @@ def _first_token(h: httpx.Client, url: str, body: dict):
     pytest.fail("the stream ended before its first token")
 
 
-def test_a_full_queue_gets_503_with_retry_after_and_the_deadline_cuts_long_answers(server):
-    """--max-batch 1 --max-queue 0: while one request runs, the next is refused at once (503,
-    Retry-After; 529 on the Anthropic path). --request-timeout 2: the running one is cut at
-    its deadline with finish_reason "length", long before its max_tokens."""
+def test_a_full_queue_gets_429_with_retry_after_and_the_deadline_cuts_long_answers(server):
+    """--max-batch 1 --max-queue 0: while one request runs, the next is refused at once (429,
+    Retry-After, on both APIs: the server is busy, not down). --request-timeout 2: the
+    running one is cut at its deadline with finish_reason "length", long before its
+    max_tokens."""
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     body = {"messages": HELLO, "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as h:
         r, lines = _first_token(h, server.url + "/v1/chat/completions", body)
-        with pytest.raises(openai.InternalServerError) as e:
+        with pytest.raises(openai.RateLimitError) as e:
             c.chat.completions.create(model="m", messages=HELLO, max_tokens=2)
-        assert e.value.status_code == 503 and int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.code == "queue_full"
         a = httpx.post(
             server.url + "/v1/messages", json={"max_tokens": 2, "messages": HELLO}, timeout=30
         )
-        assert a.status_code == 529 and a.json()["error"]["type"] == "overloaded_error"
+        assert a.status_code == 429 and a.json()["error"]["type"] == "rate_limit_error"
         assert int(a.headers["retry-after"]) >= 1
         rest = [x for x in lines if x.startswith("data:")]
         r.close()
@@ -199,11 +201,12 @@ def test_cors_is_off_by_default(tmp_path):
         assert "access-control-allow-origin" not in r.headers
 
 
-def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int):
+def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int, late: bool = False):
     """Start a server (one sequence at a time), open a stream of `max_tokens`, queue a
-    non-streaming request behind it, SIGTERM the server after the stream's first token.
-    Returns (stream lines after the first token, the queued request's response, the
-    server's exit wait in seconds)."""
+    non-streaming request behind it, SIGTERM the server after the stream's first token, then
+    (`late`) send a new request while the stream still runs. Returns (stream lines after the first
+    token, the queued request's response, the server's exit wait in seconds, the new
+    request's response, the exit status)."""
     queued: dict = {}
     with serve(tmp_path, "--shutdown-grace", grace, "--max-batch", "1") as s:
         body = {"messages": HELLO, "max_tokens": max_tokens, "temperature": 0, "stream": True}
@@ -225,27 +228,41 @@ def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int):
                 time.sleep(0.02)
             t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
+            if late:
+                deadline = time.monotonic() + 20
+                while s.health()["status"] != "shutting_down":
+                    assert time.monotonic() < deadline, "the server never started draining"
+                    time.sleep(0.02)
+                late = httpx.post(  # the stream still runs, so the socket is still open
+                    s.url + "/v1/messages", json={"max_tokens": 5, "messages": HELLO}, timeout=30
+                )
             rest = [x for x in lines if x.startswith("data:")]
             r.close()
             t.join(30)
-        s.proc.wait(30)
-        return rest, queued["r"], time.monotonic() - t0
+        code = s.proc.wait(30)
+        return rest, queued["r"], time.monotonic() - t0, late, code
 
 
 def test_sigterm_lets_a_running_stream_finish_and_refuses_the_queue(tmp_path):
-    rest, queued, _ = _sigterm_when_streaming(tmp_path, "20", 60)
+    rest, queued, _, late, code = _sigterm_when_streaming(tmp_path, "20", 200, late=True)
     assert rest[-1] == "data: [DONE]"
     last = json.loads(rest[-2][5:])
     assert last["choices"][0]["finish_reason"] == "length"
-    assert last["usage"]["completion_tokens"] == 60  # all of it, not a cut stream
+    assert last["usage"]["completion_tokens"] == 200  # all of it, not a cut stream
     assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
     assert "shutting down" in queued.json()["error"]["message"]
+    # A request arriving during the drain is answered (529 on the Anthropic path, which is
+    # its 503), not refused at the socket; and a drained stop exits 0, not -SIGTERM.
+    assert late.status_code == 529 and late.headers["retry-after"] == "1"
+    assert "shutting down" in late.json()["error"]["message"]
+    assert code == 0
 
 
 def test_sigterm_ends_a_stream_that_outlasts_the_grace_with_an_error_event(tmp_path):
-    rest, queued, waited = _sigterm_when_streaming(tmp_path, "1", LONG)
+    rest, queued, waited, _, code = _sigterm_when_streaming(tmp_path, "1", LONG)
     assert rest[-1] == "data: [DONE]"
     err = json.loads(rest[-2][5:])
     assert "shutting down" in err["error"]["message"]
     assert queued.status_code == 503
     assert waited < 15  # the grace (1 s) plus uvicorn's wind-down, not the 10 s answer
+    assert code == 0

@@ -470,8 +470,27 @@ def _user_messages(n: int, chars: int = 80) -> list[str]:
     help="max_tokens of each load request",
 )
 @click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
+@click.option(
+    "--restart-rounds",
+    type=click.IntRange(0),
+    default=3,
+    show_default=True,
+    help="rounds of the restart scenario (a long turn, a server restart, the follow-up from "
+    "the disk cache); 0 skips it",
+)
 @click.option("--json", "as_json", is_flag=True)
-def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tokens, logs, as_json):
+def bench_serve(
+    model,
+    turns,
+    rounds,
+    answer_tokens,
+    clients,
+    requests,
+    load_tokens,
+    logs,
+    restart_rounds,
+    as_json,
+):
     """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
     HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
     clients; ratios against mlx_lm.server."""
@@ -485,6 +504,7 @@ def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tok
         requests=requests,
         load_tokens=load_tokens,
         log_dir=Path(logs).resolve() if logs else None,
+        restart_rounds=restart_rounds,
     )
     if logs:
         Path(logs).mkdir(parents=True, exist_ok=True)
@@ -510,4 +530,12 @@ def bench_serve(model, turns, rounds, answer_tokens, clients, requests, load_tok
             f"(every follow-up turn {q['follow_up_ttft_mean']:.2f}x), "
             f"{clients}-client tokens/s {q[f'tokens_per_s_{clients}_clients']:.2f}x, "
             f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
+        )
+    for name, r in res.get("restart", {}).items():
+        click.echo(
+            f"{name} restart: follow-up ({r['followup_prompt_tokens']} prompt tokens) after a "
+            f"restart {r['restart_followup_ttft_s'] * 1000:.0f} ms (disk, "
+            f"{r['restart_followup_ttft_ratio']:.2f}x cold), warm "
+            f"{r['warm_followup_ttft_s'] * 1000:.0f} ms (memory, {r['warm_followup_ttft_ratio']:.2f}x), "
+            f"cold {r['cold_ttft_s'] * 1000:.0f} ms; tokens reused {r['tokens_reused_per_tier']}"
         )

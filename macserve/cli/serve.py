@@ -1,12 +1,14 @@
 """`macserve serve MODEL`: the MLX engine behind an OpenAI-compatible API. Parse and call only."""
 
+from pathlib import Path
+
 import click
 
 from .. import env
 from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.model import read_config
 from ..server.app import Settings, run
-from ..sizing.budget import parse_size
+from ..sizing.budget import machine_budget, parse_size
 
 
 @click.command()
@@ -60,7 +62,7 @@ from ..sizing.budget import parse_size
     type=click.IntRange(0),
     default=64,
     show_default=True,
-    help="Requests that may wait for the engine; more get 503 with Retry-After.",
+    help="Requests that may wait for the engine; more get 429 with Retry-After.",
 )
 @click.option(
     "--request-timeout",
@@ -99,9 +101,9 @@ from ..sizing.budget import parse_size
 @click.option(
     "--max-batch",
     type=click.IntRange(1, 256),
-    default=8,
-    show_default=True,
-    help="Requests decoded together (continuous batching); more wait in the queue.",
+    help="Requests decoded together (continuous batching); more wait in the queue "
+    "[default: as many whole-context KV caches as fit in the memory budget beside the weights "
+    "and the prompt cache, measured at load, at most 64].",
 )
 @click.option(
     "--prompt-cache-bytes",
@@ -109,6 +111,19 @@ from ..sizing.budget import parse_size
     show_default=True,
     help="Memory for the caches of recent requests, reused by requests that share a prefix "
     "(least recently used dropped first); 0 turns the prompt cache off.",
+)
+@click.option(
+    "--prompt-cache-dir",
+    type=click.Path(file_okay=False),
+    help="Where the prompt cache's disk tier keeps prefixes across restarts "
+    "[default: $MACSERVE_HOME/prompt-cache].",
+)
+@click.option(
+    "--prompt-cache-disk",
+    default="20GB",
+    show_default=True,
+    help="Disk for the prompt cache's disk tier (least recently used deleted first; 2 GB of "
+    "the filesystem are always left free); 0 turns it off.",
 )
 @click.option(
     "--split",
@@ -133,6 +148,8 @@ def serve(
     shutdown_grace,
     max_batch,
     prompt_cache_bytes,
+    prompt_cache_dir,
+    prompt_cache_disk,
     split,
 ):
     """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions,
@@ -143,6 +160,8 @@ def serve(
     except ValueError:
         raise click.BadParameter("layer counts N1,N2,...", param_hint="--split") from None
     cache_bytes = 0 if prompt_cache_bytes.strip() == "0" else parse_size(prompt_cache_bytes)
+    disk_bytes = 0 if prompt_cache_disk.strip() == "0" else parse_size(prompt_cache_disk)
+    disk_dir = Path(prompt_cache_dir) if prompt_cache_dir else env.home() / "prompt-cache"
     read_config(model)  # a missing folder or config.json is the first thing to say
     options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
     run(
@@ -162,7 +181,10 @@ def serve(
             allowed_hosts=_names(allowed_hosts),
             shutdown_grace=shutdown_grace,
             max_batch=max_batch,
+            memory_budget=None if max_batch else machine_budget().budget_bytes,
             prompt_cache_bytes=cache_bytes,
+            prompt_cache_dir=disk_dir.expanduser().resolve(),
+            prompt_cache_disk=disk_bytes,
         )
     )
 

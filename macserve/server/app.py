@@ -38,6 +38,7 @@ from . import anthropic as A
 from . import protocol as P
 from . import tools
 from .grammar import ConstraintSpec, json_grammar
+from .metrics import CONTENT_TYPE, CountRequests
 from .ranks import Ranks, follow
 from .worker import END, Job, Worker
 
@@ -60,8 +61,11 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback's own
     shutdown_grace: float = 10.0  # on SIGTERM, seconds running requests get to finish
-    max_batch: int = 8  # sequences decoded together (one under mlx.launch)
+    max_batch: int | None = None  # sequences decoded together; None: sized at load (capacity.py)
+    memory_budget: int | None = None  # bytes weights + caches may use (sizes max_batch)
     prompt_cache_bytes: int = 4 * 2**30  # the prompt cache's budget; 0: off
+    prompt_cache_dir: Path | None = None  # the disk tier's folder; None: no disk tier
+    prompt_cache_disk: int = 0  # the disk tier's bound in bytes; 0: off
 
     @property
     def model_id(self) -> str:
@@ -88,6 +92,10 @@ class Engine:
             settings.split,
             max_batch=settings.max_batch,
             prompt_cache_bytes=settings.prompt_cache_bytes,
+            memory_budget=settings.memory_budget,
+            ctx=settings.ctx,
+            disk_dir=settings.prompt_cache_dir,
+            disk_bytes=settings.prompt_cache_disk,
         )
 
     @property
@@ -403,10 +411,13 @@ async def _generate(request: Request, kind: str, api: str = "openai") -> Respons
     try:
         req, ids, max_tokens, spec = await _prepare(request, api, kind)
         if eng.full():
+            # 429, not 503: the server is well, only busy; clients (and proxies) back off
+            # for Retry-After instead of marking it down.
             raise HttpError(
-                503,
+                429,
                 f"{eng.settings.max_queue} requests are already waiting; retry later",
-                type_="unavailable_error",
+                type_="rate_limit_exceeded",
+                code="queue_full",
                 retry_after=eng.retry_after(),
             )
         job = Job(
@@ -529,9 +540,16 @@ async def health(request: Request) -> Response:
             "served": w.served,
             "disconnected": w.disconnected,
             "failed": w.failed,
+            "max_batch": w.max_batch,
             "prompt_cache": w.prompt_cache.stats(),
         }
     )
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus' text format; behind the API key like every route but /health."""
+    w = request.app.state.engine.worker
+    return Response(w.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -559,6 +577,7 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
     app = Starlette(
         routes=[
             Route("/health", health),
+            Route("/metrics", metrics),
             Route("/v1/models", models),
             Route("/v1/models/{model_id:path}", model),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -574,23 +593,47 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
     if guards.is_loopback(settings.host):
         names = {settings.host.strip("[]").lower(), *guards.LOOPBACK_NAMES, *settings.allowed_hosts}
         outer = guards.HostGate(outer, frozenset(n.lower() for n in names))
+    outer = CountRequests(outer, engine.worker.metrics)  # outermost: 401s and 400s count too
     outer.engine = engine  # for run(): the drain on shutdown
     return outer
+
+
+DISK_FLUSH_SECONDS = 5.0  # on SIGTERM, pending disk-cache writes get this long (launchd: 20 s)
 
 
 class _Server(uvicorn.Server):
     """uvicorn, draining the engine first on SIGTERM / SIGINT: queued requests get 503 at
     once, running ones `grace` seconds to finish before their streams end with an error
-    event; uvicorn then closes the connections (its own timeout is a little longer)."""
+    event. The socket stays open meanwhile, so a request that arrives during the drain gets a
+    503 with Retry-After (a client or a router retries elsewhere) rather than a refused
+    connection. uvicorn then closes the connections (its own timeout is a little longer),
+    and the process exits 0: a drained stop is a clean one, not a death by signal."""
 
     def __init__(self, config, engine: Engine, grace: float):
         super().__init__(config)
         self.engine, self.grace = engine, grace
 
     async def shutdown(self, sockets=None):
+        w = self.engine.worker
         log.info("shutting down: running requests get %g s to finish", self.grace)
-        self.engine.worker.drain(self.grace)
+        w.drain(self.grace)
+        # The worker stops what is still running at the grace's end; a little more lets those
+        # last steps and their error events be written before uvicorn stops listening.
+        end = time.monotonic() + self.grace + 1.0
+        while w.in_flight() > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        disk = w.prompt_cache.disk
+        if disk is not None:  # the last requests' caches, for the turn after the restart
+            await asyncio.to_thread(disk.flush, DISK_FLUSH_SECONDS)
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal it caught once it has shut down (exit -15); the drain
+        # above is the graceful stop SIGTERM asks for, so the exit status is 0.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def check_settings(settings: Settings) -> None:

@@ -67,6 +67,7 @@ class Entry:
     caches: list  # one per trunk layer
     mtp: Any  # the MTP layer's cache (len(tokens) - 1 rows), or None
     nbytes: int
+    gone: bool = False  # folded into a longer entry (its disk write, if pending, is moot)
 
     def rollback_ok(self, keep: int, mtp: bool) -> bool:
         """Whether the caches can go back to `keep` tokens (and the MTP cache to as many
@@ -94,18 +95,29 @@ class PromptCache:
     """LRU entries within `max_bytes` (0: off). Used by the worker thread; `stats` may be
     read from others."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk=None):
+        """`disk`: a disk_cache.DiskTier behind this one, or None."""
         self.max_bytes = max_bytes
+        self.disk = disk
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._next = 0
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self.cached_tokens = 0
+        self.disk_hits = 0  # of `hits`, those whose entry came from the disk tier
+        self.disk_tokens = 0
         self._lock = threading.Lock()
 
     def stats(self) -> dict:
+        """Totals (hits and cached_tokens of every tier) and each tier's own."""
         with self._lock:
+            mem = {
+                "hits": self.hits - self.disk_hits,
+                "cached_tokens": self.cached_tokens - self.disk_tokens,
+                "bytes": self.nbytes,
+            }
+            disk = self.disk.stats() if self.disk is not None else None
             return {
                 "entries": len(self.entries),
                 "bytes": self.nbytes,
@@ -113,15 +125,16 @@ class PromptCache:
                 "hits": self.hits,
                 "misses": self.misses,
                 "cached_tokens": self.cached_tokens,
+                "tiers": {
+                    "memory": mem,
+                    "disk": disk or {"hits": 0, "cached_tokens": 0, "bytes": 0},
+                },
             }
 
     def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:
         """Caches holding the longest prefix of `prompt` that an entry can give back exactly
-        (never the whole prompt), or None."""
-        if not self.entries:
-            with self._lock:
-                self.misses += 1
-            return None
+        (never the whole prompt), or None. The disk tier is asked when it holds a longer
+        prefix than memory does; its entry is loaded into memory and served from there."""
         ids = np.asarray(prompt, dtype=np.int64)
         best, best_keep = None, 0
         for key, e in self.entries.items():
@@ -132,6 +145,20 @@ class PromptCache:
                 keep -= 1  # the last shared token is prefilled again (its hidden state)
             if keep > best_keep and e.rollback_ok(keep, mtp):
                 best, best_keep = key, keep
+        tier = "memory"
+        if self.disk is not None and self.max_bytes > 0:
+            found = self.disk.best(ids, mtp, best_keep)
+            loaded = self.disk.load(found[0]) if found else None
+            if loaded is not None:
+                nbytes = sum(cache_bytes(c) for c in loaded.caches)
+                nbytes += 0 if loaded.mtp is None else cache_bytes(loaded.mtp)
+                e = Entry(loaded.tokens, loaded.caches, loaded.mtp, nbytes)
+                with self._lock:
+                    best = self._next
+                    self._next += 1
+                    self.entries[best] = e
+                    self.nbytes += nbytes
+                best_keep, tier = found[1], "disk"
         if best is None:
             with self._lock:
                 self.misses += 1
@@ -152,7 +179,18 @@ class PromptCache:
         with self._lock:
             self.hits += 1
             self.cached_tokens += best_keep
+            if tier == "disk":
+                self.disk_hits += 1
+                self.disk_tokens += best_keep
+            self._evict()  # after the hit: a disk entry larger than the budget served once
+        if tier == "disk":
+            self.disk.count_hit(best_keep)
         return Hit(caches, extra, best_keep)
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes and self.entries:
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
 
     def insert(self, tokens: list[int], caches: list, mtp=None) -> None:
         """Keep `caches` (which hold exactly `tokens`; the entry owns them from now on: pass a
@@ -166,6 +204,7 @@ class PromptCache:
         if nbytes > self.max_bytes:
             return
         new = Entry(np.asarray(tokens, dtype=np.int64), list(caches), mtp, nbytes)
+        folded = []
         with self._lock:
             # An entry this one covers (its tokens a prefix of these, within an exact rollback
             # of this one, one token to spare for a drafting request, and no MTP cache this
@@ -178,10 +217,18 @@ class PromptCache:
                 and (e.mtp is None or mtp is not None)
                 and new.rollback_ok(max(0, len(e.tokens) - 1), e.mtp is not None)
             ]:
-                self.nbytes -= self.entries.pop(key).nbytes
+                old = self.entries.pop(key)
+                old.gone = True
+                folded.append(old)
+                self.nbytes -= old.nbytes
             self.entries[self._next] = new
             self._next += 1
             self.nbytes += nbytes
-            while self.nbytes > self.max_bytes:
-                _, old = self.entries.popitem(last=False)
-                self.nbytes -= old.nbytes
+            self._evict()  # memory's LRU only: the disk tier keeps what memory drops
+        if self.disk is not None:
+            for old in folded:
+                self.disk.drop(old.tokens)
+            reach = min(trimmable(c) for c in caches)
+            mtp_reach = -1 if mtp is None else trimmable(mtp)
+            arrays, meta = self.disk.stored_form(new.tokens, caches, mtp, reach, mtp_reach)
+            self.disk.put(new.tokens, arrays, meta, new)

@@ -49,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
 from ..engine.batch import SequenceBatch
-from ..engine.caches import EngineOptions, clone
+from ..engine.caches import EngineOptions, cache_bytes, clone
 from ..engine.generate import Step
 from ..engine.mtp_decode import MTPDecoder
 from .prompt_cache import PromptCache, offset
@@ -145,6 +145,12 @@ class Scheduler:
 
     def idle(self) -> bool:
         return self.in_flight() == 0
+
+    def kv_bytes(self) -> int:
+        """Cache bytes the sequences in flight hold, as allocated (shared buffers counted once
+        per holder: an upper bound)."""
+        seqs = list(self.prefilling) + self.active + ([self.drafter] if self.drafter else [])
+        return sum(cache_bytes(c) for s in seqs if s.caches for c in s.caches)
 
     def _may_draft(self, job, procs) -> bool:
         return (
@@ -375,6 +381,7 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - a cache not kept costs speed, never an answer
                 log.warning("prompt cache: snapshot not kept\n%s", traceback.format_exc())
         s.caches = None
+        s.job.stats = s.stats()
         self.on_done(s.job, "disconnected" if s.job.disconnected else "served")
 
     def fail_all(self, e: Exception) -> None:

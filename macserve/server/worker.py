@@ -25,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -34,12 +35,17 @@ from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
 from . import grammar, ranks
+from .capacity import Capacity, size_batch
+from .disk_cache import DiskTier, identity
+from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .ranks import Ranks
 from .scheduler import Scheduler
 
 log = logging.getLogger("macserve.server")
 
+KV_EVERY = 0.5  # seconds between refreshes of the KV bytes in use (/metrics)
+DEFAULT_MAX_BATCH = 8  # without a memory budget to size it from (an embedding caller's Settings)
 END = object()  # the last item a job delivers, after its Steps (or an Exception)
 
 
@@ -62,6 +68,8 @@ class Job:
     t_started: float | None = None  # time.monotonic() when the worker took it
     cached_tokens: int = 0  # prompt tokens the prompt cache gave (set before `started`)
     ended_by: str | None = None  # "deadline" | "shutdown": the server stopped it
+    t_arrived: float = field(default_factory=time.monotonic)  # for TTFT with the queue wait
+    stats: dict | None = None  # the finished generation's figures (Seq.stats), for /metrics
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -90,9 +98,15 @@ class Worker(threading.Thread):
         options: EngineOptions,
         on_load_failed: Callable[[str], None],
         split=None,
-        max_batch: int = 8,
+        max_batch: int | None = 8,
         prompt_cache_bytes: int = 0,
+        memory_budget: int | None = None,
+        ctx: int | None = None,
+        disk_dir: Path | None = None,
+        disk_bytes: int = 0,
     ):
+        """`max_batch` None: sized once the model is loaded (capacity.py) from `memory_budget`
+        (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's)."""
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.options = options
@@ -108,11 +122,24 @@ class Worker(threading.Thread):
         self.disconnected = 0  # jobs stopped or skipped because their client went away
         self.failed = 0
         self.ranks = Ranks()  # one rank, or rank 0 of an mlx.launch group
-        # Sequences decoded together; one under mlx.launch (see the module's docstring).
-        self.max_batch = 1 if self.ranks.distributed else max_batch
+        # Sequences decoded together; one under mlx.launch (see the module's docstring). Until
+        # an automatic size is measured (at load) nothing is admitted anyway: 1 is a placeholder.
+        self.max_batch = 1 if self.ranks.distributed else (max_batch or 1)
+        self._size_batch = max_batch is None and not self.ranks.distributed
+        self.memory_budget = memory_budget
+        self.ctx = ctx
+        self.capacity: Capacity | None = None
+        self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
         self.vocab: grammar.Vocab | None = None  # llguidance's view of the tokenizer
+        self.draft_tokens = 0  # MTP drafts proposed / accepted, over every finished request
+        self.accepted_tokens = 0
+        self._kv_bytes = 0  # the in-flight sequences' cache bytes, refreshed every KV_EVERY s
+        self.metrics = Metrics(self)
+
+    def kv_bytes_in_use(self) -> int:
+        return self._kv_bytes if self.in_flight() else 0
 
     @property
     def ready(self) -> bool:
@@ -165,6 +192,9 @@ class Worker(threading.Thread):
             log.info("loading %s", self.model)
             bundle = load(self.model, self.split)
             self.vocab = grammar.Vocab(bundle)
+            if self._size_batch:
+                self._set_max_batch(bundle)
+            self._open_disk_tier(bundle)
             self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
@@ -177,6 +207,33 @@ class Worker(threading.Thread):
         else:
             self._run_batched()
 
+    def _open_disk_tier(self, bundle) -> None:
+        """The prompt cache's disk tier (disk_cache.py), behind the memory tier: not under
+        mlx.launch (no prompt cache there), nor with the memory tier off."""
+        pc = self.prompt_cache
+        if self.ranks.distributed or not self.disk_bytes or not self.disk_dir or not pc.max_bytes:
+            return
+        spec = self.options.cache
+        pc.disk = DiskTier(
+            self.disk_dir,
+            self.disk_bytes,
+            identity(bundle, spec),
+            lambda: bundle.caches(spec),
+            bundle.mtp_cache_factory(spec) if self.options.mtp_k > 0 else None,
+        )
+
+    def _set_max_batch(self, bundle) -> None:
+        if self.memory_budget is None:
+            self.max_batch = DEFAULT_MAX_BATCH
+            log.info("--max-batch %d (no memory budget given)", self.max_batch)
+            return
+        ctx = self.ctx or bundle.max_context or 4096
+        self.capacity = size_batch(
+            bundle, self.options.cache, ctx, self.memory_budget, self.prompt_cache.max_bytes
+        )
+        self.max_batch = self.capacity.max_batch
+        log.info("%s", self.capacity.describe())
+
     # -- one process: continuous batching -----------------------------------------------------
 
     def _run_batched(self) -> None:
@@ -188,6 +245,7 @@ class Worker(threading.Thread):
             self._done,
         )
         self.scheduler = sched
+        kv_at = 0.0
         with wired_limit(self.bundle.model, [generation_stream]), mx.stream(generation_stream):
             while True:
                 while sched.in_flight() < self.max_batch:
@@ -200,6 +258,9 @@ class Worker(threading.Thread):
                     sched.step()
                 except Exception as e:  # noqa: BLE001 - a bug must not stop the thread for good
                     sched.fail_all(e)
+                now = time.monotonic()
+                if now - kv_at > KV_EVERY:  # summing every layer each step would cost a step
+                    self._kv_bytes, kv_at = sched.kv_bytes(), now
 
     def _admit(self, sched: Scheduler, job: Job) -> None:
         if job.cancelled.is_set():
@@ -227,7 +288,15 @@ class Worker(threading.Thread):
             self.served += 1
         took = time.monotonic() - (job.t_started or time.monotonic())
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * took
+        self._record(job)
         job.deliver(END)
+
+    def _record(self, job: Job) -> None:
+        st = job.stats
+        if st:
+            self.draft_tokens += st.get("draft_tokens", 0)
+            self.accepted_tokens += st.get("accepted_tokens", 0)
+        self.metrics.job_done((job.t_started or job.t_arrived) - job.t_arrived, st)
 
     # -- several ranks: one job at a time, in lockstep -----------------------------------------
 
@@ -279,7 +348,9 @@ class Worker(threading.Thread):
                 logits_processors=ranks.processors(job.constraint, job.top_k, self.vocab),
                 top_logprobs=job.top_logprobs,
             ):
+                job.stats = step.stats
                 job.deliver(step)
+            self._record(job)
             if job.disconnected:
                 self.disconnected += 1
             else:

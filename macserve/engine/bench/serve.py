@@ -13,6 +13,14 @@ each is measured in turn (the idle ones wait on a socket), with the same message
   clients doing so at once (every prompt unique): aggregate completion tokens per second,
   latency p50 / p95, refusals (any status but 200).
 
+- **restart** (`macserve serve --kv int2`, and the bf16 cache): a long chat turn (about
+  `restart_prompt` tokens, near the demo model's 1,024-token limit) on one server, which is
+  then stopped with SIGTERM (a service restart); a second server on the same
+  `--prompt-cache-dir` answers the follow-up turn (a disk hit), the same history with another
+  last message (a memory hit), and the same history with a nonce at its start (cold). Reported:
+  the three TTFTs, `restart_followup_ttft_ratio` (after-restart follow-up / cold) and the
+  tokens reused per tier, from the second server's /metrics.
+
 Medians over the rounds are reported, so a noisy machine weighs on every server alike. Every
 request is greedy (temperature 0) with no seed (mlx_lm.server batches only requests without
 one). On a CPU-only MLX, mlx_lm.server gets a float32 copy of the model, as macserve's engine
@@ -39,6 +47,7 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
+from prometheus_client.parser import text_string_to_metric_families
 
 from ...errors import MacserveError
 
@@ -69,6 +78,8 @@ class Plan:
     load_tokens: int = 64  # per load request
     ready_timeout: float = 300.0
     log_dir: Path | None = None
+    restart_rounds: int = 3  # 0: no restart scenario
+    restart_prompt: int = 880  # tokens of the restart scenario's first turn
 
 
 def targets(model: Path) -> list[Target]:
@@ -78,6 +89,15 @@ def targets(model: Path) -> list[Target]:
         Target("mlx_lm.server", (py, "-m", "mlx_lm.server", "--model", str(model)), "mlx_lm"),
         Target("macserve", serve, "macserve"),
         Target("macserve int2 mtp1", serve + ("--kv", "int2", "--mtp-k", "1"), "macserve"),
+    ]
+
+
+def restart_targets(model: Path) -> list[Target]:
+    py = sys.executable
+    serve = (py, "-m", "macserve", "serve", str(model))
+    return [
+        Target("macserve int2", serve + ("--kv", "int2"), "macserve"),
+        Target("macserve", serve, "macserve"),
     ]
 
 
@@ -151,6 +171,93 @@ def running(target: Target, plan: Plan, log_dir: Path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def _metric(url: str, name: str, tier: str) -> float:
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for x in fam.samples:
+            if x.name == name and x.labels.get("tier") == tier:
+                return x.value
+    return 0.0
+
+
+def _long_system(url: str, lines: tuple[str, ...], tokens: int) -> str:
+    """Held-out lines joined into a system prompt whose first turn is about `tokens` long,
+    counted by the server's tokenizer (count_tokens)."""
+    text = " ".join(lines)
+    while len(text) < 8 * tokens:
+        text += " " + text
+    lo, hi = 0, len(text)
+    with httpx.Client(timeout=60) as c:
+        while hi - lo > 16:
+            mid = (lo + hi) // 2
+            body = {"system": text[:mid], "messages": [{"role": "user", "content": "Go on."}]}
+            n = c.post(url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
+            lo, hi = (mid, hi) if n <= tokens else (lo, mid)
+    return text[:lo]
+
+
+def restart(plan: Plan, target: Target, log_dir: Path, progress) -> dict:
+    """A long chat turn, a service restart, the follow-up: its TTFT from disk, from memory,
+    and cold, medians over `plan.restart_rounds` rounds (each with its own prefix)."""
+    rows = []
+    system = None
+    for k in range(plan.restart_rounds):
+        progress(f"restart {k + 1}/{plan.restart_rounds}: {target.name}")
+        with tempfile.TemporaryDirectory(prefix="macserve-bench-pc-") as pc:
+            t = Target(target.name, target.argv + ("--prompt-cache-dir", pc), target.kind)
+            with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
+                if system is None:
+                    system = _long_system(url, plan.lines[1:], plan.restart_prompt)
+                first = [
+                    {"role": "system", "content": f"[{uuid.uuid4().hex[:8]}] {system}"},
+                    {"role": "user", "content": "Go on."},
+                ]
+                r1 = _chat(c, url, first, plan.answer_tokens)
+            # SIGTERM above (a service restart); the next server reads the same folder.
+            msgs = first + [{"role": "assistant", "content": r1["text"]}]
+            with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
+                # The warm-up request of `running` shares only the chat template's first
+                # tokens with this chat: no hit for it.
+                disk = _chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
+                warm = _chat(c, url, msgs + [{"role": "user", "content": "What then?"}], 8)
+                again = [dict(m) for m in msgs] + [{"role": "user", "content": "And then?"}]
+                again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
+                cold = _chat(c, url, again, 8)
+                reused = {
+                    tier: _metric(url, "macserve_prompt_cache_tokens_reused_total", tier)
+                    for tier in ("disk", "memory")
+                }
+        rows.append(
+            {
+                "first_turn_prompt_tokens": r1["usage"].get("prompt_tokens"),
+                "followup_prompt_tokens": disk["usage"].get("prompt_tokens"),
+                "cold_ttft_s": cold["ttft"],
+                "restart_followup_ttft_s": disk["ttft"],
+                "warm_followup_ttft_s": warm["ttft"],
+                "restart_cached_tokens": _cached(disk),
+                "warm_cached_tokens": _cached(warm),
+                "cold_cached_tokens": _cached(cold),
+                "tokens_reused": reused,
+            }
+        )
+    med = statistics.median
+    out = {k: rows[0][k] for k in ("first_turn_prompt_tokens", "followup_prompt_tokens")}
+    for k in ("cold_ttft_s", "restart_followup_ttft_s", "warm_followup_ttft_s"):
+        out[k] = round(med(r[k] for r in rows), 4)
+    out["restart_followup_ttft_ratio"] = round(
+        out["restart_followup_ttft_s"] / out["cold_ttft_s"], 3
+    )
+    out["warm_followup_ttft_ratio"] = round(out["warm_followup_ttft_s"] / out["cold_ttft_s"], 3)
+    for k in ("restart_cached_tokens", "warm_cached_tokens", "cold_cached_tokens"):
+        out[k] = [r[k] for r in rows]
+    out["tokens_reused_per_tier"] = rows[-1]["tokens_reused"]  # one server's counters
+    out["rounds"] = rows
+    return out
+
+
+def _cached(r: dict) -> int:
+    return ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
 
 
 def _chat(client: httpx.Client, url: str, messages: list, max_tokens: int) -> dict:
@@ -316,6 +423,9 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
             for t in targets(plan.model):
                 if t.kind == "mlx_lm":
                     t = Target(t.name, t.argv[:-1] + (str(baseline_model),), t.kind)
+                else:  # a disk tier of its own: no hits from an earlier run of the bench
+                    pc = str(Path(tmp) / f"pc-{t.name.replace(' ', '-')}")
+                    t = Target(t.name, t.argv + ("--prompt-cache-dir", pc), t.kind)
                 progress(f"{t.name}: starting")
                 urls[t.name] = stack.enter_context(running(t, plan, log_dir))
             raw = {n: {"chat": [], "one": [], "many": []} for n in urls}
@@ -360,7 +470,7 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
             "latency_p50": round(base[many]["latency_p50_s"] / r[many]["latency_p50_s"], 3),
             "latency_p95": round(base[many]["latency_p95_s"] / r[many]["latency_p95_s"], 3),
         }
-    return {
+    out = {
         "model": str(plan.model),
         "device": str(mx.default_device()),
         "plan": {
@@ -374,3 +484,12 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
         "servers": results,
         "vs_mlx_lm_server": ratios,
     }
+    if plan.restart_rounds:
+        with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
+            log_dir = plan.log_dir or Path(tmp)
+            rs = {t.name: restart(plan, t, log_dir, progress) for t in restart_targets(plan.model)}
+        out["restart"] = rs
+        # The headline: INT2, the cache this disk tier is for.
+        out["restart_followup_ttft_ratio"] = rs["macserve int2"]["restart_followup_ttft_ratio"]
+        out["restart_tokens_reused_per_tier"] = rs["macserve int2"]["tokens_reused_per_tier"]
+    return out
