@@ -1,10 +1,11 @@
 """The HTTP side: Starlette routes, streaming, and uvicorn on a socket we bind.
 
-Request flow: read + validate the body (protocol.py, anthropic.py) -> tokenize (chat
-template, tools: tools.py) -> check the context limit -> build the output constraint if the
-request asks for one (grammar.py) -> queue a Job on the worker and wait for it to start ->
-turn its Steps into text, tool calls and a finish (`_read`) -> stream them out as SSE or
-collect them, in the shape of the API the request came through.
+Request flow: read + validate the body (the request's API, dialect.py: protocol.py or
+anthropic.py) -> tokenize (chat template, tools: prepare.py, tools.py) -> check the context
+limit -> build the output constraint if the request asks for one (prepare.py, grammar.py) ->
+queue a Job on the worker and wait for it to start -> turn its Steps into text, tool calls
+and a finish (answers.py) -> stream them out as SSE or collect them, in the shape of the API
+the request came through (dialect.py).
 Every failure inside a request becomes a JSON error response; nothing reaches the process.
 """
 
@@ -15,7 +16,6 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +37,11 @@ from ..web.errors import HttpError
 from . import anthropic as A
 from . import protocol as P
 from . import tools
-from .grammar import ConstraintSpec, json_grammar
+from .dialect import ANTHROPIC, OPENAI
 from .metrics import CONTENT_TYPE, CountRequests
+from .prepare import constraint, prompt_ids, token_budget
 from .ranks import Ranks, follow
-from .worker import END, Job, Worker
+from .worker import Job, Worker
 
 log = logging.getLogger("macserve.server")
 
@@ -132,88 +133,6 @@ class Engine:
             )
 
 
-def _prompt_ids(bundle, req: P.GenRequest) -> list[int]:
-    tok = bundle.tokenizer
-    if req.kind == "chat":
-        if not getattr(tok, "chat_template", None):
-            raise HttpError(400, "this model has no chat template; use /v1/completions")
-        fmt = tools.tool_format(tok)
-        msgs, extra = tools.render(list(req.messages), req.tools if req.uses_tools else (), fmt)
-        try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
-        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
-            raise HttpError(
-                400, f"the chat template rejected these messages: {e}", "messages"
-            ) from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    if isinstance(req.prompt, tuple):
-        vocab = bundle.config.get("vocab_size")
-        if vocab and max(req.prompt) >= vocab:
-            raise HttpError(400, f"prompt has a token id >= the vocabulary size {vocab}", "prompt")
-        return list(req.prompt)
-    # mlx-lm's rule: add BOS etc. unless the prompt already starts with the BOS text.
-    bos = tok.bos_token
-    return tok.encode(req.prompt, add_special_tokens=bos is None or not req.prompt.startswith(bos))
-
-
-def _n(k: int) -> str:
-    return f"{k} token" + ("" if k == 1 else "s")
-
-
-def _budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> int:
-    if n_prompt == 0:
-        raise HttpError(400, "the prompt is empty after tokenization", "prompt")
-    if n_prompt >= ctx:
-        raise HttpError(
-            400,
-            f"the prompt is {_n(n_prompt)}; the context is {ctx}",
-            "messages" if req.kind == "chat" else "prompt",
-            code="context_length_exceeded",
-        )
-    if req.max_tokens is None:
-        return min(default, ctx - n_prompt)
-    if n_prompt + req.max_tokens > ctx:
-        raise HttpError(
-            400,
-            f"prompt ({_n(n_prompt)}) + max_tokens ({req.max_tokens}) is more "
-            f"than the context ({ctx})",
-            "max_tokens",
-            code="context_length_exceeded",
-        )
-    return req.max_tokens
-
-
-def _constraint(worker: Worker, req: P.GenRequest, max_tokens: int) -> ConstraintSpec | None:
-    """The grammar the answer must follow, checked by compiling it once (a schema llguidance
-    cannot take is the client's 400, before the request queues)."""
-    if req.json_schema is not None:
-        grammar, param = json_grammar(req.json_schema), "response_format"
-    elif req.uses_tools and req.tool_choice in ("required", "function"):
-        fmt = tools.tool_format(worker.bundle.tokenizer)
-        grammar = tools.forced_grammar(req.tools, fmt, req.tool_name, req.parallel_tool_calls)
-        param = "tool_choice"
-    else:
-        return None
-    spec = ConstraintSpec(grammar, param, max_tokens, req.temperature, req.top_p, req.top_k)
-    worker.vocab.matcher(grammar, param)
-    return spec
-
-
-def _log_done(req: P.GenRequest, finish: str, stats: dict) -> None:
-    log.info(
-        "%s: %d prompt + %d completion tokens, %.1f tok/s, draft %d/%d accepted, %s",
-        req.kind,
-        stats.get("prompt_tokens", 0),
-        stats.get("completion_tokens", 0),
-        stats.get("generation_tps", 0.0),
-        stats.get("accepted_tokens", 0),
-        stats.get("draft_tokens", 0),
-        finish,
-    )
-
-
 async def _watch_disconnect(request: Request, job: Job) -> None:
     # The body is read, so the next message uvicorn gives is http.disconnect.
     while (await request.receive())["type"] != "http.disconnect":
@@ -240,170 +159,21 @@ async def _admitted(eng: Engine, job: Job) -> None:
         )
 
 
-# ---- a job's Steps -> text, tool calls, a finish ------------------------------------------------
-
-
-@dataclass
-class Finish:
-    reason: str  # stop | length | tool_calls | stop_sequence (a stop string matched)
-    stop_sequence: str | None
-    stats: dict
-    logprobs: list  # entries not yet sent with text
-
-
-async def _read(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> AsyncIterator:
-    """("text", str, [TokenLogprob]) and ("call", ToolCall) events, then one Finish. Stop
-    strings are cut (and never streamed, even split across tokens); with tools, calls are
-    split out of the text. Raises HttpError when the job fails or the server stopped it."""
-    matcher = P.StopMatcher(req.stop)
-    splitter = tools.Splitter(fmt, req.tools, id_prefix) if req.uses_tools else None
-    pending: list[P.TokenLogprob] = []
-    stats: dict = {}
-    while True:
-        item = await job.out.get()
-        if item is END:
-            if job.ended_by == "deadline":
-                finish, hit = "length", False  # the server's time limit cut it, as max_tokens would
-                item = None
-            elif job.ended_by == "shutdown":
-                raise HttpError(
-                    503, "the server is shutting down", type_="unavailable_error", retry_after=1
-                )
-            elif job.disconnected:
-                return
-            else:
-                raise HttpError(500, "generation ended without a result")
-        elif isinstance(item, Exception):
-            raise HttpError(500, f"generation failed: {item}")
-        else:
-            stats = item.stats
-            if item.logprob is not None:
-                # Tokens the grammar masked have logprob -inf: not alternatives (nor JSON).
-                top = tuple(
-                    (vocab.token_bytes(t), v) for t, v in item.top_logprobs if math.isfinite(v)
-                )
-                lp = item.logprob if math.isfinite(item.logprob) else -1e30
-                pending.append(P.TokenLogprob(vocab.token_bytes(item.token), lp, top))
-            text, hit = matcher.feed(item.text)
-            finish = "stop" if hit else item.finish_reason
-        if finish and not hit:
-            text = (text if item is not None else "") + matcher.flush()
-        events = splitter.feed(text) if splitter else ([("text", text)] if text else [])
-        if finish and splitter:
-            events += splitter.flush()
-        for ev in events:
-            if ev[0] == "text":
-                yield ("text", ev[1], pending)
-                pending = []
-            else:
-                yield ev
-        if finish:
-            if splitter and splitter.calls and finish == "stop":
-                finish = "tool_calls"
-            elif hit:
-                finish = "stop_sequence"
-            yield Finish(finish, matcher.hit if hit else None, stats, pending)
-            return
-
-
-def _openai_finish(f: Finish) -> str:
-    return "stop" if f.reason == "stop_sequence" else f.reason
-
-
-async def _collect(job, req, rid, model, vocab, fmt, api: str) -> dict:
-    parts, calls, lps = [], [], []
-    async for ev in _read(job, req, vocab, fmt, "toolu_" if api == "anthropic" else "call_"):
-        if isinstance(ev, Finish):
-            lps += ev.logprobs
-            _log_done(req, ev.reason, ev.stats)
-            text = "".join(parts)
-            if api == "anthropic":
-                return A.message(rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats)
-            return P.full_response(req, rid, model, text, _openai_finish(ev), ev.stats, calls, lps)
-        if ev[0] == "text":
-            parts.append(ev[1])
-            lps += ev[2]
-        else:
-            calls.append(ev[1])
-    raise HttpError(500, "generation ended without a result")
-
-
-async def _openai_events(job, req, rid, model, vocab, fmt, path: str):
-    n_calls, offset = 0, 0
-    try:
-        if req.kind == "chat":
-            yield P.sse(P.chunk(req, rid, model, "", role=True))
-        try:
-            async for ev in _read(job, req, vocab, fmt, "call_"):
-                if isinstance(ev, Finish):
-                    f = _openai_finish(ev)
-                    yield P.sse(P.chunk(req, rid, model, None, f, ev.stats, logprobs=ev.logprobs))
-                    if req.include_usage:
-                        yield P.sse(P.usage_chunk(req, rid, model, ev.stats))
-                    _log_done(req, ev.reason, ev.stats)
-                elif ev[0] == "text":
-                    yield P.sse(P.chunk(req, rid, model, ev[1], logprobs=ev[2], offset=offset))
-                    offset += len(ev[1])
-                else:
-                    c = P.chunk(req, rid, model, None, calls=[ev[1]], first_call=n_calls)
-                    yield P.sse(c)
-                    n_calls += 1
-        except HttpError as e:
-            yield dialects.error_event(e, path)  # the error, then [DONE]
-            return
-        yield P.SSE_DONE
-    except (asyncio.CancelledError, GeneratorExit):
-        # Starlette cancels the response when the client disconnects: stop that generation.
-        job.disconnect()
-        raise
-    finally:
-        job.cancel()
-
-
-async def _anthropic_events(job, req, rid, model, vocab, fmt, n_prompt: int, path: str):
-    s = A.Stream(rid, model, n_prompt, job.cached_tokens)
-    try:
-        for b in s.start():
-            yield b
-        try:
-            async for ev in _read(job, req, vocab, fmt, "toolu_"):
-                if isinstance(ev, Finish):
-                    out = s.finish(ev.reason, ev.stop_sequence, ev.stats)
-                    _log_done(req, ev.reason, ev.stats)
-                elif ev[0] == "text":
-                    out = s.text(ev[1])
-                else:
-                    out = s.call(ev[1])
-                for b in out:
-                    yield b
-        except HttpError as e:
-            yield dialects.error_event(e, path)
-    except (asyncio.CancelledError, GeneratorExit):
-        job.disconnect()
-        raise
-    finally:
-        job.cancel()
-
-
-async def _prepare(request: Request, api: str, kind: str):
+async def _prepare(request: Request, api, kind: str):
     """Body -> (request, prompt ids, token budget, constraint), or an HttpError."""
     eng: Engine = request.app.state.engine
     bundle = eng.bundle()
     eng.refuse_if_draining()
-    body = P.parse_json(await read_body(request, eng.settings.read_timeout))
-    if api == "anthropic":
-        req = A.parse(body)
-    else:
-        req = P.parse_chat(body) if kind == "chat" else P.parse_completion(body)
+    req = api.parse(P.parse_json(await read_body(request, eng.settings.read_timeout)), kind)
     # Templates and grammars take a while on long inputs: off the event loop, so other
     # streams keep flowing.
-    ids = await run_in_threadpool(_prompt_ids, bundle, req)
-    max_tokens = _budget(req, len(ids), eng.ctx, eng.settings.default_max_tokens)
-    spec = await run_in_threadpool(_constraint, eng.worker, req, max_tokens)
+    ids = await run_in_threadpool(prompt_ids, bundle, req)
+    max_tokens = token_budget(req, len(ids), eng.ctx, eng.settings.default_max_tokens)
+    spec = await run_in_threadpool(constraint, eng.worker, req, max_tokens)
     return req, ids, max_tokens, spec
 
 
-async def _generate(request: Request, kind: str, api: str = "openai") -> Response:
+async def _generate(request: Request, kind: str, api=OPENAI) -> Response:
     eng: Engine = request.app.state.engine
     arrived = time.monotonic()
     path = request.url.path
@@ -438,18 +208,16 @@ async def _generate(request: Request, kind: str, api: str = "openai") -> Respons
             await _admitted(eng, job)
             vocab, model = eng.worker.vocab, eng.settings.model_id
             fmt = tools.tool_format(eng.worker.bundle.tokenizer)
-            rid = A.new_id() if api == "anthropic" else P.new_id(kind)
+            rid = api.new_id(kind)
             if not req.stream:
                 try:
-                    return JSONResponse(await _collect(job, req, rid, model, vocab, fmt, api))
+                    answer = await api.whole(job, req, rid, model, vocab, fmt, len(ids))
+                    return JSONResponse(answer)
                 finally:
                     job.cancel()  # done, or a stop string matched: either way the worker may stop
         finally:
             watcher.cancel()
-        if api == "anthropic":
-            events = _anthropic_events(job, req, rid, model, vocab, fmt, len(ids), path)
-            return _SSEResponse(events)
-        return _SSEResponse(_openai_events(job, req, rid, model, vocab, fmt, path))
+        return _SSEResponse(api.stream(job, req, rid, model, vocab, fmt, len(ids), path))
     except HttpError as e:
         if job is not None:
             job.cancel()
@@ -471,7 +239,7 @@ async def completions(request: Request) -> Response:
 
 
 async def messages(request: Request) -> Response:
-    return await _generate(request, "chat", api="anthropic")
+    return await _generate(request, "chat", api=ANTHROPIC)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -480,7 +248,7 @@ async def count_tokens(request: Request) -> Response:
         bundle = eng.bundle()
         body = P.parse_json(await read_body(request, eng.settings.read_timeout))
         req = A.count_tokens_request(body)
-        ids = await run_in_threadpool(_prompt_ids, bundle, req)
+        ids = await run_in_threadpool(prompt_ids, bundle, req)
         return JSONResponse({"input_tokens": len(ids)})
     except HttpError as e:
         return dialects.error_response(e, request.url.path)
