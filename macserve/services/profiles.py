@@ -318,8 +318,27 @@ def _quote(value: str) -> str:
     return value if re.fullmatch(r"[A-Za-z0-9_./:@%+,-]+", value) else shlex.quote(value)
 
 
-def parse(text: str, name: str) -> Profile:
+def decode(data: bytes, what: str) -> str:
+    """A profile's (or secrets file's) bytes as text, or one line saying why they are not: a
+    file that is empty, binary or not UTF-8 is refused by name, so it never becomes a
+    traceback in a command that only meant to list it beside the others."""
+    if not data.strip():
+        raise MacserveError(f"{what}: the file is empty")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise MacserveError(f"{what}: binary data, not a profile (a NUL byte at offset {nul})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MacserveError(
+            f"{what}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}; "
+            "save it as UTF-8)"
+        ) from None
+
+
+def parse(text: str, name: str, label: str | None = None) -> Profile:
     """Parse profile text; raises MacserveError naming the file line on anything odd."""
+    name_ = label or f"profile {name}"
     values: dict[str, str] = {}
     lines = text.splitlines()
     for i, line in enumerate(lines, 1):
@@ -328,21 +347,19 @@ def parse(text: str, name: str) -> Profile:
             continue
         m = _KEY_LINE.match(line)
         if not m:
-            raise MacserveError(f"profile {name}: line {i}: expected KEY=VALUE, got {s!r}")
+            raise MacserveError(f"{name_}: line {i}: expected KEY=VALUE, got {s!r}")
         key, raw = m.group(1), m.group(2)
         try:
             parts = shlex.split(raw, comments=True)
         except ValueError as e:
-            raise MacserveError(f"profile {name}: line {i}: {key}: {e}") from None
+            raise MacserveError(f"{name_}: line {i}: {key}: {e}") from None
         if len(parts) > 1:
-            raise MacserveError(
-                f"profile {name}: line {i}: {key} has several words; quote the value"
-            )
+            raise MacserveError(f"{name_}: line {i}: {key} has several words; quote the value")
         values[key] = parts[0] if parts else ""
     try:
         return Profile(name, values, lines)
     except MacserveError as e:
-        raise MacserveError(f"profile {name}: {e}") from None
+        raise MacserveError(f"{name_}: {e}") from None
 
 
 class ProfileStore:
@@ -373,12 +390,19 @@ class ProfileStore:
         return self.path(name).exists()
 
     def load(self, name: str) -> Profile:
+        return parse(self.text(name), name, f"profile {name} ({self.path(name)})")
+
+    def text(self, name: str) -> str:
+        """The profile file as text, read as bytes first: one line for a file that is missing,
+        unreadable, empty, binary or not UTF-8."""
         p = self.path(name)
         try:
-            text = p.read_text()
+            data = p.read_bytes()
         except FileNotFoundError:
             raise MacserveError(f"no profile {name!r} (looked in {self.dir})") from None
-        return parse(text, name)
+        except OSError as e:
+            raise MacserveError(f"profile {name} ({p}): cannot be read: {e.strerror}") from None
+        return decode(data, f"profile {name} ({p})")
 
     def save(self, profile: Profile) -> Path:
         text = profile.to_text()
@@ -406,12 +430,21 @@ class ProfileStore:
         if st.st_mode & 0o077:
             p.chmod(0o600)  # a copy or a hand edit widened it: a secret is for this user only
         out = {}
-        for i, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise MacserveError(f"{p}: cannot be read: {e.strerror}") from None
+        if not data.strip():
+            return out
+        for i, line in enumerate(decode(data, str(p)).splitlines(), 1):
             s = line.strip()
             if not s or s.startswith("#"):
                 continue
             m = _KEY_LINE.match(line)
-            parts = shlex.split(m.group(2)) if m else []
+            try:
+                parts = shlex.split(m.group(2)) if m else []
+            except ValueError:
+                m = None  # an unbalanced quote: reported below like any other bad line
             if not m or m.group(1) not in SECRET_KEYS or len(parts) > 1:
                 raise MacserveError(
                     f"{p}: line {i}: expected one of {', '.join(SECRET_KEYS)}=VALUE"

@@ -81,7 +81,7 @@ def show(name: str) -> dict:
     r = row(name)
     r.update(
         file=str(st.path(name)),
-        text=st.path(name).read_text(),
+        text=st.text(name),
         values=dict(p.values),
         argv=argv,
         # names only: the values stay in the 0600 file
