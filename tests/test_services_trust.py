@@ -91,3 +91,92 @@ def test_broken_profiles_beside_good_ones(llama_server, model_gguf, services, ma
     r = cli("chat", "good", "Who's there?", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+# ---- item 3: values that cannot work are refused before they are written ----------------------
+
+LONG = "a" * 10_000
+NOT_HERE = "192.0.2.7"  # TEST-NET-1 (RFC 5737): never an address of this machine
+
+
+def snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_hostile_values_one_line_nothing_written(model_gguf, macserve_home, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # `pull` must refuse without the network
+    port = free_port()
+    r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port), "--no-start")
+    assert r.returncode == 0, r.stderr
+    before = snapshot(macserve_home)
+    g = str(model_gguf)
+    cases = [
+        ("new", g, "--name", "h1", "--host", "999.1.1.1", "--no-start"),
+        ("new", g, "--name", "h2", "--host", NOT_HERE, "--no-start"),
+        ("new", g, "--name", "h3", "--host", "no-such-host.invalid", "--no-start"),
+        ("new", g, "--name", "../escape", "--no-start"),
+        ("new", g, "--name", LONG, "--no-start"),
+        ("new", LONG, "--name", "h4", "--no-start"),
+        ("new", g, "--name", "h5", "--extra-args", "'", "--no-start"),
+        ("new", g, "--name", "h6", "--port", "0", "--no-start"),
+        ("new", g, "--name", "h7", "--ctx", "-5", "--no-start"),
+        ("new", g, "--name", "h8", "--api-key", "clé", "--no-start"),
+        ("new", g, "--name", "h9", "--extra-args", "--api-key-file /etc/hostname", "--no-start"),
+        ("worker", "w1", "--host", "999.1.1.1", "--no-start"),
+        ("router", "--install", "--name", "r1", "--port", "0", "--no-start"),
+    ]
+    for kv in (
+        "HOST=999.1.1.1",
+        f"HOST={NOT_HERE}",
+        "HOST=no-such-host.invalid",
+        "HOST=a b",
+        "PORT=0",
+        "PORT=99999",
+        "PORT=abc",
+        "CTX=-1",
+        "CTX=1e9",
+        "KV=../x",
+        "KV=q7",
+        f"MODEL={LONG}",
+        "MODEL=/nonexistent/model.gguf",
+        "EXTRA_ARGS='",
+        "EXTRA_ARGS=--api-key-file /etc/hostname",
+        "EXTRA_ARGS+=--no-such-flag",
+        "API_KEY=clé",
+        "API_KEY=a\tb",
+        "TTL=soon",
+        "ALIASES=tiny",
+        "HOSTS=a:b",
+        "SPLIT=x",
+        "NOPE=1",
+        "=x",
+        f"EXTRA_ARGS={LONG}",
+    ):
+        cases.append(("set", "tiny", "--", kv))
+    for name in ("../etc", LONG, "missing", ""):
+        for cmd in ("show", "start", "stop", "restart", "rm", "logs", "status", "set", "run"):
+            cases.append((cmd, name, "CTX=1") if cmd == "set" else (cmd, name))
+    cases += [
+        ("doctor", "--memory", "lots"),
+        ("pull", "no-such-owner/no-such-repo"),
+        ("pull", LONG),
+        ("chat", "tiny", "hi", "--api-key", "clé"),
+    ]
+    bad = []
+    for case in cases:
+        r = cli(*case, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        shown = tuple(a[:40] for a in case[:4])
+        if r.returncode != 2 or len(lines) != 1 or not lines[0].startswith("error: "):
+            bad.append((shown, r.returncode, r.stderr.strip()[-300:]))
+        if snapshot(macserve_home) != before:
+            bad.append((shown, "wrote to MACSERVE_HOME"))
+            before = snapshot(macserve_home)
+    assert not bad, "\n".join(map(str, bad))
+
+    # item 8: a key written before the checks existed (or by hand) is refused, never a crash
+    secrets = macserve_home / "profiles" / "tiny.secrets"
+    secrets.write_text("API_KEY=cl\u00e9\n")
+    secrets.chmod(0o600)
+    for case in (("chat", "tiny", "hi"), ("start", "tiny")):
+        assert "printable ASCII" in one_line_error(cli(*case)), case

@@ -348,9 +348,9 @@ def ls(as_json):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
     """Service state plus a live health probe, for one profile or all."""
-    if name:
-        manager.store().load(name)  # unknown name: one-line error
-    rows = [manager.row(name, health=True)] if name else manager.rows(health=True)
+    if name is not None:
+        manager.store().load(name)  # unknown name (or ""): one-line error
+    rows = [manager.row(name, health=True)] if name is not None else manager.rows(health=True)
     if as_json:
         click.echo(json.dumps({"backend": backend_name(), "services": rows}, indent=2))
         return

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..errors import MacserveError
 from . import providers, run
 from .health import TAIL_LINES, Outcome, SetFailed, base_url, spec, store, wait_ready, with_log_line
+from .ports import check_host
 from .profiles import Profile
 from .supervisors import get_backend, log_path, logs
 
@@ -18,6 +19,7 @@ def checked(name: str) -> Profile:
     profile = providers.typed(st.load(name))
     prov = providers.for_profile(profile)
     prov.check_secrets(st.load_secrets(name))
+    check_host(profile.host)  # a hand-edited HOST the server could not bind
     prov.check_args(profile)
     return profile
 

@@ -101,6 +101,7 @@ _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
 NEVER = "never"
+MAX_VALUE = 4096  # characters in one value: PATH_MAX on Linux (macOS: 1024)
 
 
 def macserve_home() -> Path:
@@ -163,9 +164,16 @@ class Profile:
         set_ = object.__setattr__
         set_(self, "values", types.MappingProxyType(v))
         set_(self, "lines", tuple(self.lines))
-        for key in v:
+        for key, text in v.items():
             if key not in KEYS:
                 raise MacserveError(f"unknown key {key} (known: {', '.join(KEYS)})")
+            if len(text) > MAX_VALUE:
+                # past PATH_MAX every file call on it fails (ENAMETOOLONG): refused here, once
+                raise MacserveError(
+                    f"{key} is {len(text):,} characters long: at most {MAX_VALUE:,}"
+                )
+            if not text.isprintable():
+                raise MacserveError(f"{key}: control characters are not allowed in a value")
         for key in REQUIRED:
             if key == "MODEL" and v.get("PROVIDER") in MODELLESS:
                 continue
@@ -284,14 +292,25 @@ def parse_duration(text: str, what: str = "duration") -> float:
 def check_secret(key: str, value: str) -> None:
     if key not in SECRET_KEYS:
         raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
-    if not value or any(c.isspace() for c in value) or not value.isprintable():
-        raise MacserveError(f"{key}: expected one word without spaces or control characters")
+    at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
+    if not value or at is not None:
+        # An HTTP header carries ASCII only: a key with any other character could never be
+        # sent by a client, so the server would be locked for everyone. (The character itself
+        # is not shown: a secret is never echoed, not even in part.)
+        raise MacserveError(
+            f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
+            if value
+            else f"{key}: empty"
+        )
 
 
 def local_model_path(model: str) -> Path | None:
     """MODEL as a local path if it looks like one (absolute, ~, ./, or an existing file/dir)."""
-    if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
-        return Path(model).expanduser().resolve()
+    try:
+        if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
+            return Path(model).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # too long, a symlink loop, a NUL
+        raise MacserveError(f"MODEL {model[:80]!r}...: not a usable path: {e}") from None
     return None
 
 
