@@ -8,8 +8,13 @@ deadlines: the machine is shared.
 # ruff: noqa: F811
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import httpx
+import psutil
 
 from .serverproc import free_port
 from .test_services_e2e import REPO, cli, model_gguf, poll, services, status  # noqa: F401
@@ -180,3 +185,117 @@ def test_hostile_values_one_line_nothing_written(model_gguf, macserve_home, monk
     secrets.chmod(0o600)
     for case in (("chat", "tiny", "hi"), ("start", "tiny")):
         assert "printable ASCII" in one_line_error(cli(*case)), case
+
+
+# ---- items 1 and 2: a stop during `set`; SIGKILL of `set`; the change journal -----------------
+
+
+def set_bg(*assignments, pause=None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), MACSERVE_SERVICE_BACKEND="supervisor")
+    if pause:
+        env["MACSERVE_JOURNAL_PAUSE"] = pause
+    return subprocess.Popen(
+        [sys.executable, "-m", "macserve", "set", *assignments],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def journal_phase(home, name):
+    try:
+        return json.loads((home / "profiles" / f".{name}.pending").read_text())["phase"]
+    except FileNotFoundError:
+        return None
+
+
+def cmdline(pid) -> str:
+    return " ".join(psutil.Process(pid).cmdline())
+
+
+def healthy_pid(name, services) -> int:
+    s = poll(lambda: (lambda s: s if s["healthy"] else None)(status(name)), f"{name} healthy", 180)
+    services.append(s["pid"])
+    return s["pid"]
+
+
+def test_stop_during_set_keeps_the_new_settings(llama_server, model_gguf, services, macserve_home):
+    from macserve.services import manager
+    from macserve.services.supervisors.supervisord import SupervisorBackend
+
+    port = new_tiny(model_gguf)
+    services.append(status("tiny")["pid"])
+    p = set_bg("tiny", "--", "CTX=256")
+    first = p.stderr.readline()
+    assert first.startswith("waiting for"), first
+    # the marker the router's pool reads: no idle stop while the change is at work
+    assert manager.changing("tiny")
+    SupervisorBackend(macserve_home).stop("tiny")  # what `macserve stop` and the router call
+    out, err = p.communicate(timeout=120)  # not the 300 s health timeout
+    assert p.returncode == 0, err
+    assert "was stopped by another command while it was starting" in out
+    assert "the new settings are kept" in out and "previous settings restored" not in out + err
+    assert "CTX=256\n" in (macserve_home / "profiles" / "tiny.env").read_text()
+    assert journal_phase(macserve_home, "tiny") is None and not manager.changing("tiny")
+    assert status("tiny")["state"] == "stopped"
+    # nothing lost: start runs the new settings
+    r = cli("start", "tiny")
+    assert r.returncode == 0, r.stderr
+    pid = healthy_pid("tiny", services)
+    assert "-c 256" in cmdline(pid)
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+
+
+def test_sigkill_of_set_at_each_point_then_ls(llama_server, model_gguf, services, macserve_home):
+    new_tiny(model_gguf)
+    assert cli("set", "tiny", "--", "API_KEY=sk-old-1").returncode == 0
+    profile = macserve_home / "profiles" / "tiny.env"
+    secrets = macserve_home / "profiles" / "tiny.secrets"
+    old_text, old_secrets = profile.read_text(), secrets.read_text()
+    pid = healthy_pid("tiny", services)
+
+    def kill_at(phase, *assignments):
+        p = set_bg("tiny", "--", *assignments, pause=phase)
+        poll(lambda: journal_phase(macserve_home, "tiny") == phase, f"set at {phase}", 120)
+        time.sleep(0.5)  # past the journal write, into the pause (the kill lands in the sleep)
+        p.kill()
+        p.wait(timeout=30)
+        r = cli("ls")
+        assert r.returncode == 0, r.stderr
+        assert "an interrupted change was settled" in r.stderr, r.stderr
+        assert journal_phase(macserve_home, "tiny") is None
+        return r
+
+    # saving: the journal is written, the new files maybe: the old ones come back, no restart
+    kill_at("saving", "CTX=256", "API_KEY=sk-new-2")
+    assert (profile.read_text(), secrets.read_text()) == (old_text, old_secrets)
+    assert status("tiny")["pid"] == pid
+
+    # restarting: the new files are written, the restart about to begin: old back and running
+    kill_at("restarting", "CTX=256", "API_KEY=sk-new-2")
+    assert (profile.read_text(), secrets.read_text()) == (old_text, old_secrets)
+    pid = healthy_pid("tiny", services)
+    assert "-c 512" in cmdline(pid)
+
+    # restoring: new settings that fail, killed while the old ones are being put back
+    kill_at("restoring", "EXTRA_ARGS+=--lora /nonexistent/adapter.gguf")
+    assert (profile.read_text(), secrets.read_text()) == (old_text, old_secrets)
+    pid = healthy_pid("tiny", services)
+    assert "--lora" not in cmdline(pid)
+
+    # in the health wait (no pause): either settings may win, but the one on disk is the one
+    # that runs, the journal is settled and nothing is half applied
+    p = set_bg("tiny", "--", "CTX=256")
+    assert p.stderr.readline().startswith("waiting for")
+    p.kill()
+    p.wait(timeout=30)
+    r = cli("ls")
+    assert r.returncode == 0, r.stderr
+    assert journal_phase(macserve_home, "tiny") is None
+    text = profile.read_text()
+    assert text in (old_text, old_text.replace("CTX=512", "CTX=256"))
+    assert secrets.read_text() == old_secrets
+    pid = healthy_pid("tiny", services)
+    assert ("-c 256" if "CTX=256" in text else "-c 512") in cmdline(pid)

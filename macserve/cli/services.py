@@ -341,6 +341,13 @@ def ls(as_json):
         click.echo("no profiles (create one with: macserve new MODEL)")
     else:
         _table(rows)
+    _journal_notes(rows)
+
+
+def _journal_notes(rows) -> None:
+    for r in rows:
+        if r.get("journal"):
+            click.echo(f"note: {r['journal']}", err=True)
 
 
 @click.command()
@@ -357,6 +364,7 @@ def status(name, as_json):
     click.echo(f"backend: {backend_name()}")
     if rows:
         _table(rows, health=True)
+    _journal_notes(rows)
 
 
 @click.command()

@@ -6,7 +6,7 @@ refuse the profile, before the unit changes.
 from __future__ import annotations
 
 from ..errors import MacserveError
-from . import providers, run
+from . import journal, providers, run
 from .health import TAIL_LINES, Outcome, SetFailed, base_url, spec, store, wait_ready, with_log_line
 from .ports import check_host
 from .profiles import Profile
@@ -26,8 +26,9 @@ def checked(name: str) -> Profile:
 
 def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
     """Install the unit if needed and start it; a unit that changed is reloaded first."""
-    profile = checked(name)
     backend = get_backend()
+    journal.recover(name, backend)  # a killed `set`'s change first: start what is settled
+    profile = checked(name)
     before = backend.status(name)
     if before.state == "running" and not backend.install(spec(profile)):
         return Outcome(name, base_url(profile), ["already running"], before.pid)
@@ -38,8 +39,9 @@ def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
 
 
 def restart(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    profile = checked(name)
     backend = get_backend()
+    journal.recover(name, backend)
+    profile = checked(name)
     before = backend.status(name)
     offset = logs.size(log_path(name))
     run.reset_backoff(name)
@@ -63,8 +65,9 @@ def _finish(profile, backend, timeout, wait, tick, old_pid, offset) -> Outcome:
 
 
 def stop(name: str) -> None:
-    store().load(name)
     backend = get_backend()
+    journal.recover(name, backend)
+    store().load(name)
     if not backend.installed(name):
         raise MacserveError(f"service {name} is not installed")
     backend.stop(name)

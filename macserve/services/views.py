@@ -10,7 +10,7 @@ import time
 import psutil
 
 from ..errors import MacserveError
-from . import providers, routed
+from . import journal, providers, routed
 from .health import base_url, store
 from .supervisors import Status, get_backend, log_path
 
@@ -42,6 +42,7 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     except MacserveError as e:
         p = None
         r["error"] = str(e)
+    r["journal"] = _settle(name, backend)
     s: Status = backend.status(name)
     r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=s.detail)
     r.update(_proc_info(s.pid if s.state in ("running", "starting") else None))
@@ -50,6 +51,23 @@ def row(name: str, health: bool = False, backend=None) -> dict:
             p and s.state == "running" and providers.for_profile(p).ready(p, timeout=2.0)
         )
     return r
+
+
+def _settle(name: str, backend) -> str | None:
+    """What ls/status say of a change journal: settled now (a killed `set`), in progress, or
+    not settled with the command that settles it."""
+    try:
+        done = journal.recover(name, backend)
+        if done:
+            return done
+        entry = journal.read(journal.ProfileStore(), name)
+    except MacserveError as e:
+        return f"{journal.pending_note(name)} ({e})"
+    if entry is None:
+        return None
+    if journal.owner_alive(entry):
+        return f"{name}: a change is in progress (macserve set, pid {entry.owner})"
+    return journal.pending_note(name)
 
 
 def rows(health: bool = False) -> list[dict]:

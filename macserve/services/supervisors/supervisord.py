@@ -319,7 +319,13 @@ class SupervisorBackend:
         if not self.installed(name):
             return Status(name, False, "not installed")
         if not self.running():
-            return Status(name, True, "stopped", detail="supervisord is not running")
+            return Status(
+                name,
+                True,
+                "stopped",
+                detail="supervisord is not running",
+                extra={"supervisor_down": True},  # not stopped by anyone: see wait_ready
+            )
         try:
             info = self.rpc().getProcessInfo(PREFIX + name)
         except xmlrpc.client.Fault:
