@@ -9,6 +9,7 @@ deadlines: the machine is shared.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -299,3 +300,51 @@ def test_sigkill_of_set_at_each_point_then_ls(llama_server, model_gguf, services
     assert secrets.read_text() == old_secrets
     pid = healthy_pid("tiny", services)
     assert ("-c 256" if "CTX=256" in text else "-c 512") in cmdline(pid)
+
+
+# ---- item 4: supervision truth -----------------------------------------------------------------
+
+
+def test_supervisord_stopped_then_killed(llama_server, model_gguf, services, macserve_home):
+    from .test_services_e2e import supervisord_pid
+
+    new_tiny(model_gguf)
+    pid = healthy_pid("tiny", services)
+    sv = supervisord_pid(macserve_home)
+    profile = (macserve_home / "profiles" / "tiny.env").read_bytes()
+
+    # SIGSTOP: every command that asks it is one line naming it (it used to hang for ever)
+    os.kill(sv, signal.SIGSTOP)
+    try:
+        for cmd in (("ls",), ("status", "tiny"), ("set", "tiny", "--", "CTX=256")):
+            line = one_line_error(cli(*cmd, timeout=120))
+            assert f"supervisord (pid {sv}) is stopped" in line and f"kill -CONT {sv}" in line
+    finally:
+        os.kill(sv, signal.SIGCONT)
+    assert (macserve_home / "profiles" / "tiny.env").read_bytes() == profile
+    assert status("tiny")["pid"] == pid
+
+    # SIGKILL: its server runs on unsupervised; ls says so, start replaces it, never beside it
+    os.kill(sv, signal.SIGKILL)
+    poll(lambda: not psutil.pid_exists(sv), "supervisord to go")
+    rows = json.loads(cli("ls", "--json").stdout)
+    assert [(x["state"], x["pid"]) for x in rows] == [("orphaned", pid)]
+    r = cli("start", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert "already running" not in r.stdout
+    new = healthy_pid("tiny", services)
+    assert new != pid
+    poll(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+        "orphan gone",
+    )
+    servers = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
+    ours = [p.pid for p in servers if _env(p).get("MACSERVE_HOME") == str(macserve_home)]
+    assert ours == [new]
+
+
+def _env(p) -> dict:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}

@@ -348,6 +348,8 @@ def _journal_notes(rows) -> None:
     for r in rows:
         if r.get("journal"):
             click.echo(f"note: {r['journal']}", err=True)
+        if r.get("state") in ("crash-loop", "orphaned"):
+            click.echo(f"note: {r['name']}: {r['state']}: {r['detail']}", err=True)
 
 
 @click.command()

@@ -31,7 +31,13 @@ def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
     profile = checked(name)
     before = backend.status(name)
     if before.state == "running" and not backend.install(spec(profile)):
-        return Outcome(name, base_url(profile), ["already running"], before.pid)
+        if providers.for_profile(profile).ready(profile, timeout=5.0):
+            return Outcome(name, base_url(profile), ["already running"], before.pid)
+        if run.backing_off(name) < 2 * run.BACKOFF_FIRST:
+            # still loading: wait for it (a start that never becomes healthy says so)
+            offset = logs.size(log_path(name))
+            return _finish(profile, backend, timeout, wait, tick, None, offset)
+        # else a crash loop between two crashes: restarted below, and waited for
     offset = logs.size(log_path(name))
     run.reset_backoff(name)
     backend.apply(spec(profile))

@@ -10,9 +10,9 @@ import time
 import psutil
 
 from ..errors import MacserveError
-from . import journal, providers, routed
+from . import journal, providers, routed, run
 from .health import base_url, store
-from .supervisors import Status, get_backend, log_path
+from .supervisors import Status, get_backend, log_path, logs
 
 
 def _proc_info(pid: int | None) -> dict:
@@ -44,8 +44,19 @@ def row(name: str, health: bool = False, backend=None) -> dict:
         r["error"] = str(e)
     r["journal"] = _settle(name, backend)
     s: Status = backend.status(name)
-    r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=s.detail)
-    r.update(_proc_info(s.pid if s.state in ("running", "starting") else None))
+    state, detail = s.state, s.detail
+    # supervisord calls a respawn "running" between two crashes: the log says better
+    if (
+        p is not None
+        and state == "running"
+        and run.backing_off(name) >= 2 * run.BACKOFF_FIRST
+        and not providers.for_profile(p).ready(p, timeout=2.0)
+    ):
+        tail = logs.tail(log_path(name), 40)
+        line = providers.for_profile(p).error_line(tail) or (tail[-1] if tail else "")
+        state, detail = "crash-loop", line.strip() or "it keeps exiting"
+    r.update(state=state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=detail)
+    r.update(_proc_info(s.pid if s.state in ("running", "starting", "orphaned") else None))
     if health:
         r["healthy"] = bool(
             p and s.state == "running" and providers.for_profile(p).ready(p, timeout=2.0)
