@@ -89,6 +89,12 @@ def _error_text(r: httpx.Response) -> str:
 class Client:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         self.base_url = base_url
+        if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+            # httpx would raise encoding the header: a key no HTTP client can send
+            raise MacserveError(
+                "the API key is not printable ASCII, so no client can send it "
+                "(set a new one: macserve set NAME -- API_KEY=...)"
+            )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
             base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=5.0)

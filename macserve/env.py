@@ -20,6 +20,9 @@ temporary folder with monkeypatch and the next call sees it.
     MACSERVE_SUPERVISED         set in service units only: `macserve run` backs off between
                                 quick respawns
     MACSERVE_SSH                the ssh program for multi-host pre-flight (tests: a stand-in)
+    MACSERVE_JOURNAL_PAUSE      tests only: `set` stops for an hour right after it journals this
+                                phase (saving | restarting | restoring), so a test can SIGKILL
+                                it at that exact point (the windows are microseconds otherwise)
     MACSERVE_IGNORE_WIRED_LIMIT plan as if iogpu.wired_limit_mb were 0 (the default rule)
     MACSERVE_API_KEY            `serve --api-key` / `router --api-key` / `chat --api-key` (keeps
                                 the key out of argv)
@@ -116,6 +119,10 @@ def launchd_domain() -> str | None:
 
 def rotate_logs() -> list[Path]:
     return [Path(p) for p in (_get("MACSERVE_ROTATE_LOGS") or "").split(os.pathsep) if p]
+
+
+def journal_pause() -> str | None:
+    return _get("MACSERVE_JOURNAL_PAUSE")
 
 
 def ssh() -> str:

@@ -281,7 +281,9 @@ def test_secrets_file_is_0600_and_round_trips(macserve_home):
     st.load_secrets("a")
     assert (path.stat().st_mode & 0o777) == 0o600
     assert st.names() == ["a"]
-    with pytest.raises(MacserveError, match="API_KEY: expected one word") as e:
+    with pytest.raises(
+        MacserveError, match="API_KEY: expected printable ASCII without spaces"
+    ) as e:
         st.save_secrets("a", {"API_KEY": "two words"})
     assert "two words" not in str(e.value)  # a secret is never echoed
     st.save_secrets("a", {})

@@ -341,6 +341,15 @@ def ls(as_json):
         click.echo("no profiles (create one with: macserve new MODEL)")
     else:
         _table(rows)
+    _journal_notes(rows)
+
+
+def _journal_notes(rows) -> None:
+    for r in rows:
+        if r.get("journal"):
+            click.echo(f"note: {r['journal']}", err=True)
+        if r.get("state") in ("crash-loop", "orphaned"):
+            click.echo(f"note: {r['name']}: {r['state']}: {r['detail']}", err=True)
 
 
 @click.command()
@@ -348,15 +357,16 @@ def ls(as_json):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
     """Service state plus a live health probe, for one profile or all."""
-    if name:
-        manager.store().load(name)  # unknown name: one-line error
-    rows = [manager.row(name, health=True)] if name else manager.rows(health=True)
+    if name is not None:
+        manager.store().load(name)  # unknown name (or ""): one-line error
+    rows = [manager.row(name, health=True)] if name is not None else manager.rows(health=True)
     if as_json:
         click.echo(json.dumps({"backend": backend_name(), "services": rows}, indent=2))
         return
     click.echo(f"backend: {backend_name()}")
     if rows:
         _table(rows, health=True)
+    _journal_notes(rows)
 
 
 @click.command()

@@ -16,8 +16,10 @@ from __future__ import annotations
 import platform
 from dataclasses import asdict, dataclass, field
 
+from ..errors import MacserveError
 from ..sizing.budget import default_working_set, machine_budget
-from . import manager
+from . import journal, manager
+from .footprint import Footprint
 
 HEADROOM = 8 * 2**30  # what the suggested limit leaves to macOS and the other programs
 DOCS = "docs/services.md#gpu-wired-limit"
@@ -57,10 +59,20 @@ def doctor(memory_bytes: int | None = None) -> Report:
     rep = Report(b.total_bytes, on_mac, wired, b.budget_bytes, b.source)
     backend = manager.get_backend()
     for name in manager.store().names():
+        try:
+            settled = journal.recover(name, backend)
+        except MacserveError as e:
+            settled = f"{journal.pending_note(name)} ({e})"
+        if settled:
+            rep.notes.append(settled)
         st = backend.status(name)
         # Installed and not stopped: launchd loads it at login (RunAtLoad); `stop` disables it.
         at_login = st.installed and st.state not in ("stopped", "not installed")
-        fp = manager.footprint(name)
+        try:
+            fp = manager.footprint(name)
+        except MacserveError as e:
+            # One broken profile is its own row, not a refusal of every other one.
+            fp = Footprint(name, error=str(e))
         row = {
             "name": name,
             "state": st.state,

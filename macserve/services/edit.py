@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
-from . import providers, run
+from . import journal, providers, run
 from .create import moved_note
 from .health import (
     TAIL_LINES,
     Interrupts,
     Outcome,
     SetFailed,
+    StoppedDuringWait,
     base_url,
     failing_before,
     spec,
@@ -168,37 +169,54 @@ def set_values(
     secrets) back. `changes`: a `Changes`, or a {KEY: value} dict."""
     changes = _as_changes(changes)
     st = store()
+    backend = get_backend()
+    # A change a killed `set` left half done is settled first: ours starts from settled ground.
+    settled = journal.recover(name, backend, st)
     checked = _prepare(st, name, changes)  # bad input fails here, before the lock file exists
     with st.lock(name):
+        settled = journal.recover(name, backend, st, locked=True) or settled
         # Again under the lock: the file may have moved on (then the result is checked again).
         edit = _prepare(st, name, changes, checked)
-        out = Outcome(name, base_url(edit.new), list(edit.notes))
+        out = Outcome(name, base_url(edit.new), ([settled] if settled else []) + edit.notes)
         if not edit.changed:
             out.notes.append("no change")
             return out
-        if edit.only_lifted:
-            _save(st, edit.new, edit.new_secrets)
-            out.notes.append("saved; the server runs as before, so nothing was restarted")
-            return out
-        if _router_only(edit):
-            _save(st, edit.new, edit.new_secrets)
+        if edit.only_lifted or _router_only(edit):
+            _journaled_save(st, edit, journal.Entry(name, st.text(name), edit.old_secrets, False))
             out.notes.append(
-                f"saved; {' and '.join(ROUTER_KEYS)} are read by the router, so nothing was "
-                "restarted"
+                "saved; the server runs as before, so nothing was restarted"
+                if edit.only_lifted
+                else f"saved; {' and '.join(ROUTER_KEYS)} are read by the router, so nothing "
+                "was restarted"
             )
             return out
-        backend = get_backend()
         before = backend.status(name)
         broken = failing_before(before, edit.old)  # now: the restart resets what it is read from
+        running = before.state not in ("not installed", "stopped")
+        entry = journal.Entry(
+            name, st.text(name), edit.old_secrets, running, broken, before.pid, journal.SAVING
+        )
+        if not restart or not running:
+            _journaled_save(st, edit, entry)
+            out.notes.append(
+                "saved; not restarted (--no-restart)"
+                if not restart
+                else f"saved; {name} is {before.state}, so nothing was restarted"
+            )
+            return out
+        journal.begin(st, entry)  # the previous settings are safe before anything changes
         _save(st, edit.new, edit.new_secrets)
-        if not restart:
-            out.notes.append("saved; not restarted (--no-restart)")
-            return out
-        if before.state in ("not installed", "stopped"):
-            out.notes.append(f"saved; {name} is {before.state}, so nothing was restarted")
-            return out
         with Interrupts() as sig:
-            return _restart_or_roll_back(st, backend, edit, before, broken, timeout, tick, sig, out)
+            return _restart_or_roll_back(
+                st, backend, edit, before, broken, timeout, tick, sig, out, entry
+            )
+
+
+def _journaled_save(st: ProfileStore, edit: _Edit, entry: journal.Entry) -> None:
+    """Profile and secrets are two files: a kill between them must not leave half a change."""
+    journal.begin(st, entry)
+    _save(st, edit.new, edit.new_secrets)
+    journal.end(st, edit.new.name)
 
 
 def _server_values(p: Profile) -> dict[str, str]:
@@ -236,24 +254,35 @@ def _save(st: ProfileStore, profile: Profile, secrets: dict[str, str]) -> None:
 
 
 def _restart_or_roll_back(
-    st, backend, edit: _Edit, before: Status, broken: str | None, timeout, tick, sig, out
+    st, backend, edit: _Edit, before: Status, broken: str | None, timeout, tick, sig, out, entry
 ):
     name = edit.new.name
     tick = tick or (lambda e, s: None)
     offset = logs.size(log_path(name))
     interrupted = False
+    journal.phase(st, entry, journal.RESTARTING)
     try:
         run.reset_backoff(name)
         backend.apply(spec(edit.new))
         ok, why = wait_ready(edit.new, timeout, old_pid=before.pid, tick=tick, backend=backend)
     except KeyboardInterrupt:
         ok, why, interrupted = False, "", True
+    except StoppedDuringWait as e:
+        # Someone else's stop is no verdict on the settings: keep them, say so, end at once.
+        journal.end(st, name)
+        out.notes.append(
+            f"{e}: the new settings are kept (saved, not verified); macserve start {name} "
+            "runs and checks them"
+        )
+        return out
     except MacserveError as e:
         ok, why = False, str(e)
     if ok:
+        journal.end(st, name)
         out.pid = backend.status(name).pid
         return out
     with sig.hold():
+        journal.phase(st, entry, journal.RESTORING)
         tail = [] if interrupted else logs.tail(log_path(name), TAIL_LINES, since=offset)
         head = (
             f"interrupted while the new settings for {name} were starting"
@@ -264,6 +293,7 @@ def _restart_or_roll_back(
         if broken:
             # Putting back settings that were failing is no rollback: leave it stopped.
             backend.stop(name)
+            journal.end(st, name)
             raise SetFailed(
                 f"{head}; the previous settings were already failing before this change "
                 f"({broken}), so they are back in the profile but not restarted: "
@@ -280,10 +310,13 @@ def _restart_or_roll_back(
             raise SetFailed(
                 f"{head}; previous settings restored but could not be restarted: {e}", tail, False
             ) from None
+        journal.end(st, name)  # the previous settings are back and running again
     try:
         restored, why2 = wait_ready(
             edit.old, timeout, old_pid=failed_pid, tick=tick, backend=backend
         )
+    except StoppedDuringWait as e:
+        raise SetFailed(f"{head}; previous settings restored; then {e}", tail, False) from None
     except KeyboardInterrupt:
         raise SetFailed(
             f"{head}; previous settings restored and restarting (interrupted again before it "

@@ -25,6 +25,7 @@ from .supervisors import Status, get_backend, spec_for
 # deadline, never by a fixed sleep.
 POLL, POLL_MAX = 0.25, 2.0
 TAIL_LINES = 30  # log lines shown with a failure
+STOPPED_GRACE = 5.0  # seconds a "stopped" state may be the supervisor not having started it yet
 
 
 class SetFailed(MacserveError):
@@ -34,6 +35,11 @@ class SetFailed(MacserveError):
         super().__init__(msg)
         self.log_tail = log_tail
         self.restored = restored
+
+
+class StoppedDuringWait(MacserveError):
+    """The service was stopped (macserve stop, a router's idle stop) while we waited for it: not
+    a failure of its settings, so nothing is rolled back."""
 
 
 @dataclass
@@ -91,6 +97,7 @@ def wait_ready(
     start = time.monotonic()
     first_pid = None
     interval = POLL
+    active = False  # seen starting or running since the (re)start
     while True:
         st = backend.status(profile.name)
         elapsed = time.monotonic() - start
@@ -99,6 +106,18 @@ def wait_ready(
             return False, "the service is not installed"
         if st.died or st.failed:
             return False, death(st)
+        active = active or st.state in ("starting", "running") or st.pid not in (None, old_pid)
+        # Stopped by someone else. Not before it was seen active (or a few seconds passed):
+        # supervisord lists a just-added program as STOPPED until its next loop starts it.
+        if (
+            st.state == "stopped"
+            and (active or elapsed > STOPPED_GRACE)
+            and not st.extra.get("supervisor_down")
+        ):
+            raise StoppedDuringWait(
+                f"{profile.name} was stopped by another command while it was starting "
+                "(macserve stop, or a router's idle stop)"
+            )
         fresh = st.pid is not None and st.pid != old_pid
         if fresh and first_pid is None:
             first_pid = st.pid

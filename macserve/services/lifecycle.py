@@ -6,8 +6,9 @@ refuse the profile, before the unit changes.
 from __future__ import annotations
 
 from ..errors import MacserveError
-from . import providers, run
+from . import journal, providers, run
 from .health import TAIL_LINES, Outcome, SetFailed, base_url, spec, store, wait_ready, with_log_line
+from .ports import check_host
 from .profiles import Profile
 from .supervisors import get_backend, log_path, logs
 
@@ -18,17 +19,25 @@ def checked(name: str) -> Profile:
     profile = providers.typed(st.load(name))
     prov = providers.for_profile(profile)
     prov.check_secrets(st.load_secrets(name))
+    check_host(profile.host)  # a hand-edited HOST the server could not bind
     prov.check_args(profile)
     return profile
 
 
 def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
     """Install the unit if needed and start it; a unit that changed is reloaded first."""
-    profile = checked(name)
     backend = get_backend()
+    journal.recover(name, backend)  # a killed `set`'s change first: start what is settled
+    profile = checked(name)
     before = backend.status(name)
     if before.state == "running" and not backend.install(spec(profile)):
-        return Outcome(name, base_url(profile), ["already running"], before.pid)
+        if providers.for_profile(profile).ready(profile, timeout=5.0):
+            return Outcome(name, base_url(profile), ["already running"], before.pid)
+        if run.backing_off(name) < 2 * run.BACKOFF_FIRST:
+            # still loading: wait for it (a start that never becomes healthy says so)
+            offset = logs.size(log_path(name))
+            return _finish(profile, backend, timeout, wait, tick, None, offset)
+        # else a crash loop between two crashes: restarted below, and waited for
     offset = logs.size(log_path(name))
     run.reset_backoff(name)
     backend.apply(spec(profile))
@@ -36,8 +45,9 @@ def start(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
 
 
 def restart(name: str, timeout: float = 300.0, wait=True, tick=None) -> Outcome:
-    profile = checked(name)
     backend = get_backend()
+    journal.recover(name, backend)
+    profile = checked(name)
     before = backend.status(name)
     offset = logs.size(log_path(name))
     run.reset_backoff(name)
@@ -61,8 +71,9 @@ def _finish(profile, backend, timeout, wait, tick, old_pid, offset) -> Outcome:
 
 
 def stop(name: str) -> None:
-    store().load(name)
     backend = get_backend()
+    journal.recover(name, backend)
+    store().load(name)
     if not backend.installed(name):
         raise MacserveError(f"service {name} is not installed")
     backend.stop(name)

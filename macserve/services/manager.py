@@ -6,6 +6,7 @@ module that owns it; this module only gathers them so callers need one name.
     create.py     new, new_worker, new_router
     edit.py       set (parse_assignments, Changes, set_values): check, save, restart, roll back
     lifecycle.py  start, stop, restart, remove; endpoint (where a client reaches a profile)
+    journal.py    the change journal: changing (a set is at work), recover (a killed one)
     footprint.py  footprint: weights + cache at the profile's CTX and KV
     views.py      the rows behind ls / status / show
 
@@ -18,7 +19,8 @@ from ..errors import MacserveError
 from .create import default_name, new, new_router, new_worker
 from .edit import Changes, parse_assignments, set_values
 from .footprint import Footprint, footprint, footprint_of
-from .health import Outcome, SetFailed, base_url, store, wait_ready
+from .health import Outcome, SetFailed, StoppedDuringWait, base_url, store, wait_ready
+from .journal import changing
 from .lifecycle import endpoint, has_profile, remove, restart, start, stop
 from .ports import DEFAULT_PORT, pick_port, port_free
 from .supervisors import get_backend
@@ -31,7 +33,9 @@ __all__ = [
     "MacserveError",
     "Outcome",
     "SetFailed",
+    "StoppedDuringWait",
     "base_url",
+    "changing",
     "default_name",
     "endpoint",
     "footprint",

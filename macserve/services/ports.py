@@ -7,7 +7,10 @@ back) and by binding it (another program may hold it).
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
 import socket
+import threading
 from collections.abc import Mapping
 
 from ..errors import MacserveError
@@ -15,6 +18,65 @@ from . import providers
 from .profiles import ProfileStore
 
 DEFAULT_PORT = 8080
+# A name that does not answer within this is refused: a HOST the resolver hangs on would hang
+# every later start, health probe and port check of the profile.
+RESOLVE_TIMEOUT = 5.0
+
+
+def _resolve(host: str, timeout: float) -> list[str]:
+    """The addresses `host` resolves to, with a deadline (getaddrinfo has none of its own; a
+    daemon thread is left to finish on its own if the resolver hangs)."""
+    out: dict = {}
+
+    def look():
+        try:
+            out["addrs"] = [
+                a[4][0] for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+            ]
+        except (OSError, UnicodeError) as e:
+            out["error"] = e
+
+    t = threading.Thread(target=look, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise MacserveError(f"HOST {host!r} did not resolve within {timeout:.0f}s")
+    if "error" in out:
+        why = getattr(out["error"], "strerror", None) or str(out["error"])
+        raise MacserveError(f"HOST {host!r} does not resolve: {why}")
+    return out["addrs"]
+
+
+def check_host(host: str, timeout: float = RESOLVE_TIMEOUT) -> None:
+    """HOST is where this machine's server binds: an address (or a name resolving to one) of
+    this machine, or a wildcard. Refused otherwise, before anything is written: a server given
+    an address it cannot bind exits at once and the service would crash-loop. Other Macs of a
+    multi-host profile go in HOSTS, which is not bound here."""
+    bare = host.strip("[]")
+    try:
+        addrs = [str(ipaddress.ip_address(bare))]
+    except ValueError:
+        if all(c.isdigit() or c == "." for c in bare):
+            raise MacserveError(
+                f"HOST {host!r} is not an IP address (each part is 0..255)"
+            ) from None
+        addrs = _resolve(bare, timeout)
+    for addr in addrs:
+        s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        try:
+            s.bind((addr, 0))
+            return
+        except OSError as e:
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL):
+                return  # bindable in principle (e.g. EACCES): the port check says the rest
+        finally:
+            s.close()
+    shown = host if addrs == [bare] else f"{host} ({', '.join(addrs)})"
+    raise MacserveError(
+        f"HOST {shown} is not an address of this machine, so a server cannot bind it: use "
+        "127.0.0.1 (this machine only), 0.0.0.0 (every interface) or one of its own addresses "
+        "(other Macs of a multi-host profile go in HOSTS)"
+    )
 
 
 def port_free(host: str, port: int) -> bool:
@@ -38,6 +100,7 @@ def port_free(host: str, port: int) -> bool:
 
 
 def pick_port(host: str, used: set[int], start: int = DEFAULT_PORT) -> int:
+    check_host(host)  # else each of the 1000 tries below would wait on the resolver
     for port in range(start, start + 1000):
         if port not in used and port_free(host, port):
             return port
@@ -56,6 +119,7 @@ def ports_used(st: ProfileStore, but: str | None = None) -> dict[int, str]:
 
 
 def check_port(host: str, port: int, used: Mapping[int, str], bind_check: bool = True) -> None:
+    check_host(host)
     if port in used:
         raise MacserveError(f"port {port} is already used by profile {used[port]}")
     if bind_check and not port_free(host, port):

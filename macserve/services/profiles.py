@@ -101,6 +101,7 @@ _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
 NEVER = "never"
+MAX_VALUE = 4096  # characters in one value: PATH_MAX on Linux (macOS: 1024)
 
 
 def macserve_home() -> Path:
@@ -163,9 +164,16 @@ class Profile:
         set_ = object.__setattr__
         set_(self, "values", types.MappingProxyType(v))
         set_(self, "lines", tuple(self.lines))
-        for key in v:
+        for key, text in v.items():
             if key not in KEYS:
                 raise MacserveError(f"unknown key {key} (known: {', '.join(KEYS)})")
+            if len(text) > MAX_VALUE:
+                # past PATH_MAX every file call on it fails (ENAMETOOLONG): refused here, once
+                raise MacserveError(
+                    f"{key} is {len(text):,} characters long: at most {MAX_VALUE:,}"
+                )
+            if not text.isprintable():
+                raise MacserveError(f"{key}: control characters are not allowed in a value")
         for key in REQUIRED:
             if key == "MODEL" and v.get("PROVIDER") in MODELLESS:
                 continue
@@ -284,14 +292,25 @@ def parse_duration(text: str, what: str = "duration") -> float:
 def check_secret(key: str, value: str) -> None:
     if key not in SECRET_KEYS:
         raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
-    if not value or any(c.isspace() for c in value) or not value.isprintable():
-        raise MacserveError(f"{key}: expected one word without spaces or control characters")
+    at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
+    if not value or at is not None:
+        # An HTTP header carries ASCII only: a key with any other character could never be
+        # sent by a client, so the server would be locked for everyone. (The character itself
+        # is not shown: a secret is never echoed, not even in part.)
+        raise MacserveError(
+            f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
+            if value
+            else f"{key}: empty"
+        )
 
 
 def local_model_path(model: str) -> Path | None:
     """MODEL as a local path if it looks like one (absolute, ~, ./, or an existing file/dir)."""
-    if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
-        return Path(model).expanduser().resolve()
+    try:
+        if model.startswith(("/", "~", "./", "../")) or Path(model).exists():
+            return Path(model).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # too long, a symlink loop, a NUL
+        raise MacserveError(f"MODEL {model[:80]!r}...: not a usable path: {e}") from None
     return None
 
 
@@ -318,8 +337,27 @@ def _quote(value: str) -> str:
     return value if re.fullmatch(r"[A-Za-z0-9_./:@%+,-]+", value) else shlex.quote(value)
 
 
-def parse(text: str, name: str) -> Profile:
+def decode(data: bytes, what: str) -> str:
+    """A profile's (or secrets file's) bytes as text, or one line saying why they are not: a
+    file that is empty, binary or not UTF-8 is refused by name, so it never becomes a
+    traceback in a command that only meant to list it beside the others."""
+    if not data.strip():
+        raise MacserveError(f"{what}: the file is empty")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise MacserveError(f"{what}: binary data, not a profile (a NUL byte at offset {nul})")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MacserveError(
+            f"{what}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}; "
+            "save it as UTF-8)"
+        ) from None
+
+
+def parse(text: str, name: str, label: str | None = None) -> Profile:
     """Parse profile text; raises MacserveError naming the file line on anything odd."""
+    name_ = label or f"profile {name}"
     values: dict[str, str] = {}
     lines = text.splitlines()
     for i, line in enumerate(lines, 1):
@@ -328,21 +366,19 @@ def parse(text: str, name: str) -> Profile:
             continue
         m = _KEY_LINE.match(line)
         if not m:
-            raise MacserveError(f"profile {name}: line {i}: expected KEY=VALUE, got {s!r}")
+            raise MacserveError(f"{name_}: line {i}: expected KEY=VALUE, got {s!r}")
         key, raw = m.group(1), m.group(2)
         try:
             parts = shlex.split(raw, comments=True)
         except ValueError as e:
-            raise MacserveError(f"profile {name}: line {i}: {key}: {e}") from None
+            raise MacserveError(f"{name_}: line {i}: {key}: {e}") from None
         if len(parts) > 1:
-            raise MacserveError(
-                f"profile {name}: line {i}: {key} has several words; quote the value"
-            )
+            raise MacserveError(f"{name_}: line {i}: {key} has several words; quote the value")
         values[key] = parts[0] if parts else ""
     try:
         return Profile(name, values, lines)
     except MacserveError as e:
-        raise MacserveError(f"profile {name}: {e}") from None
+        raise MacserveError(f"{name_}: {e}") from None
 
 
 class ProfileStore:
@@ -373,12 +409,19 @@ class ProfileStore:
         return self.path(name).exists()
 
     def load(self, name: str) -> Profile:
+        return parse(self.text(name), name, f"profile {name} ({self.path(name)})")
+
+    def text(self, name: str) -> str:
+        """The profile file as text, read as bytes first: one line for a file that is missing,
+        unreadable, empty, binary or not UTF-8."""
         p = self.path(name)
         try:
-            text = p.read_text()
+            data = p.read_bytes()
         except FileNotFoundError:
             raise MacserveError(f"no profile {name!r} (looked in {self.dir})") from None
-        return parse(text, name)
+        except OSError as e:
+            raise MacserveError(f"profile {name} ({p}): cannot be read: {e.strerror}") from None
+        return decode(data, f"profile {name} ({p})")
 
     def save(self, profile: Profile) -> Path:
         text = profile.to_text()
@@ -406,12 +449,21 @@ class ProfileStore:
         if st.st_mode & 0o077:
             p.chmod(0o600)  # a copy or a hand edit widened it: a secret is for this user only
         out = {}
-        for i, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise MacserveError(f"{p}: cannot be read: {e.strerror}") from None
+        if not data.strip():
+            return out
+        for i, line in enumerate(decode(data, str(p)).splitlines(), 1):
             s = line.strip()
             if not s or s.startswith("#"):
                 continue
             m = _KEY_LINE.match(line)
-            parts = shlex.split(m.group(2)) if m else []
+            try:
+                parts = shlex.split(m.group(2)) if m else []
+            except ValueError:
+                m = None  # an unbalanced quote: reported below like any other bad line
             if not m or m.group(1) not in SECRET_KEYS or len(parts) > 1:
                 raise MacserveError(
                     f"{p}: line {i}: expected one of {', '.join(SECRET_KEYS)}=VALUE"

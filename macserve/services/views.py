@@ -10,9 +10,9 @@ import time
 import psutil
 
 from ..errors import MacserveError
-from . import providers, routed
+from . import journal, providers, routed, run
 from .health import base_url, store
-from .supervisors import Status, get_backend, log_path
+from .supervisors import Status, get_backend, log_path, logs
 
 
 def _proc_info(pid: int | None) -> dict:
@@ -42,14 +42,43 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     except MacserveError as e:
         p = None
         r["error"] = str(e)
+    r["journal"] = _settle(name, backend)
     s: Status = backend.status(name)
-    r.update(state=s.state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=s.detail)
-    r.update(_proc_info(s.pid if s.state in ("running", "starting") else None))
+    state, detail = s.state, s.detail
+    # supervisord calls a respawn "running" between two crashes: the log says better
+    if (
+        p is not None
+        and state == "running"
+        and run.backing_off(name) >= 2 * run.BACKOFF_FIRST
+        and not providers.for_profile(p).ready(p, timeout=2.0)
+    ):
+        tail = logs.tail(log_path(name), 40)
+        line = providers.for_profile(p).error_line(tail) or (tail[-1] if tail else "")
+        state, detail = "crash-loop", line.strip() or "it keeps exiting"
+    r.update(state=state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=detail)
+    r.update(_proc_info(s.pid if s.state in ("running", "starting", "orphaned") else None))
     if health:
         r["healthy"] = bool(
             p and s.state == "running" and providers.for_profile(p).ready(p, timeout=2.0)
         )
     return r
+
+
+def _settle(name: str, backend) -> str | None:
+    """What ls/status say of a change journal: settled now (a killed `set`), in progress, or
+    not settled with the command that settles it."""
+    try:
+        done = journal.recover(name, backend)
+        if done:
+            return done
+        entry = journal.read(journal.ProfileStore(), name)
+    except MacserveError as e:
+        return f"{journal.pending_note(name)} ({e})"
+    if entry is None:
+        return None
+    if journal.owner_alive(entry):
+        return f"{name}: a change is in progress (macserve set, pid {entry.owner})"
+    return journal.pending_note(name)
 
 
 def rows(health: bool = False) -> list[dict]:
@@ -81,7 +110,7 @@ def show(name: str) -> dict:
     r = row(name)
     r.update(
         file=str(st.path(name)),
-        text=st.path(name).read_text(),
+        text=st.text(name),
         values=dict(p.values),
         argv=argv,
         # names only: the values stay in the 0600 file

@@ -392,7 +392,13 @@ def resolve(source: str, quant: str | None = None) -> ModelSource:
     """A path if it exists, else a hub repo id (`org/name` or `org/name:QUANT`): from the
     Hugging Face cache when it holds what the model needs, else from the hub."""
     p = Path(source).expanduser()
-    if p.exists():
+    try:
+        exists = p.exists()
+    except (OSError, ValueError) as e:  # longer than PATH_MAX, a NUL: no file, no repo either
+        raise MacserveError(
+            f"{source[:80]}...: not a usable path or repo id: {e.__class__.__name__}"
+        ) from None
+    if exists:
         return _local(p, quant)
     if source.endswith((".json", ".gguf")) or source.startswith((".", "/", "~")):
         raise MacserveError(f"{source}: no such file")

@@ -18,7 +18,7 @@ import httpx
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
-from ..profiles import MODELLESS, ROUTER_KEYS, Profile
+from ..profiles import MODELLESS, ROUTER_KEYS, Profile, check_secret
 
 
 def url_host(host: str) -> str:
@@ -335,6 +335,8 @@ class BaseProvider:
         return out
 
     def check_secrets(self, secrets: dict[str, str]) -> None:
+        for key, value in secrets.items():
+            check_secret(key, value)  # also a secrets file written before the checks existed
         if secrets.get("API_KEY") and not self.api_key_env:
             raise MacserveError(
                 f"{self.label} has no API key support, so API_KEY would not be enforced: "
@@ -371,7 +373,7 @@ class BaseProvider:
     def ready(self, profile: Profile, timeout: float = 2.0) -> bool:
         try:
             return httpx.get(self.health_url(profile), timeout=timeout).status_code == 200
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL, OSError):  # a bad HOST is "not ready"
             return False
 
     def failed(self, profile: Profile) -> str | None:

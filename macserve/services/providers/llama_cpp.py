@@ -95,6 +95,8 @@ class LlamaCpp(BaseProvider):
         "-hfr": "MODEL",
         "--hf-repo": "MODEL",
         "--rpc": "HOSTS",
+        # a second key source `show` would not name, read from a file macserve does not guard
+        "--api-key-file": "API_KEY",
     }
     formats = ("gguf",)
     # -c is the whole KV cache, shared by the -np slots
@@ -114,6 +116,15 @@ class LlamaCpp(BaseProvider):
     kv_flags = _K_FLAGS + _V_FLAGS
     api_key_env = "LLAMA_API_KEY"  # llama-server --help: "--api-key KEY ... (env: LLAMA_API_KEY)"
     secret_flags = {"--api-key": "API_KEY", "--hf-token": "HF_TOKEN", "-hft": "HF_TOKEN"}
+
+    def check_secrets(self, secrets: dict[str, str]) -> None:
+        super().check_secrets(secrets)
+        if "," in secrets.get("API_KEY", ""):
+            # llama-server --help: "multiple keys can be provided as a comma-separated list"
+            raise MacserveError(
+                "API_KEY: llama-server splits a key at commas into several keys: use one "
+                "without commas"
+            )
 
     def command(self) -> list[str]:
         return [find_llama_server()]

@@ -260,6 +260,8 @@ class Pool:
             and o.start_task is None
             and o.stop_task is None
             and not o.profile.always_on
+            # a `set` is changing it: stopping it now would read as its new settings failing
+            and not manager.changing(o.name)
         )
 
     async def _holders(self, exclude: Model) -> list[tuple[Model, int]]:

@@ -31,18 +31,18 @@ import time
 import xmlrpc.client
 from pathlib import Path
 
-from supervisor.xmlrpc import SupervisorTransport
+import psutil
 
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
 from . import logs
 from .base import ServiceSpec, Status, service_path
+from .control import RPC_STOP_TIMEOUT, RPC_TIMEOUT, STOP_WAIT_SECS, Rpc
 
 PREFIX = "macserve-"
 START_SECS = 2
 START_RETRIES = 3
-STOP_WAIT_SECS = 20
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 104 (macOS) / 108 (Linux) bytes incl. NUL
 
 _STATE = {
@@ -84,7 +84,9 @@ class SupervisorBackend:
     # ---- files -------------------------------------------------------------------------------
 
     def program_conf(self, spec: ServiceSpec) -> str:
-        variables = ",".join(f"{k}={_env_value(v)}" for k, v in sorted(spec.env.items()))
+        # MACSERVE_SERVICE: how a server left running by a killed supervisord is found again
+        env_ = {**spec.env, "MACSERVE_SERVICE": spec.name}
+        variables = ",".join(f"{k}={_env_value(v)}" for k, v in sorted(env_.items()))
         return "\n".join(
             [
                 f"[program:{PREFIX}{spec.name}]",
@@ -157,11 +159,34 @@ class SupervisorBackend:
 
     # ---- the daemon --------------------------------------------------------------------------
 
-    def rpc(self):
-        transport = SupervisorTransport(None, None, f"unix://{self.sock}")
-        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
+    def rpc(self, deadline: float = RPC_STOP_TIMEOUT):
+        return Rpc(self.sock, deadline, self.hung)
+
+    def hung(self, deadline: float) -> str:
+        pid = self._daemon_pid()
+        try:
+            stopped = pid is not None and psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            stopped = False
+        if stopped:
+            return (
+                f"supervisord (pid {pid}) is stopped (SIGSTOP or Ctrl-Z): its services cannot be "
+                f"controlled until it runs again: kill -CONT {pid}"
+            )
+        return (
+            f"supervisord (pid {pid or '?'}) did not answer on {self.sock} within "
+            f"{deadline:.0f}s: it is hung; kill {pid or 'it'} and run the command again"
+        )
 
     def running(self) -> bool:
+        pid = self._daemon_pid()
+        if pid and _alive(pid):
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                    # at once: its socket still accepts connections, and nothing answers them
+                    raise MacserveError(self.hung(0))
+            except psutil.Error:
+                pass
         if not self.sock.exists():
             return False
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -173,8 +198,8 @@ class SupervisorBackend:
         finally:
             s.close()
         try:
-            return self.rpc().getState()["statename"] == "RUNNING"
-        except (OSError, xmlrpc.client.Error):
+            return self.rpc(RPC_TIMEOUT).getState()["statename"] == "RUNNING"
+        except xmlrpc.client.Error:
             return False
 
     @contextlib.contextmanager
@@ -201,6 +226,11 @@ class SupervisorBackend:
                 return self.rpc()
             with contextlib.suppress(FileNotFoundError):
                 self.sock.unlink()  # stale socket from a killed daemon
+            # A killed supervisord leaves its servers running, holding their ports: the new one
+            # would start every program again beside them (never binding, crash-looping).
+            for name in self._names():
+                for proc in self.orphans(name):
+                    _stop_group(proc)
             # supervisord forks into the background and setsid()s; the parent returns at once.
             r = subprocess.run(
                 [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
@@ -228,7 +258,7 @@ class SupervisorBackend:
         if not self.running():
             return
         pid = self._daemon_pid()
-        with contextlib.suppress(OSError, xmlrpc.client.Error):
+        with contextlib.suppress(OSError, xmlrpc.client.Error, MacserveError):
             self.rpc().shutdown()
         deadline = time.monotonic() + timeout
         while pid and _alive(pid) and time.monotonic() < deadline:
@@ -315,13 +345,53 @@ class SupervisorBackend:
         if not any(self.programs.glob("*.conf")):
             self.shutdown()  # the last service gone: no private supervisord left behind
 
+    def _names(self) -> list[str]:
+        return sorted(p.stem for p in self.programs.glob("*.conf"))
+
+    def orphans(self, name: str) -> list[psutil.Process]:
+        """Servers of program `name` left running by a supervisord that died: found by the
+        MACSERVE_HOME and MACSERVE_SERVICE their environment was given, whose parent is no
+        live supervisord."""
+        daemon = self._daemon_pid()
+        want = {"MACSERVE_HOME": str(self.home), "MACSERVE_SERVICE": name}
+        out = []
+        for proc in psutil.process_iter(["pid", "ppid"]):
+            try:
+                if daemon and proc.info["ppid"] == daemon and _alive(daemon):
+                    continue  # supervised
+                environ = proc.environ()
+            except psutil.Error:
+                continue
+            if all(environ.get(k) == v for k, v in want.items()):
+                out.append(proc)
+        return out
+
     def status(self, name: str) -> Status:
         if not self.installed(name):
             return Status(name, False, "not installed")
         if not self.running():
-            return Status(name, True, "stopped", detail="supervisord is not running")
+            orphans = self.orphans(name)
+            if orphans:
+                return Status(
+                    name,
+                    True,
+                    "orphaned",
+                    pid=orphans[0].pid,
+                    detail=(
+                        "running without its supervisor (supervisord died): macserve start "
+                        f"{name} stops it and starts it supervised"
+                    ),
+                    extra={"supervisor_down": True},
+                )
+            return Status(
+                name,
+                True,
+                "stopped",
+                detail="supervisord is not running",
+                extra={"supervisor_down": True},  # not stopped by anyone: see wait_ready
+            )
         try:
-            info = self.rpc().getProcessInfo(PREFIX + name)
+            info = self.rpc(RPC_TIMEOUT).getProcessInfo(PREFIX + name)
         except xmlrpc.client.Fault:
             return Status(name, True, "stopped", detail="not loaded into supervisord")
         state = _STATE.get(info["statename"], info["statename"].lower())
@@ -358,6 +428,20 @@ def daemon_env() -> dict[str, str]:
     out = {k: os.environ[k] for k in _DAEMON_ENV if os.environ.get(k)}
     out["PATH"] = service_path()
     return out
+
+
+def _stop_group(proc: psutil.Process) -> None:
+    """SIGTERM the orphan's process group (supervisord gave each program its own), then SIGKILL
+    after the same grace supervisord gives."""
+    try:
+        pgid = os.getpgid(proc.pid)
+        os.killpg(pgid, 15)
+        proc.wait(STOP_WAIT_SECS)
+    except psutil.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, 9)
+    except (OSError, psutil.Error):
+        pass
 
 
 def _alive(pid: int) -> bool:
