@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from macserve.cli import main
 from macserve.dev import llama_truth
 from macserve.errors import MacserveError
-from macserve.sizing.arch import shape_from_config, shape_from_gguf
+from macserve.sizing.arch_config import shape_from_config
+from macserve.sizing.arch_gguf import shape_from_gguf
 from macserve.sizing.kv_layout import Layout, layout
 from macserve.sizing.sources import read_gguf_file
 
