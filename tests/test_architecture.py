@@ -220,14 +220,23 @@ def test_the_services_wing_never_imports_the_router():
     assert not bad, "\n".join(bad)
 
 
-def test_no_services_module_over_500_lines():
-    """A module that grows past this does several jobs: split it by purpose."""
+# Modules over the limit that someone else is changing now; each is split once that lands.
+LONG_FOR_NOW: set[str] = set()
+
+
+def test_no_module_over_500_lines():
+    """A module that grows past this does several jobs: split it by purpose. The models
+    (macserve/models/: weights, tokenizers, generated tables) are data, not code."""
     long = {
-        str(p.relative_to(REPO)): n
+        rel: n
         for m, p in MODULES.items()
-        if m.startswith("macserve.services") and (n := len(p.read_text().splitlines())) > 500
+        if not m.startswith("macserve.models")
+        and (rel := str(p.relative_to(REPO))) not in LONG_FOR_NOW
+        and (n := len(p.read_text().splitlines())) > 500
     }
-    assert not long, long
+    assert not long, "split by purpose:\n" + "\n".join(
+        f"{rel}: {n} lines" for rel, n in sorted(long.items())
+    )
 
 
 def test_only_providers_read_context_or_cache_type_out_of_extra_args():

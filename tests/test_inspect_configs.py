@@ -11,7 +11,8 @@ import json
 import pytest
 
 from macserve.errors import MacserveError
-from macserve.sizing.arch import MLA, Compressed, Linear, shape_from_config
+from macserve.sizing.arch import MLA, Compressed, Linear
+from macserve.sizing.arch_config import shape_from_config
 from macserve.sizing.kv_layout import (
     kv_bytes_per_token,
     layout,

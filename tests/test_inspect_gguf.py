@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 from macserve.errors import MacserveError
-from macserve.sizing.arch import MLA, Compressed, Full, Linear, NoCache, Sliding, shape_from_gguf
+from macserve.sizing.arch import MLA, Compressed, Full, Linear, NoCache, Sliding
+from macserve.sizing.arch_gguf import shape_from_gguf
 from macserve.sizing.kv_layout import kv_bytes_per_token
 from macserve.sizing.sources import HttpRangeFile, read_gguf_file
 

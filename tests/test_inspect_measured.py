@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 from macserve.sizing import mlx_measure
-from macserve.sizing.arch import shape_from_config
+from macserve.sizing.arch_config import shape_from_config
 from macserve.sizing.kv_layout import as_number, layout
 from macserve.sizing.report import inspect_source, mlx_check
 

@@ -1,6 +1,7 @@
 """inspect's llama.cpp rows against llama.cpp itself: each real config becomes a shrunken GGUF
-skeleton (macserve/dev/llama_truth.py) that the real llama-server loads, and the caches it
-logs must be what inspect computes for the same `-c`.
+skeleton (macserve/dev/gguf_skeleton.py, skeleton_tensors.py) that the real llama-server
+loads, and the caches it logs (macserve/dev/llama_truth.py) must be what inspect computes for
+the same `-c`.
 
 Runs 18 of the 27 configs in tests/configs, one per llama.cpp architecture and kind of
 memory, plus mlx-lm's own test configs of mixtral, smollm3 and nemotron_h (no published
@@ -15,8 +16,11 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 from macserve.dev import llama_truth
+from macserve.dev.gguf_skeleton import skeleton_metadata
+from macserve.dev.skeleton_tensors import write_skeleton
 from macserve.errors import MacserveError
-from macserve.sizing.arch import shape_from_config, shape_from_gguf
+from macserve.sizing.arch_config import shape_from_config
+from macserve.sizing.arch_gguf import shape_from_gguf
 from macserve.sizing.kv_layout import Layout, layout
 from macserve.sizing.sources import read_gguf_file
 
@@ -90,14 +94,14 @@ def _cells_at(lay: Layout, ctx: int) -> int:
 
 def test_every_listed_config_has_a_mapping():
     for p in MAPPED:
-        llama_truth.skeleton_metadata(json.loads(p.read_text()))
+        skeleton_metadata(json.loads(p.read_text()))
 
 
 @pytest.mark.parametrize("path", MAPPED, ids=lambda p: p.stem)
 def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
     cfg = json.loads(path.read_text())
     gguf = tmp_path / "skeleton.gguf"
-    sk = llama_truth.write_skeleton(cfg, gguf, llama_server)
+    sk = write_skeleton(cfg, gguf, llama_server)
     shapes = [shape_from_config(cfg)]
     if path.stem in GGUF_ALSO:
         shapes.append(shape_from_gguf(read_gguf_file(gguf).gguf_meta))
@@ -127,7 +131,7 @@ def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
 def test_the_skeleton_is_small_and_says_what_llama_cpp_needs(llama_server, tmp_path):
     cfg = json.loads((CONFIGS / "deepseek-ai__DeepSeek-V3.json").read_text())
     path = tmp_path / "s.gguf"
-    sk = llama_truth.write_skeleton(cfg, path, llama_server)
+    sk = write_skeleton(cfg, path, llama_server)
     assert sk.arch == "deepseek2" and sk.kv["block_count"] == 61
     assert sk.kv["attention.kv_lora_rank"] == 512 and sk.kv["attention.key_length"] == 576
     assert path.stat().st_blocks * 512 < 8 * 2**20  # a hole, not 671B parameters
@@ -135,7 +139,7 @@ def test_the_skeleton_is_small_and_says_what_llama_cpp_needs(llama_server, tmp_p
 
 def test_unmapped_types_are_one_line_errors():
     with pytest.raises(MacserveError, match="no GGUF mapping"):
-        llama_truth.skeleton_metadata({"model_type": "frobnicator", "num_hidden_layers": 2})
+        skeleton_metadata({"model_type": "frobnicator", "num_hidden_layers": 2})
 
 
 @pytest.mark.parametrize(
@@ -149,7 +153,7 @@ def test_unmapped_types_are_one_line_errors():
 )
 def test_what_cannot_be_checked_says_why(cfg, why):
     with pytest.raises(MacserveError, match=why):
-        llama_truth.skeleton_metadata({"num_hidden_layers": 3, **cfg})
+        skeleton_metadata({"num_hidden_layers": 3, **cfg})
 
 
 def test_the_dev_command_prints_both_figures(llama_server):

@@ -76,6 +76,7 @@ class _Main(LazyGroup):
 
 _S = "macserve.cli.services:"
 _E = "macserve.cli.engine:"
+_B = "macserve.cli.bench:"
 COMMANDS = {
     "inspect": (
         "macserve.cli.inspect:inspect",
@@ -139,17 +140,20 @@ COMMANDS = {
 }
 BENCH = {
     "kv": (
-        _E + "bench_kv",
+        _B + "bench_kv",
         "Quality and decode speed of every latent-cache variant vs the bf16 latent cache.",
     ),
     "mtp": (
-        _E + "bench_mtp",
+        _B + "bench_mtp",
         "MTP drafting vs plain decoding: acceptance per position and decode tokens/s.",
     ),
-    "dsa": (_E + "bench_dsa", "DSA decode on the INT2 cache: top-k rows only vs every row masked."),
-    "engine": (_E + "bench_engine", "The INT2 cache against mlx-lm's bf16 cache at real width."),
+    "dsa": (_B + "bench_dsa", "DSA decode on the INT2 cache: top-k rows only vs every row masked."),
+    "engine": (
+        "macserve.cli.bench_engine:bench_engine",
+        "The INT2 cache against mlx-lm's bf16 cache at real width.",
+    ),
     "serve": (
-        _E + "bench_serve",
+        _B + "bench_serve",
         "macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over HTTP.",
     ),
 }

@@ -5,7 +5,9 @@ mlx only inside mlx_measure's measuring function (`inspect` must start fast).
 
     sources.py      where metadata comes from (config.json, folder, .gguf, hub repo)
     gguf_header.py  a GGUF header from any seekable stream (local or HTTP ranges)
-    arch.py         config / GGUF header -> ModelShape (one layer kind per layer)
+    arch.py         the layer kinds and ModelShape (one layer kind per layer)
+    arch_config.py  config.json -> ModelShape, per model family (arch_fields.py: one layer)
+    arch_gguf.py    GGUF header -> ModelShape, as llama.cpp's loaders read it
     kv_layout.py    ModelShape -> each engine's buffers, bytes per token and per sequence
     mlx_measure.py  what mlx-lm itself allocates for a config (lazy model, its own caches)
     budget.py       this Mac's (or --memory's) GPU budget; parse_size

@@ -1,0 +1,282 @@
+"""The engine's benchmarks `bench kv|mtp|dsa|serve` (docs/engine.md, docs/server.md); `bench
+engine` is cli/bench_engine.py. Each prints ratios against a baseline measured in the same run.
+
+Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
+training plays to calibrate on, its held-out plays to measure on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..dev.tiny import data as tiny_data
+from ..engine.bench import dsa as dsa_bench
+from ..engine.bench import kv as kv_bench
+from ..engine.bench import mtp as mtp_bench
+from ..engine.bench import serve as serve_bench
+from ..engine.caches import CacheSpec, shipped_rotation
+from ..engine.calibration import collect, fit
+from ..engine.model import load
+from ..errors import MacserveError
+from ..int2_format import INT2
+from .engine import held_out_prompts, load_mla, progress_bar, text_windows
+
+
+@click.command("kv")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--rotation",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration file (default: the model folder's latent-rotation.safetensors, "
+    "else calibrate now on the training plays)",
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="held-out text (default: the demo model's held-out plays)",
+)
+@click.option("--windows", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True)
+@click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
+    b = load_mla(model)
+    m, tok = b.model, b.tokenizer
+    rotation = rotation or shipped_rotation(model)
+    if rotation is not None:
+        cal = b.calibration(rotation)
+    else:  # no calibration given or shipped: fit one now on the training plays
+        cal = fit(
+            collect(
+                m,
+                text_windows(tok, None, 8, seq_len, held_out=False),
+                progress=progress_bar("calibrating"),
+            ),
+            INT2,
+        )
+    ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
+    table = kv_bench.rows(
+        m, cal, ws, contexts=ctxs, gen_tokens=gen_tokens, progress=progress_bar("evaluating")
+    )
+    if as_json:
+        click.echo(json.dumps(table, indent=1))
+        return
+    longest = max(ctxs)
+    click.echo(
+        f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
+        f"{'greedy':>6} {'speed@' + str(longest // 1024) + 'K':>9}"
+    )
+    for r in table:
+        mark = " *" if r["default"] else ""
+        click.echo(
+            f"{r['variant'] + mark:<36} {r['bytes_per_token_per_layer']:>11.1f} "
+            f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
+            f"{r['greedy_agreement']:>6.3f} {r['decode_speed_ratio']:>8.2f}x"
+        )
+    bf = table[0]["decode_tokens_per_s"]
+    click.echo(
+        "bf16 latent decode tok/s: "
+        + ", ".join(f"{c}: {bf[c]:.1f}" for c in ctxs)
+        + "; * = default"
+    )
+
+
+@click.command("dsa")
+@click.option(
+    "--contexts",
+    default="4096,16384",
+    show_default=True,
+    help="cached tokens before the timed decode steps",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_dsa(contexts, as_json):
+    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
+    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
+    try:
+        ctxs = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise click.BadParameter("comma-separated token counts", param_hint="--contexts") from None
+    rows = dsa_bench.run(ctxs)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        click.echo(
+            f"context {r['context']:,} (top-{r['index_topk']:,}): sparse "
+            f"{r['tokens_per_s_sparse']:.1f} tok/s, masked {r['tokens_per_s_masked']:.1f} "
+            f"tok/s, speedup {r['speedup']:.2f}x"
+        )
+
+
+@click.command("mtp")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "-k",
+    "ks",
+    type=int,
+    multiple=True,
+    default=[1, 2, 3],
+    show_default=True,
+    help="draft lengths to measure",
+)
+@click.option("--prompts", type=int, default=8, show_default=True)
+@click.option("--prompt-tokens", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--llama-server",
+    "llama_url",
+    help="URL of a llama-server running the GGUF twin "
+    "with --spec-type draft-mtp: its acceptance on the same prompts is reported",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
+    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
+    bundle = load(model)
+    spec = CacheSpec.for_model(model, kv, rotation)
+    mtp = bundle.mtp()
+    ps = held_out_prompts(bundle.tokenizer, prompts, prompt_tokens)
+    rows = []
+    for k in ks:
+        if not 1 <= k <= 3:
+            raise MacserveError(f"-k must be 1..3, not {k}")
+        rows.append(mtp_bench.run(bundle.model, mtp, ps, k, tokens, lambda: bundle.caches(spec)))
+    if llama_url:
+        texts = [bundle.tokenizer.decode(p) for p in ps]
+        ref = mtp_bench.llama_server_acceptance(llama_url, texts, tokens)
+        for r in rows:
+            r["llama_server"] = ref
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        acc = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
+        click.echo(
+            f"k={r['k']}: acceptance per position [{acc}], plain {r['tokens_per_s_plain']:.1f} "
+            f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
+            f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}"
+        )
+    if llama_url:
+        ref = rows[0]["llama_server"]
+        click.echo(
+            f"llama-server draft-mtp on the same prompts: {ref['draft_n_accepted']}/"
+            f"{ref['draft_n']} accepted"
+        )
+
+
+def _user_messages(n: int, chars: int = 80) -> list[str]:
+    """Chat messages from the demo model's held-out plays: consecutive speeches joined and cut
+    to `chars` characters (the demo tokenizer spends about a token per character, so a
+    10-turn chat with answers of up to 32 tokens reaches a ~700-token history)."""
+    out, cur = [], ""
+    for sp in tiny_data.speeches(tiny_data.held_out_text()):
+        cur = f"{cur}\n{sp}" if cur else sp
+        if len(cur) >= chars:
+            out.append(cur[:chars])
+            cur = ""
+            if len(out) == n:
+                break
+    return out
+
+
+@click.command("serve")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--turns", type=click.IntRange(2), default=10, show_default=True)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="each: a chat, one client, then the concurrent clients, on every server in turn; "
+    "medians are reported",
+)
+@click.option("--answer-tokens", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--clients", type=click.IntRange(2), default=8, show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=3, show_default=True, help="per client")
+@click.option(
+    "--load-tokens",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="max_tokens of each load request",
+)
+@click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
+@click.option(
+    "--restart-rounds",
+    type=click.IntRange(0),
+    default=3,
+    show_default=True,
+    help="rounds of the restart scenario (a long turn, a server restart, the follow-up from "
+    "the disk cache); 0 skips it",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_serve(
+    model,
+    turns,
+    rounds,
+    answer_tokens,
+    clients,
+    requests,
+    load_tokens,
+    logs,
+    restart_rounds,
+    as_json,
+):
+    """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
+    HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
+    clients; ratios against mlx_lm.server."""
+    plan = serve_bench.Plan(
+        Path(model).resolve(),
+        (),
+        turns=turns,
+        rounds=rounds,
+        answer_tokens=answer_tokens,
+        clients=clients,
+        requests=requests,
+        load_tokens=load_tokens,
+        log_dir=Path(logs).resolve() if logs else None,
+        restart_rounds=restart_rounds,
+    )
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+    lines = _user_messages(serve_bench.needed_lines(plan))
+    plan = serve_bench.Plan(**{**plan.__dict__, "lines": tuple(lines)})
+    res = serve_bench.run(plan, progress=lambda m: click.echo(f"... {m}", err=True))
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    for name, r in res["servers"].items():
+        c, one, many = r["chat"], r["load_1_client"], r[f"load_{clients}_clients"]
+        click.echo(
+            f"{name}: chat TTFT per turn {', '.join(f'{t * 1000:.0f}' for t in c['ttft_per_turn_s'])} ms; "
+            f"last turn ({c['last_turn_prompt_tokens']} prompt tokens) {c['last_turn_ttft_s'] * 1000:.0f} ms "
+            f"vs {c['same_history_cold_ttft_s'] * 1000:.0f} ms cold ({c['warm_over_cold']:.2f}x); "
+            f"1 client {one['tokens_per_s']:.1f} tok/s, {clients} clients {many['tokens_per_s']:.1f} "
+            f"tok/s ({r['concurrency_speedup']:.2f}x), p50 {many['latency_p50_s']:.2f} s, "
+            f"p95 {many['latency_p95_s']:.2f} s, refused {many['refused']}"
+        )
+    for name, q in res["vs_mlx_lm_server"].items():
+        click.echo(
+            f"{name} / mlx_lm.server: last-turn TTFT {q['follow_up_ttft']:.2f}x "
+            f"(every follow-up turn {q['follow_up_ttft_mean']:.2f}x), "
+            f"{clients}-client tokens/s {q[f'tokens_per_s_{clients}_clients']:.2f}x, "
+            f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
+        )
+    for name, r in res.get("restart", {}).items():
+        click.echo(
+            f"{name} restart: follow-up ({r['followup_prompt_tokens']} prompt tokens) after a "
+            f"restart {r['restart_followup_ttft_s'] * 1000:.0f} ms (disk, "
+            f"{r['restart_followup_ttft_ratio']:.2f}x cold), warm "
+            f"{r['warm_followup_ttft_s'] * 1000:.0f} ms (memory, {r['warm_followup_ttft_ratio']:.2f}x), "
+            f"cold {r['cold_ttft_s'] * 1000:.0f} ms; tokens reused {r['tokens_reused_per_tier']}"
+        )

@@ -1,0 +1,175 @@
+"""`bench engine`: the INT2 cache against mlx-lm's bf16 cache at real width, on a model folder
+or a synthetic model with random weights (docs/int2-latent-cache.md), and its printed report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .. import env
+from ..engine.bench import engine as engine_bench
+from ..engine.bench import mtp as mtp_bench
+from ..engine.model import load
+from ..errors import MacserveError
+from .engine import held_out_prompts
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated token counts", param_hint=what) from None
+
+
+@click.command("engine")
+@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--synthetic",
+    type=click.Choice(["deepseek-v3", "deepseek-v3.2"]),
+    help="a real-width model with random weights, made now (no MODEL needed)",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    help="trunk layers of the synthetic model",
+)
+@click.option("--prefill-contexts", default="8192,32768", show_default=True)
+@click.option("--held-contexts", default="1024,4096,32768", show_default=True)
+@click.option("--decode-contexts", default="4096,32768", show_default=True)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(2),
+    default=2048,
+    show_default=True,
+    help="the chunk compared against single steps",
+)
+@click.option(
+    "--bf16-chunk-tokens",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="also compare a chunk of this many tokens with single steps with the model in bf16 "
+    "(only where the engine computes in float32, a CPU; slow there)",
+)
+@click.option(
+    "--acceptance",
+    type=click.FloatRange(0, 1),
+    help="MTP acceptance for the projection [default: measured on the demo model]",
+)
+@click.option("--json", "as_json", is_flag=True)
+def bench_engine(
+    model,
+    synthetic,
+    layers,
+    prefill_contexts,
+    held_contexts,
+    decode_contexts,
+    chunk_tokens,
+    bf16_chunk_tokens,
+    acceptance,
+    as_json,
+):
+    """The INT2 cache against mlx-lm's bf16 cache at real width: conversions, prefill memory,
+    held bytes, chunk vs steps, decode speed, MTP costs (docs/int2-latent-cache.md)."""
+    if (model is None) == (synthetic is None):
+        raise MacserveError("give a MODEL folder or --synthetic deepseek-v3")
+    contexts = {
+        "prefill": _ints(prefill_contexts, "--prefill-contexts"),
+        "held": _ints(held_contexts, "--held-contexts"),
+        "decode": _ints(decode_contexts, "--decode-contexts"),
+    }
+    if acceptance is None:
+        acceptance = _demo_acceptance()
+    setup = (
+        engine_bench.setup_synthetic(synthetic, layers)
+        if synthetic
+        else engine_bench.setup_folder(model)
+    )
+    res = engine_bench.run(
+        setup,
+        contexts,
+        acceptance,
+        chunk_tokens,
+        progress=lambda m: click.echo(f"... {m}", err=True),
+        bf16_chunk_tokens=bf16_chunk_tokens,
+    )
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    _print_engine(res)
+
+
+def _gb(b):
+    return "n/a" if b is None else f"{b / 2**30:.2f} GB"
+
+
+def _print_engine(r: dict) -> None:
+    click.echo(f"{r['model']}, computing in {r['dtype']}")
+    up = r["upcasts"]
+    click.echo(
+        f"conversions a bf16 decode step's attention adds reading its cache: "
+        f"int2 {up['attention_read']['int2']}, bf16 {up['attention_read']['bf16']} "
+        f"(whole step: {up['whole_step']['int2']} / {up['whole_step']['bf16']}; "
+        f"logits {up['logits_dtype']['int2']})"
+    )
+    click.echo(
+        f"{'context':>8} {'int2 peak':>10} {'bf16 peak':>10} {'int2 transient':>15} "
+        f"{'bf16 transient':>15}  (last 2,048-token prefill chunk)"
+    )
+    for n, peak in r["prefill_peak_bytes"].items():
+        tr = r["prefill_transient_bytes"][n]
+        bf = (
+            _gb(peak["bf16"])
+            if peak["bf16"] is not None
+            else f">{_gb(r['bf16_prefill_transient_lower_bound'][n])}*"
+        )
+        click.echo(
+            f"{int(n):>8,} {_gb(peak['int2']):>10} {bf:>10} {_gb(tr['int2']):>15} "
+            f"{_gb(tr['bf16']):>15}"
+        )
+    click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
+    held = r["held_bytes_per_token_per_layer"]
+    click.echo(
+        "held bytes per token per layer: "
+        + ", ".join(
+            f"{int(n):,}: int2 {v['int2']:.0f} / bf16 {v['bf16']:.0f}" for n, v in held.items()
+        )
+    )
+    cs = r["chunk_vs_steps_max_logit_diff"]
+    click.echo(
+        f"chunk vs single steps, max |log-prob diff|: int2 {cs['int2']:.3g}, "
+        f"bf16 {cs['bf16']:.3g}, bf16-stored latent {cs['bf16_latent']:.3g}"
+    )
+    if "chunk_vs_steps_bf16_model" in r:
+        cb = r["chunk_vs_steps_bf16_model"]
+        click.echo(
+            f"the same, model in bf16: int2 {cb['int2']:.3g}, bf16 {cb['bf16']:.3g}, "
+            f"bf16-stored latent {cb['bf16_latent']:.3g}"
+        )
+    click.echo(
+        "decode tok/s: "
+        + ", ".join(
+            f"{int(n):,}: int2 {v['int2']:.2f} / bf16 {v['bf16']:.2f} ({v['int2'] / v['bf16']:.2f}x)"
+            for n, v in r["decode_tok_s"].items()
+        )
+    )
+    m = r["mtp"]
+    if "verify_cost_ratio" in m:
+        click.echo(
+            f"MTP: verify 2 tokens / 1 = {m['verify_cost_ratio']:.2f}, MTP layer / trunk "
+            f"layer = {m['mtp_layer_cost_ratio']:.2f}, acceptance {m['acceptance']}, "
+            f"projected k=1 speedup for {m['trunk_layers']} layers: "
+            f"{m.get('projected_speedup_k1', float('nan')):.2f}x"
+        )
+
+
+def _demo_acceptance() -> float:
+    """MTP k=1 acceptance on the demo model's held-out text (greedy, 8 prompts)."""
+    bundle = load(env.DEMO_MODEL)
+    ps = held_out_prompts(bundle.tokenizer, 8, 64)
+    row = mtp_bench.run(bundle.model, bundle.mtp(), ps, 1, 64, lambda: bundle.caches())
+    return row["acceptance_per_position"][0]
