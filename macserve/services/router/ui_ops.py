@@ -54,7 +54,9 @@ async def overview(pool: Pool) -> dict:
                 "port": p.port,
                 "ctx": p.ctx or fp.ctx,
                 "ctx_set": p.ctx is not None,
-                "kv": p.kv or fp.cache_key,
+                # The provider's own name for its default cache (what `KV=` takes), not
+                # inspect's key for it ("mlx/bf16").
+                "kv": p.kv or _own_name(m.provider, fp.cache_key),
                 "kv_set": p.kv is not None,
                 "kv_choices": list(m.provider.cache_types),
                 "weights": fp.weights_bytes,
@@ -202,3 +204,9 @@ def _masked(lines: list[str], st: ProfileStore, name: str) -> list[str]:
     for s in secrets:
         lines = [ln.replace(s, "***") for ln in lines]
     return lines
+
+
+def _own_name(provider, cache_key: str | None) -> str | None:
+    """The provider's name (KV=...) of the cache inspect counts as `cache_key`."""
+    names = [k for k, v in provider.cache_types.items() if v == cache_key]
+    return f"default ({names[0]})" if names else cache_key
