@@ -29,6 +29,7 @@ import httpx
 import psutil
 import pytest
 
+from macserve.services.supervisors import get_backend
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
 from .fakehub import FakeHub
@@ -123,6 +124,18 @@ def cli(*args, timeout=300):
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def state(name) -> str:
+    """The supervisor's word (read here: a CLI run takes about as long as a short TTL)."""
+    return get_backend().status(name).state
+
+
+def supervisord_pid(home) -> int | None:
+    try:
+        return int((home / "supervisor" / "supervisord.pid").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def status(name) -> dict:

@@ -187,7 +187,7 @@ def completion(port, **body) -> str:
 def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # noqa: F811
     """macserve's own engine under mlx.launch: rank 0 answers HTTP, both ranks generate in
     lockstep (pipeline); the INT2 cache and MTP drafting run on each rank's layers."""
-    from .test_services_e2e import TINY_MODEL
+    from .conftest import TINY_MODEL
 
     single, multi = free_port(), free_port()
     engine = [

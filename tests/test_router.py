@@ -21,18 +21,13 @@ import pytest
 
 from macserve.services import manager, providers
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import get_backend, spec_for
+from macserve.services.supervisors import spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
 from macserve.sizing.budget import machine_budget
 
 from .conftest import REPO, TINY_MODEL
-from .fixtures import DOMAIN, cli, free_port, poll, router_process
+from .fixtures import DOMAIN, cli, free_port, poll, router_process, state
 from .serverproc import serve
-
-
-def state(name) -> str:
-    """The supervisor's word (read here: a CLI run takes about as long as a short TTL)."""
-    return get_backend().status(name).state
 
 
 def listing(url, key=None) -> dict:

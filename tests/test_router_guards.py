@@ -7,8 +7,7 @@ no traceback in the log. Nothing here starts a model: each refusal comes first.
 import httpx
 
 from .conftest import TINY_MODEL
-from .test_router import router_process, state
-from .test_services_e2e import cli, free_port, services  # noqa: F401  (the fixture)
+from .fixtures import cli, free_port, router_process, state
 
 
 def _tiny_with_key():

@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from .conftest import REPO, TINY_MODEL
-from .test_router import router_process, state
-from .test_services_e2e import cli, free_port, services  # noqa: F401  (the fixture)
+from .fixtures import cli, free_port, router_process, state
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import (  # noqa: E402

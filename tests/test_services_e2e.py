@@ -16,7 +16,7 @@ import httpx
 import psutil
 
 from .conftest import REPO, TINY_MODEL
-from .fixtures import cli, free_port, poll, status
+from .fixtures import cli, free_port, poll, status, supervisord_pid
 
 
 def n_ctx(port) -> int:
@@ -41,13 +41,6 @@ def set_interrupted(sig, *assignments) -> subprocess.CompletedProcess:
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     return subprocess.CompletedProcess(p.args, p.returncode, out, first + err)
-
-
-def supervisord_pid(home) -> int | None:
-    try:
-        return int((home / "supervisor" / "supervisord.pid").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macserve_home):

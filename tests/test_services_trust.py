@@ -17,8 +17,8 @@ import time
 import httpx
 import psutil
 
-from .serverproc import free_port
-from .test_services_e2e import REPO, cli, model_gguf, poll, services, status  # noqa: F401
+from .conftest import REPO
+from .fixtures import cli, free_port, poll, status, supervisord_pid
 
 
 def one_line_error(r) -> str:
@@ -306,7 +306,6 @@ def test_sigkill_of_set_at_each_point_then_ls(llama_server, model_gguf, services
 
 
 def test_supervisord_stopped_then_killed(llama_server, model_gguf, services, macserve_home):
-    from .test_services_e2e import supervisord_pid
 
     new_tiny(model_gguf)
     pid = healthy_pid("tiny", services)
