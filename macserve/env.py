@@ -11,6 +11,7 @@ temporary folder with monkeypatch and the next call sees it.
     MACSERVE_SERVICE_BACKEND    launchd | supervisor (default: launchd on macOS)
     MACSERVE_LAUNCHCTL          the launchctl program (tests: a recording stand-in)
     MACSERVE_LAUNCH_AGENTS      where plists go (~/Library/LaunchAgents)
+    MACSERVE_LAUNCH_DAEMONS     where SYSTEM=1 plists go (/Library/LaunchDaemons)
     MACSERVE_LAUNCHD_DOMAIN     launchd domain (default: gui/<uid>, or user/<uid> in an SSH
                                 session when this user does not own the console)
     MACSERVE_ROTATE_LOGS        set in the plist only: the log `macserve run` rotates (at start,
@@ -68,6 +69,7 @@ SERVICE_SETTINGS = (
     "MACSERVE_SERVICE_BACKEND",
     "MACSERVE_LAUNCHCTL",
     "MACSERVE_LAUNCH_AGENTS",
+    "MACSERVE_LAUNCH_DAEMONS",
     "MACSERVE_LAUNCHD_DOMAIN",
 )
 
@@ -111,6 +113,10 @@ def launchctl() -> str | None:
 
 def launch_agents() -> Path:
     return Path(_get("MACSERVE_LAUNCH_AGENTS") or Path.home() / "Library" / "LaunchAgents")
+
+
+def launch_daemons() -> Path:
+    return Path(_get("MACSERVE_LAUNCH_DAEMONS") or "/Library/LaunchDaemons")
 
 
 def launchd_domain() -> str | None:

@@ -307,26 +307,31 @@ STAND_IN = textwrap.dedent("""\
     def save():
         json.dump(state, open(state_file, "w"))
     def job(target):
-        dom, _, label = target.rpartition("/")
-        j = state.get(label)
-        return label, (j if j and j["domain"] == dom else None)
-    SESSION = {{"gui": "Aqua", "user": "Background"}}
+        return target, state.get(target)
+    # a job is one (domain, label): launchd loads the same label into two domains, not twice
+    # into one; the system domain takes no session type, and only root may change it
+    SESSION = {{"gui": "Aqua", "user": "Background", "system": None}}
     verb = args[0]
+    if verb in ("bootstrap", "bootout", "kill", "enable", "disable", "kickstart") and \
+            args[-1 if verb != "bootstrap" else 1].split("/")[0] == "system" and os.geteuid():
+        print(f"{{verb}} failed: 1: Operation not permitted", file=sys.stderr); sys.exit(1)
+    if os.environ.get("FAKE_LAUNCHCTL_HANG"):
+        import time; time.sleep(3600)
     if verb == "bootstrap":
         d = plistlib.load(open(args[2], "rb"))
-        label = d["Label"]
-        if label in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
+        target = args[1] + "/" + d["Label"]
+        if target in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
             print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
         pid = state.get("_pid", 4242)
         state["_pid"] = pid + 1
-        state[label] = {{"domain": args[1], "pid": pid, "runs": 1, "state": "running"}}; save()
+        state[target] = {{"pid": pid, "runs": 1, "state": "running"}}; save()
     elif verb == "bootout":
-        label, j = job(args[1])
+        target, j = job(args[1])
         if j is None:
             print("Boot-out failed: 3: No such process", file=sys.stderr); sys.exit(3)
-        del state[label]; save()
+        del state[target]; save()
     elif verb == "kill":
-        label, j = job(args[2])
+        target, j = job(args[2])
         if j is None:
             sys.exit(113)
         if args[1] == "SIGKILL" or not os.environ.get("FAKE_LAUNCHCTL_IGNORE_TERM"):
@@ -334,15 +339,16 @@ STAND_IN = textwrap.dedent("""\
                      signal={{"SIGTERM": "Terminated: 15", "SIGKILL": "Killed: 9"}}[args[1]])
             save()
     elif verb == "kickstart":
-        label, j = job(args[-1])
+        target, j = job(args[-1])
         if j is None:
             print("Could not find service", file=sys.stderr); sys.exit(113)
     elif verb == "print":
-        label, j = job(args[1])
+        target, j = job(args[1])
         if j is None:
-            print(f"Could not find service \\"{{label}}\\" in domain for user gui: {uid}", file=sys.stderr)
+            print(f"Could not find service \\"{{target}}\\"", file=sys.stderr)
             sys.exit(113)
-        lines = ["active count = 1", "path = /x.plist", "type = LaunchAgent",
+        kind = "LaunchDaemon" if target.startswith("system/") else "LaunchAgent"
+        lines = ["active count = 1", "path = /x.plist", f"type = {{kind}}",
                  f"state = {{j['state']}}", "", "program = /usr/bin/python3",
                  "arguments = {{", "\\tpython3", "}}", "", f"runs = {{j['runs']}}"]
         if j.get("pid"):

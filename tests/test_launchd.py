@@ -22,6 +22,13 @@ from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, r
 from .conftest import REPO
 from .fixtures import DOMAIN, UID
 
+USER_DOMAIN = f"user/{UID}"
+
+
+def _probe(name="big", uid=UID):
+    """`copies`: one print per domain a copy of the unit may be loaded in."""
+    return [["print", f"{d}/dev.macserve.{name}"] for d in (f"gui/{uid}", f"user/{uid}", "system")]
+
 
 def _profile(name="big", provider="llama.cpp", model="/models/big.gguf"):
     return Profile(
@@ -115,8 +122,7 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     p = _profile()
     # a graceful stop: SIGTERM, wait until the process is gone, then bootout and wait until
     # launchd forgets the job (never `kickstart -k`, which is SIGKILL at once)
-    graceful = [
-        ["print", target],
+    graceful = _probe() + [
         ["kill", "SIGTERM", target],
         ["print", target],
         ["bootout", target],
@@ -127,7 +133,7 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     # install: write the plist, enable (a disabled job refuses to bootstrap), bootstrap
     b.apply(_spec(p))
     assert plist.exists() and oct(plist.stat().st_mode & 0o777) == "0o644"
-    assert launchctl() == [["print", target]] + fresh
+    assert launchctl() == _probe() + fresh
     st = b.status("big")
     assert (st.state, st.pid, st.runs, st.died) == ("running", 4242, 1, False)
     launchctl()
@@ -155,7 +161,7 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
 
     # start again: enable + bootstrap
     b.start("big")
-    assert launchctl() == [["print", target]] + fresh
+    assert launchctl() == _probe() + fresh
 
     # remove: graceful, bootout, delete the plist
     b.uninstall("big")
@@ -194,8 +200,7 @@ def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, m
     plist = tmp_path / "LaunchAgents" / "dev.macserve.big.plist"
     b.apply(_spec(_profile()))
     user = f"user/{UID}/dev.macserve.big"
-    assert launchctl() == [
-        ["print", user],
+    assert launchctl() == _probe() + [
         ["enable", user],
         ["bootstrap", f"user/{UID}", str(plist)],
     ]
@@ -207,8 +212,7 @@ def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, m
     launchctl()
     b.apply(_spec(_profile()))  # restarted from the GUI: out of user/, into gui/
     gui = f"{DOMAIN}/dev.macserve.big"
-    assert launchctl() == [
-        ["print", user],
+    assert launchctl() == _probe() + [
         ["kill", "SIGTERM", user],
         ["print", user],
         ["bootout", user],
@@ -227,7 +231,8 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     ProfileStore().save(p)
     b.apply(_spec(p))
     state = json.loads(launchctl.state.read_text())
-    state["dev.macserve.big"].update(state="not running", pid=None, signal="Killed: 9")
+    job = state[f"{DOMAIN}/dev.macserve.big"]
+    job.update(state="not running", pid=None, signal="Killed: 9")
     launchctl.state.write_text(json.dumps(state))
     st = b.status("big")
     assert (st.state, st.died, st.signal, st.exit_code) == ("exited", True, "Killed: 9", None)
@@ -236,7 +241,7 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     assert (
         why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
     )
-    state["dev.macserve.big"].update(signal=None, exit=1)
+    job.update(signal=None, exit=1)
     launchctl.state.write_text(json.dumps(state))
     assert manager.wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
 
@@ -258,8 +263,7 @@ def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
     r = CliRunner().invoke(main, ["rm", "big"])
     assert r.exit_code == 0, r.stderr
     target = f"{DOMAIN}/dev.macserve.big"
-    assert launchctl() == [
-        ["print", target],
+    assert launchctl() == _probe() + [
         ["kill", "SIGTERM", target],
         ["print", target],
         ["bootout", target],
@@ -282,11 +286,17 @@ def test_checked_in_plists_are_the_codes(monkeypatch, tmp_path):
     render_plist with placeholder paths: the same bytes on any machine, and valid plists."""
     folder = REPO / "launchd"
     assert launchd_files.stale(REPO) == [], "run: macserve dev launchd-plists"
-    names = sorted(p.name for p in folder.glob("*.plist"))
-    assert names == ["dev.macserve.router.plist", "dev.macserve.tiny-mla.plist"]
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.plist"))
+    assert names == [
+        "LaunchDaemons/dev.macserve.router.plist",
+        "LaunchDaemons/dev.macserve.tiny-mla.plist",
+        "dev.macserve.router.plist",
+        "dev.macserve.tiny-mla.plist",
+    ]
     for n in names:
         d = plistlib.loads((folder / n).read_bytes())
-        assert n == d["Label"] + ".plist"
+        assert n.split("/")[-1] == d["Label"] + ".plist"
+        assert ("UserName" in d) == n.startswith("LaunchDaemons/")
         assert d["ProgramArguments"][-2:] == ["run", d["Label"].removeprefix("dev.macserve.")]
         assert not any(k in d["EnvironmentVariables"] for k in ("API_KEY", "MACSERVE_API_KEY"))
         assert str(tmp_path) not in (folder / n).read_text()
@@ -346,6 +356,7 @@ def test_launchd_plists_command_writes_and_checks(tmp_path):
     assert run().exit_code == 0
     assert run("--check").exit_code == 0
     assert sorted(p.name for p in (tmp_path / "launchd").iterdir()) == [
+        "LaunchDaemons",
         "README.md",
         "dev.macserve.router.plist",
         "dev.macserve.tiny-mla.plist",

@@ -110,6 +110,7 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
         "q8_0",
         "--alias",
         "my model",
+        "--metrics",  # the router passes /metrics/{profile} through
     ]
     assert prov.health_url(p) == "http://127.0.0.1:9000/health"
     prov.check_args(p)

@@ -81,6 +81,7 @@ KEYS = (
     "PARALLEL",
     "TTL",
     "ALIASES",
+    "SYSTEM",
 )
 # Read by the router only: changing them restarts nothing.
 ROUTER_KEYS = ("TTL", "ALIASES")
@@ -158,6 +159,7 @@ class Profile:
     )  # seconds idle before the router stops it; None: its default
     always_on: bool = field(init=False)  # TTL=never: the router never stops it
     aliases: tuple[str, ...] = field(init=False)  # more names the router routes here
+    system: bool = field(init=False)  # SYSTEM=1: a LaunchDaemon (boot, no login), on macOS
 
     def __post_init__(self):
         v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
@@ -242,6 +244,9 @@ class Profile:
         if len(set(aliases)) != len(aliases) or self.name in aliases:
             raise MacserveError(f"ALIASES {v['ALIASES']!r} names a model twice")
         set_(self, "aliases", aliases)
+        if v.get("SYSTEM", "0") not in ("0", "1"):
+            raise MacserveError(f"bad SYSTEM {v['SYSTEM']!r}: expected 1 (a LaunchDaemon) or 0")
+        set_(self, "system", v.get("SYSTEM") == "1")
 
     @property
     def multi_host(self) -> bool:

@@ -138,7 +138,8 @@ class LlamaCpp(BaseProvider):
         raise MacserveError(f"MODEL {profile.model!r} is neither a file nor owner/repo[:QUANT]")
 
     def argv(self, profile: Profile) -> list[str]:
-        argv = super().argv(profile)
+        # --metrics: llama-server's Prometheus /metrics, which the router passes through
+        argv = super().argv(profile) + ["--metrics"]
         workers = rpc_workers(profile)
         if workers:
             argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]

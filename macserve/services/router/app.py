@@ -1,6 +1,9 @@
 """The router's HTTP side: one OpenAI- and Anthropic-compatible endpoint for every profile.
 
     GET  /health                 the router's own: 200 {"status": "ok", "models": N}
+    GET  /metrics                the router's Prometheus counters (prom.py)
+    GET  /metrics/{profile}      that profile's server's /metrics, passed through; 503 if
+                                 it is not running (a scrape starts nothing)
     GET  /v1/models              every profile: state (running, starting, stopping, stopped),
                                  footprint, TTL, aliases; OpenAI's and Anthropic's list fields
     GET  /v1/models/{id}         one of them (a profile name or an alias), or 404
@@ -44,7 +47,7 @@ from ...web import anthropic_api, dialects, guards, jsonbody
 from ...web.body import read_body
 from ...web.errors import HttpError
 from .. import providers
-from . import ui
+from . import prom, ui
 from .metrics import Meter, Metrics
 from .pool import Lease, Model, Pool, RouteError, Settings, size
 
@@ -122,6 +125,28 @@ class Router:
             )
 
     # ---- listing -------------------------------------------------------------------------------
+
+    async def prometheus(self, request: Request) -> Response:
+        """The router's own counters (services/router/prom.py)."""
+        return Response(self.pool.prom.render(), media_type=prom.CONTENT_TYPE)
+
+    async def profile_metrics(self, request: Request) -> Response:
+        """A profile's server's own /metrics, passed through; never starts a stopped one."""
+        self.pool.refresh()
+        try:
+            m = self.pool.resolve(request.path_params["profile"])
+            if self.pool.state_of(m) != "running":
+                raise RouteError(503, f"model {m.name} is not running", "unavailable_error")
+            headers = [("authorization", f"Bearer {m.api_key}")] if m.api_key else []
+            url = providers.base_url(m.profile) + "/metrics"
+            r = await self.http.get(url, headers=headers, timeout=10.0)
+        except RouteError as e:
+            return dialects.error_response(e, request.url.path)
+        except httpx.HTTPError as e:
+            e = RouteError(502, f"model {m.name}: /metrics: {e}", "server_error")
+            return dialects.error_response(e, request.url.path)
+        ctype = r.headers.get("content-type", prom.CONTENT_TYPE)
+        return Response(r.content, status_code=r.status_code, media_type=ctype)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(self.pool.models)})
@@ -414,6 +439,8 @@ def create_app(settings: Settings):
     app = Starlette(
         routes=[
             Route("/health", router.health),
+            Route("/metrics", router.prometheus),
+            Route("/metrics/{profile:path}", router.profile_metrics),
             Route("/v1/models", router.models),
             Route("/v1/models/{model_id:path}", router.model),
             Route("/v1/{rest:path}", router.forward, methods=["POST"]),

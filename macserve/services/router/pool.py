@@ -45,6 +45,7 @@ from ..supervisors import Status
 # Model and Settings live in model.py; app.py and cli/router.py still name them (and size,
 # DEFAULT_START_TIMEOUT) here.
 from .model import DEFAULT_START_TIMEOUT, Model, Settings, size  # noqa: F401
+from .prom import RouterMetrics
 
 log = logging.getLogger("macserve.router")
 
@@ -96,6 +97,7 @@ class Pool:
         self._admission: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
         self._published: str | None = None
+        self.prom = RouterMetrics(self)
 
     # ---- the profiles --------------------------------------------------------------------------
 
@@ -238,6 +240,7 @@ class Pool:
             out = await asyncio.to_thread(fn, m.name, timeout=timeout)
         except MacserveError as e:
             m.error = str(e)
+            self.prom.failed(m.name)
             log.error("%s did not start: %s", m.name, e)
             # Leave no crash loop (nor its memory) behind: the next request starts it afresh.
             with contextlib.suppress(MacserveError):
@@ -249,6 +252,7 @@ class Pool:
             self.pulse()
         m.ready_pid, m.state = out.pid, "running"
         m.last_used, m.error = time.monotonic(), None
+        self.prom.started(m.name, time.monotonic() - t0)
         log.info("%s ready in %.1fs (pid %s)", m.name, time.monotonic() - t0, out.pid)
 
     # ---- the budget -----------------------------------------------------------------------------
@@ -318,6 +322,7 @@ class Pool:
                         v,
                         f"evicted, least recently used: {m.name} needs {size(need)}, "
                         f"{size(used)} of {size(budget)} in use",
+                        "evicted",
                     )
                     freed += b
                 if victims:
@@ -338,9 +343,10 @@ class Pool:
 
     # ---- stop -----------------------------------------------------------------------------------
 
-    async def stop(self, m: Model, why: str) -> None:
+    async def stop(self, m: Model, why: str, reason: str = "other") -> None:
         if m.stop_task is None:
             log.info("stopping %s: %s", m.name, why)
+            self.prom.stopped(m.name, reason)
             task = asyncio.ensure_future(asyncio.to_thread(self.backend.stop, m.name))
             m.stop_task = task
             task.add_done_callback(lambda t: _clear(m, "stop_task", t))
@@ -374,7 +380,7 @@ class Pool:
             ttl = m.ttl(self.settings.ttl)
             idle = m.idle(now)
             if ttl is not None and idle is not None and idle > ttl and self._evictable(m):
-                stops.append(self.stop(m, f"idle {idle:.1f}s, past its TTL of {ttl:g}s"))
+                stops.append(self.stop(m, f"idle {idle:.1f}s, past its TTL of {ttl:g}s", "ttl"))
         if stops:
             await asyncio.gather(*stops)  # side by side: each waits for its process to exit
         await self._trim()
@@ -400,7 +406,9 @@ class Pool:
             if used <= budget:
                 break
             await self.stop(
-                v, f"over the memory budget ({size(used)} of {size(budget)}), least recently used"
+                v,
+                f"over the memory budget ({size(used)} of {size(budget)}), least recently used",
+                "over_budget",
             )
             used -= b
 

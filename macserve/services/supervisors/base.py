@@ -46,6 +46,7 @@ class ServiceSpec:
     env: dict[str, str]
     log: Path
     workdir: Path
+    system: bool = False  # the profile's SYSTEM=1: launchd installs a LaunchDaemon
 
 
 @dataclass
@@ -131,5 +132,10 @@ def spec_for(profile: Profile, provider_env: dict[str, str]) -> ServiceSpec:
     variables.update(env.passthrough())
     variables.update(provider_env)
     return ServiceSpec(
-        profile.name, run_argv(profile.name), variables, log_path(profile.name), env.home()
+        profile.name,
+        run_argv(profile.name),
+        variables,
+        log_path(profile.name),
+        env.home(),
+        profile.system,
     )

@@ -1,6 +1,7 @@
 """The plists checked in under the repository's `launchd/` folder: what macserve installs for
 the demo profile (`profiles/tiny-mla.env`) and for the router, so a Mac user can read the unit
-before installing one. `macserve dev launchd-plists` writes them; with `--check` it fails when
+before installing one: as LaunchAgents in `launchd/`, and with SYSTEM=1 as LaunchDaemons in
+`launchd/LaunchDaemons/`. `macserve dev launchd-plists` writes them; with `--check` it fails when
 the files differ from what the code renders (tests/test_launchd.py runs the same check).
 
 They are rendered by the installer's own path, `spec_for` then `launchd.render_plist`, with the
@@ -12,6 +13,7 @@ the installing shell (env.PASSTHROUGH, env.SERVICE_SETTINGS) are left out for th
 from __future__ import annotations
 
 import os
+import pwd
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +24,7 @@ from .. import providers
 from ..profiles import Profile, parse
 from ..providers.router import DEFAULT_PORT as ROUTER_PORT
 from .base import SYSTEM_PATH, ServiceSpec, spec_for
-from .launchd import label, render_plist
+from .launchd import SYSTEM, label, render_plist
 
 # A user "you" on a Mac, macserve checked out in ~/macserve with a venv inside it.
 USER_HOME = "/Users/you"
@@ -31,6 +33,9 @@ REPO = f"{USER_HOME}/macserve"
 PYTHON = f"{REPO}/.venv/bin/python3"
 # The gui domain of the first user on a Mac; only its session type (Aqua) reaches the plist.
 DOMAIN = "gui/501"
+# A LaunchDaemon's UserName (MACSERVE_HOME's owner), as macOS makes the first user.
+USER = pwd.struct_passwd(("you", "*", 501, 20, "You", USER_HOME, "/bin/zsh"))
+DAEMONS = "LaunchDaemons"  # launchd/'s subfolder for the SYSTEM=1 form
 DEMO_PROFILE = "tiny-mla"
 ROUTER_PROFILE = "router"
 FROM_SHELL = frozenset(env.PASSTHROUGH) | frozenset(env.SERVICE_SETTINGS)
@@ -64,11 +69,14 @@ def placeholder_spec(spec: ServiceSpec) -> ServiceSpec:
 
 
 def render(repo: Path) -> dict[str, bytes]:
-    """File name -> the plist macserve would install, with placeholders."""
+    """Path under launchd/ -> the plist macserve would install, with placeholders: the agent,
+    and the LaunchDaemon the same profile gets with SYSTEM=1."""
     out = {}
     for p in profiles(repo):
         spec = placeholder_spec(spec_for(p, providers.for_profile(p).env(p)))
         out[f"{label(p.name)}.plist"] = render_plist(spec, DOMAIN)
+        daemon = replace(spec, system=True)
+        out[f"{DAEMONS}/{label(p.name)}.plist"] = render_plist(daemon, SYSTEM, USER)
     return out
 
 
@@ -77,7 +85,7 @@ def stale(repo: Path) -> list[str]:
     code no longer makes)."""
     want = render(repo)
     folder = repo / "launchd"
-    have = {p.name for p in folder.glob("*.plist")}
+    have = {p.relative_to(folder).as_posix() for p in folder.rglob("*.plist")}
     bad = [n for n, data in want.items() if not _same(folder / n, data)]
     return sorted(bad + [n for n in have if n not in want])
 
@@ -89,6 +97,7 @@ def write(repo: Path) -> list[str]:
     want = render(repo)
     for n in changed:
         if n in want:
+            (folder / n).parent.mkdir(exist_ok=True)
             atomic_write(folder / n, want[n], 0o644)
         else:
             (folder / n).unlink()
