@@ -29,6 +29,7 @@ Keys:
               (always on: the router never stops it, not for idleness, not to make room)
   ALIASES     more model names the router sends to this profile, `a,b,...` (letters, digits,
               `.`, `_`, `-`, `:`, `/`)
+  PROMPT_CACHE_DISK  macserve: its prompt cache's disk bound (`20GB` default, `0` off)
 
 Secrets (`set NAME -- API_KEY=...`, `HF_TOKEN=...`) live in `profiles/NAME.secrets`, mode 0600,
 the same KEY=VALUE format; never in the profile, a unit file, argv or a log.
@@ -58,6 +59,7 @@ from pathlib import Path
 from .. import env
 from ..errors import MacserveError
 from ..fileio import atomic_write
+from ..sizing.budget import parse_size
 
 # Provider names a profile may name. The registry in services.providers maps each to a module;
 # the list lives here so profiles never import providers (data flows one way).
@@ -81,6 +83,7 @@ KEYS = (
     "PARALLEL",
     "TTL",
     "ALIASES",
+    "PROMPT_CACHE_DISK",
 )
 # Read by the router only: changing them restarts nothing.
 ROUTER_KEYS = ("TTL", "ALIASES")
@@ -158,6 +161,7 @@ class Profile:
     )  # seconds idle before the router stops it; None: its default
     always_on: bool = field(init=False)  # TTL=never: the router never stops it
     aliases: tuple[str, ...] = field(init=False)  # more names the router routes here
+    prompt_cache_disk: str | None = field(init=False)  # as typed; None: the engine's default
 
     def __post_init__(self):
         v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
@@ -242,6 +246,11 @@ class Profile:
         if len(set(aliases)) != len(aliases) or self.name in aliases:
             raise MacserveError(f"ALIASES {v['ALIASES']!r} names a model twice")
         set_(self, "aliases", aliases)
+        pcd = v.get("PROMPT_CACHE_DISK", "").strip()
+        if pcd and v.get("PROVIDER") != "macserve":
+            raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
+        _ = pcd in ("", "0") or parse_size(pcd)  # a bad size: one line naming it
+        set_(self, "prompt_cache_disk", pcd or None)
 
     @property
     def multi_host(self) -> bool:
