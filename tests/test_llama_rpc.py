@@ -125,7 +125,7 @@ def test_a_worker_over_rpc_serves_the_same_greedy_output(
     assert "restarted, healthy" in r.stdout
     s = status("tiny")
     services.append(s["pid"])
-    assert f"--rpc 127.0.0.1:{wport}" in " ".join(psutil.Process(s["pid"]).cmdline())
+    assert f"--rpc 127.0.0.1:{wport}" in " ".join(psutil.Process(s["pid"]).children()[0].cmdline())
     assert completion(port) == one_host
     assert "accepted client connection" in cli("logs", "w1", "-n", "200").stdout.lower()
 

@@ -60,8 +60,8 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     assert (s["state"], s["healthy"], s["port"]) == ("running", True, port)
     pid1 = s["pid"]
     services.append(pid1)
-    # `macserve run` exec'd the server: the supervised pid *is* llama-server
-    assert psutil.Process(pid1).name() == "llama-server"
+    # `macserve run` stays llama-server's parent (it drains it on a stop: graceful.py)
+    assert [c.name() for c in psutil.Process(pid1).children()] == ["llama-server"]
     assert n_ctx(port) == 1024
 
     # a chat completion answers
@@ -91,7 +91,8 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     services.append(pid2)
     assert pid2 != pid1 and not psutil.pid_exists(pid1)
     assert n_ctx(port) == 512
-    assert "-c 512 -ctk q8_0 -ctv q8_0" in " ".join(psutil.Process(pid2).cmdline())
+    server2 = psutil.Process(pid2).children()[0]
+    assert "-c 512 -ctk q8_0 -ctv q8_0" in " ".join(server2.cmdline())
 
     # kill -9: supervisord brings it back, nobody asks
     os.kill(pid2, signal.SIGKILL)
@@ -224,7 +225,8 @@ def test_api_key_enforced_and_kept_secret(llama_server, model_gguf, services, ma
     ok = httpx.get(models, headers={"Authorization": f"Bearer {key}"}, timeout=10)
     assert ok.status_code == 200
     # given to the server in its environment, under the names it reads
-    environ = open(f"/proc/{s['pid']}/environ", "rb").read().split(b"\0")
+    server = psutil.Process(s["pid"]).children()[0]  # `macserve run`'s child (graceful.py)
+    environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
     assert f"LLAMA_API_KEY={key}".encode() in environ
     assert f"HF_TOKEN={token}".encode() in environ
     secrets = macserve_home / "profiles" / "tiny.secrets"
@@ -383,10 +385,12 @@ def test_launchd_log_rotates_by_size_while_running(llama_server, model_gguf, mac
             if log.with_name("rot.log.2").exists():
                 break
         assert log.with_name("rot.log.2").exists()
-        assert server.poll() is None and psutil.Process(server.pid).name() == "llama-server"
+        # `macserve run` stays llama-server's parent (graceful.py); the watcher beside them
+        assert server.poll() is None
+        assert [c.name() for c in psutil.Process(server.pid).children()] == ["llama-server"]
         assert "macserve run rot:" in log.with_name("rot.log.2").read_text()
         watchers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == run_cmd]
-        assert len(watchers) == 1  # the server replaced `macserve run`; the watcher remains
+        assert len(watchers) == 2  # `macserve run` (the server's parent) and the watcher
     finally:
         server.terminate()
         server.wait(30)

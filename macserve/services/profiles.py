@@ -29,6 +29,7 @@ Keys:
               (always on: the router never stops it, not for idleness, not to make room)
   ALIASES     more model names the router sends to this profile, `a,b,...` (letters, digits,
               `.`, `_`, `-`, `:`, `/`)
+  PROMPT_CACHE_DISK  macserve: its prompt cache's disk bound (`20GB` default, `0` off)
 
 Secrets (`set NAME -- API_KEY=...`, `HF_TOKEN=...`) live in `profiles/NAME.secrets`, mode 0600,
 the same KEY=VALUE format; never in the profile, a unit file, argv or a log.
@@ -58,6 +59,8 @@ from pathlib import Path
 from .. import env
 from ..errors import MacserveError
 from ..fileio import atomic_write
+from ..sizing.budget import parse_size
+from .values import SECRET_KEYS, check_secret, parse_duration  # noqa: F401  (their home before values.py)
 
 # Provider names a profile may name. The registry in services.providers maps each to a module;
 # the list lives here so profiles never import providers (data flows one way).
@@ -82,13 +85,13 @@ KEYS = (
     "TTL",
     "ALIASES",
     "SYSTEM",
+    "PROMPT_CACHE_DISK",
 )
 # Read by the router only: changing them restarts nothing.
 ROUTER_KEYS = ("TTL", "ALIASES")
 REQUIRED = ("PROVIDER", "MODEL", "PORT")
 # Kept out of the profile (which is 0644 and printed by `show`), in NAME.secrets beside it, mode
 # 0600; `macserve run` puts them in the server's environment, never on its command line.
-SECRET_KEYS = ("API_KEY", "HF_TOKEN")
 DEFAULT_HOST = "127.0.0.1"
 BACKENDS = ("rpc", "ring", "jaccl")  # multi-Mac transports: rpc for llama.cpp, the rest mlx
 SHARDINGS = ("pipeline", "tensor")
@@ -100,7 +103,6 @@ _KEY_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 # Model names clients send (`gpt-4o`, `qwen3:32b`, `org/model`): what an alias may be.
 _ALIAS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
-_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
 NEVER = "never"
 MAX_VALUE = 4096  # characters in one value: PATH_MAX on Linux (macOS: 1024)
 
@@ -160,6 +162,7 @@ class Profile:
     always_on: bool = field(init=False)  # TTL=never: the router never stops it
     aliases: tuple[str, ...] = field(init=False)  # more names the router routes here
     system: bool = field(init=False)  # SYSTEM=1: a LaunchDaemon (boot, no login), on macOS
+    prompt_cache_disk: str | None = field(init=False)  # as typed; None: the engine's default
 
     def __post_init__(self):
         v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
@@ -247,6 +250,11 @@ class Profile:
         if v.get("SYSTEM", "0") not in ("0", "1"):
             raise MacserveError(f"bad SYSTEM {v['SYSTEM']!r}: expected 1 (a LaunchDaemon) or 0")
         set_(self, "system", v.get("SYSTEM") == "1")
+        pcd = v.get("PROMPT_CACHE_DISK", "").strip()
+        if pcd and v.get("PROVIDER") != "macserve":
+            raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
+        _ = pcd in ("", "0") or parse_size(pcd)  # a bad size: one line naming it
+        set_(self, "prompt_cache_disk", pcd or None)
 
     @property
     def multi_host(self) -> bool:
@@ -281,32 +289,6 @@ class Profile:
                 out.append(f"{key}={_quote(self.values[key])}")
                 seen.add(key)
         return "\n".join(out).rstrip("\n") + "\n"
-
-
-def parse_duration(text: str, what: str = "duration") -> float:
-    """'90', '90s', '10m', '1h' -> seconds (> 0)."""
-    m = _DURATION_RE.fullmatch(text.strip().lower())
-    if not m or float(m.group(1)) <= 0:
-        raise MacserveError(
-            f"bad {what} {text!r}: expected seconds or a duration like 90s, 10m, 1h"
-            + (" (or never)" if what == "TTL" else "")
-        )
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
-
-
-def check_secret(key: str, value: str) -> None:
-    if key not in SECRET_KEYS:
-        raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
-    at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
-    if not value or at is not None:
-        # An HTTP header carries ASCII only: a key with any other character could never be
-        # sent by a client, so the server would be locked for everyone. (The character itself
-        # is not shown: a secret is never echoed, not even in part.)
-        raise MacserveError(
-            f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
-            if value
-            else f"{key}: empty"
-        )
 
 
 def local_model_path(model: str) -> Path | None:

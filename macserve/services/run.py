@@ -2,7 +2,9 @@
 
 It replaces itself with the server (os.execvpe, no shell, no wrapper process), so the
 supervisor's pid is the server's pid, signals reach it directly and its exit code is the
-service's exit code. Before that:
+service's exit code; except for a server with no graceful stop of its own (llama-server,
+`provider.drains`): that one runs as this process's child, and this process drains it before
+it signals it (graceful.py). Before that:
 
 - secrets (NAME.secrets, 0600) go into the server's environment, never its argv;
 - under a supervisor (MACSERVE_SUPERVISED), a respawn soon after the previous start waits first,
@@ -27,7 +29,7 @@ import psutil
 
 from .. import env
 from ..fileio import atomic_write
-from . import providers
+from . import graceful, providers
 from .profiles import ProfileStore, check_name
 from .supervisors import logs
 
@@ -117,5 +119,11 @@ def exec_profile(name: str) -> None:
     print(f"macserve run {name}: {shlex.join(argv)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if rotate:
-        _watch_log(rotate, psutil.Process())  # this pid: the server once exec'd
+        _watch_log(rotate, psutil.Process())  # this pid: the server once exec'd, or its parent
+    if getattr(provider, "drains", False):
+        # A server with no graceful stop of its own: this process stays its parent and stops
+        # it only once its generations are done (graceful.py).
+        os.environ.update(provider.secret_env(st.load_secrets(name)))  # for its HTTP calls
+        provider.prepare(profile)
+        sys.exit(graceful.run(name, provider, profile, argv, variables))
     os.execvpe(argv[0], argv, variables)

@@ -18,11 +18,22 @@ from ..profiles import Profile, local_model_path
 from .base import BaseProvider, cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
+DEFAULT_PROMPT_CACHE_DISK = "20GB"  # serve's own default
+
+
+def prompt_cache_dir(profile: Profile) -> Path:
+    return env.home() / "state" / profile.name / "prompt-cache"
+
 
 class Engine(BaseProvider):
     name = "macserve"
     label = "macserve serve"
-    reserved = {"--host": "HOST", "--port": "PORT", "--split": "SPLIT"}
+    reserved = {
+        "--host": "HOST",
+        "--port": "PORT",
+        "--split": "SPLIT",
+        "--prompt-cache-disk": "PROMPT_CACHE_DISK",
+    }
     multi_host = True
     formats = ("mlx",)
     ctx_flags = ("--ctx",)
@@ -40,7 +51,16 @@ class Engine(BaseProvider):
         return str(Path(__file__).resolve().parents[2] / "cli" / "serve.py")
 
     def model_args(self, profile: Profile) -> list[str]:
-        return [profile.model]
+        # The prompt cache's disk tier in the profile's own state folder: a planned stop
+        # (`set`, `restart`, the router's) flushes it on SIGTERM and the next start reads it.
+        # Before EXTRA_ARGS, so a --prompt-cache-dir there wins.
+        return [
+            profile.model,
+            "--prompt-cache-dir",
+            str(prompt_cache_dir(profile)),
+            "--prompt-cache-disk",
+            profile.prompt_cache_disk or DEFAULT_PROMPT_CACHE_DISK,
+        ]
 
     def argv(self, profile: Profile) -> list[str]:
         argv = super().argv(profile)

@@ -22,6 +22,7 @@ import socket
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
+from . import llama_slots
 from .base import BaseProvider, flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
@@ -143,7 +144,38 @@ class LlamaCpp(BaseProvider):
         workers = rpc_workers(profile)
         if workers:
             argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]
+        if self.keeps_slots(profile):
+            argv += ["--slot-save-path", str(llama_slots.slot_dir(profile))]
         return argv
+
+    # ---- a planned stop (services/graceful.py; llama_slots.py says what the binary offers) ----
+
+    drains = True  # `macserve run` stays its parent: llama-server has no drain of its own
+
+    def keeps_slots(self, profile: Profile) -> bool:
+        """Save and restore slots: the binary lists --slot-save-path, the slot endpoint is on,
+        and EXTRA_ARGS names no save path of its own."""
+        taken = {"--slot-save-path", "--no-slots"} & set(profile.extra_args)
+        try:
+            listed = "--slot-save-path" in help_flags(self.command(), self.binary_path())
+        except MacserveError:
+            return False
+        return listed and not taken
+
+    def prepare(self, profile: Profile) -> None:
+        if self.keeps_slots(profile):
+            llama_slots.slot_dir(profile).mkdir(parents=True, exist_ok=True)
+
+    def busy(self, profile: Profile) -> int | None:
+        return llama_slots.busy(profile)
+
+    def before_stop(self, profile: Profile, argv: list[str], log) -> None:
+        if "--slot-save-path" in argv and self.keeps_slots(profile):
+            llama_slots.save(profile, argv, log)
+
+    def after_start(self, profile: Profile, argv: list[str], log) -> None:
+        if "--slot-save-path" in argv and self.keeps_slots(profile):
+            llama_slots.restore(profile, argv, log)
 
     def validate(self, profile: Profile) -> None:
         super().validate(profile)

@@ -1,0 +1,37 @@
+"""The profile values that need more than a type: durations (TTL, the router's --ttl) and
+secrets (API_KEY, HF_TOKEN), each checked once where it enters."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import MacserveError
+
+SECRET_KEYS = ("API_KEY", "HF_TOKEN")
+_DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """'90', '90s', '10m', '1h' -> seconds (> 0)."""
+    m = _DURATION_RE.fullmatch(text.strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise MacserveError(
+            f"bad {what} {text!r}: expected seconds or a duration like 90s, 10m, 1h"
+            + (" (or never)" if what == "TTL" else "")
+        )
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
+
+
+def check_secret(key: str, value: str) -> None:
+    if key not in SECRET_KEYS:
+        raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
+    at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
+    if not value or at is not None:
+        # An HTTP header carries ASCII only: a key with any other character could never be
+        # sent by a client, so the server would be locked for everyone. (The character itself
+        # is not shown: a secret is never echoed, not even in part.)
+        raise MacserveError(
+            f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
+            if value
+            else f"{key}: empty"
+        )

@@ -1,0 +1,159 @@
+"""Planned stops keep their work, end to end with real processes under a real supervisord:
+a llama.cpp service restarted during a stream finishes the stream and exits within the grace
+(issue 26 item 6); an engine service's prompt cache survives `restart` and `set` through its
+disk tier (issue 25 item 2); a llama.cpp slot survives `set` (issue 25 item 3). Every figure is
+read from the servers' own counters (usage, timings, /health), never from timing."""
+
+import threading
+
+import httpx
+import openai
+
+from .conftest import TINY_MODEL
+from .fixtures import cli, free_port, poll, status
+
+TURN1 = [
+    {
+        "role": "system",
+        "content": "You are the prompter of a company of players; you give the next words.",
+    },
+    {"role": "user", "content": "Line, sir! What comes after 'to be or not to be'?"},
+]
+FOLLOW = "And the next line after that?"
+
+
+def _client(port):
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300
+    )
+
+
+def _ask(port, messages, n=12):
+    return _client(port).chat.completions.create(
+        model="m", messages=messages, max_tokens=n, temperature=0
+    )
+
+
+def _turn2(r1):
+    return TURN1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": FOLLOW},
+    ]
+
+
+def _supervisord_log(home) -> str:
+    return (home / "supervisor" / "supervisord.log").read_text()
+
+
+def _llama(name, gguf, port, services):
+    r = cli("new", str(gguf), "--name", name, "--port", str(port), "--extra-args", "-t 1 -np 1")
+    assert r.returncode == 0, r.stderr
+    s = status(name)
+    services.append(s["pid"])
+    return s["pid"]
+
+
+def test_llama_restart_during_a_stream_finishes_it(
+    llama_server, model_gguf, services, macserve_home
+):
+    port = free_port()
+    pid1 = _llama("tiny", model_gguf, port, services)
+    log = macserve_home / "logs" / "tiny.log"
+    chunks, finish, restarted = [], [], []
+    stream = _client(port).chat.completions.create(
+        model="m",
+        messages=TURN1,
+        max_tokens=900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},  # llama-server's: the stream runs to max_tokens
+    )
+    restarter = threading.Thread(target=lambda: restarted.append(cli("restart", "tiny")))
+    for chunk in stream:  # a dropped connection raises here: the test fails
+        chunks.append(chunk)
+        if len(chunks) == 5:
+            restarter.start()  # the restart's SIGTERM comes while the stream is running
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish.append(chunk.choices[0].finish_reason)
+    restarter.join(600)
+    assert finish == ["length"]  # the whole answer, ended by the server as a normal stream
+    assert restarted[0].returncode == 0, restarted[0].stderr
+    text = log.read_text()
+    # the stop really came during the stream, and was held until it finished
+    assert "stop: waiting for 1 generation(s) in flight" in text, text[-3000:]
+    assert "stop: generations finished after" in text
+    assert "SIGKILL" not in text
+    # supervisord saw a clean exit within its stopwaitsecs, not its own SIGKILL
+    assert "stopped: macserve-tiny (exit status 0)" in _supervisord_log(macserve_home)
+    assert "terminated by SIGKILL" not in _supervisord_log(macserve_home)
+    pid2 = status("tiny")["pid"]
+    services.append(pid2)
+    assert pid2 != pid1
+    assert _ask(port, TURN1).choices[0].finish_reason in ("stop", "length")
+
+
+def test_llama_slot_survives_set(llama_server, model_gguf, services, macserve_home):
+    port = free_port()
+    _llama("tiny", model_gguf, port, services)
+    r1 = _ask(port, TURN1)
+    turn1_prompt = r1.usage.prompt_tokens
+    cold = _ask(port, _turn2(r1))  # reference answer; then the slot holds turn 2's prompt
+    r = cli("set", "tiny", "--", "CTX=1000")  # a restart with new settings, same model and cache
+    assert r.returncode == 0, r.stderr
+    services.append(status("tiny")["pid"])
+    text = (macserve_home / "logs" / "tiny.log").read_text()
+    assert "saved slot 0:" in text, text[-3000:]
+    poll(
+        lambda: "restored slot 0:" in (macserve_home / "logs" / "tiny.log").read_text(),
+        "the slot to be restored",
+        timeout=120,
+    )
+    r2 = _client(port).chat.completions.with_raw_response.create(
+        model="m", messages=_turn2(r1), max_tokens=12, temperature=0
+    )
+    body = r2.http_response.json()
+    assert body["timings"]["cache_n"] >= turn1_prompt  # llama-server's own count of reused tokens
+    assert body["choices"][0]["message"]["content"] == cold.choices[0].message.content
+
+
+def _health(port) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+
+
+def test_engine_prompt_cache_survives_restart_and_set(services, macserve_home):
+    port = free_port()
+    r = cli(
+        "new", str(TINY_MODEL), "--provider", "macserve", "--name", "eng",
+        "--port", str(port), "--timeout", "300",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    services.append(status("eng")["pid"])
+    cache_dir = macserve_home / "state" / "eng" / "prompt-cache"
+    assert _health(port)["prompt_cache"]["tiers"]["disk"]["dir"].startswith(str(cache_dir))
+    r1 = _ask(port, TURN1)
+    r = cli("restart", "eng")  # SIGTERM: drain, then the disk tier's flush
+    assert r.returncode == 0, r.stderr
+    services.append(status("eng")["pid"])
+    r2 = _ask(port, _turn2(r1))
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert _health(port)["prompt_cache"]["tiers"]["disk"]["hits"] == 1
+    # cold: the disk tier off (a `set`, so a restart) and nothing in memory after it
+    r = cli("set", "eng", "--", "PROMPT_CACHE_DISK=0")
+    assert r.returncode == 0, r.stderr
+    services.append(status("eng")["pid"])
+    cold = _ask(port, _turn2(r1))
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.choices[0].message.content == cold.choices[0].message.content
+    # warm: the two turns on one process that never stopped (memory emptied by a restart).
+    # The restart in between kept all of it: as many cached tokens as without a stop
+    r = cli("restart", "eng")
+    assert r.returncode == 0, r.stderr
+    services.append(status("eng")["pid"])
+    _ask(port, TURN1)
+    warm = _ask(port, _turn2(r1)).usage.prompt_tokens_details.cached_tokens
+    assert cached == warm > 0
+    # and the bad value is one line, nothing written
+    before = (macserve_home / "profiles" / "eng.env").read_bytes()
+    r = cli("set", "eng", "--", "PROMPT_CACHE_DISK=lots")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (macserve_home / "profiles" / "eng.env").read_bytes() == before
