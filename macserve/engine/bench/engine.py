@@ -9,8 +9,11 @@ for a 61-layer trunk) is labelled as such and its formula is in docs/int2-latent
     prefill_peak_bytes         mx.get_peak_memory() over the last 2,048-token chunk of a
                                prefill to that context (the earlier context filled directly)
     prefill_transient_bytes    that peak minus what was held just before the chunk
-    held_bytes_per_token_per_layer   every array the caches hold after a prefill in
-                               2,048-token chunks, per token and layer
+    held_bytes_per_token_per_layer   what MLX's allocator holds for the caches after a
+                               prefill in 2,048-token chunks (gc.collect, mx.clear_cache,
+                               mx.get_active_memory before and after), per token and layer;
+                               the rotations apart (rotation_bytes_per_layer)
+    nbytes_per_token_per_layer what the caches report (`nbytes`), the same fill
     chunk_vs_steps_max_logit_diff    a chunk against the same tokens fed one by one, in
                                log-probabilities (the logits less their logsumexp)
     chunk_vs_steps_bf16_model  the same with the model in bf16, on a float32-computing CPU
@@ -38,14 +41,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ...int2_format import BF16_LATENT, INT2, LatentQuant
 from .. import mla_attention
-from ..caches import make_caches, model_dtype
+from ..caches import latent_caches, make_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
 from ..model import load
 from .synthetic import synthetic
 
 CHUNK = 2048  # mlx-lm's prefill_step_size: what the prefill figures are measured in
-CACHES = ("int2", "bf16")
+CACHES = ("int2", "bf16")  # "bf16": mlx-lm's own cache
+# The INT2 cache, the same class with quantization off, mlx-lm's cache: held memory and
+# decode speed are measured on all three, so each ratio has its nearest baseline.
+HELD = ("int2", "bf16_latent", "bf16")
 
 
 @dataclass
@@ -149,22 +155,54 @@ def fill(cs: list, n: int, s: Setup, seed: int = 0, step: int = CHUNK) -> None:
         mx.eval([c.state for c in cs])
 
 
-def _held(c) -> int:
+def _nbytes(c) -> int:
+    """What a cache reports: the buffers it holds, as allocated."""
     if isinstance(c, RotatedLatentCache | IndexerKeyCache):
         return c.nbytes
     if hasattr(c, "caches"):
-        return sum(_held(x) for x in c.caches)
+        return sum(_nbytes(x) for x in c.caches)
     return sum(a.nbytes for a in (c.keys, c.values) if a is not None)
 
 
-def held_bytes_per_token_per_layer(s: Setup, ctx: int) -> dict:
+def _rotations(cs: list) -> list:
+    return [r for c in latent_caches(cs) if (r := getattr(c, "rotation", None)) is not None]
+
+
+def _active() -> int:
+    """What MLX's allocator holds once nothing unreachable is left (Python's garbage
+    collected, MLX's buffer cache emptied)."""
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+def held_memory(s: Setup, ctx: int, which=HELD) -> dict:
+    """{cache: (allocator bytes, nbytes, rotation bytes)} for one sequence of `ctx` tokens,
+    all layers, after a prefill in 2,048-token chunks. The allocator's figure is the memory
+    the prefill left held; the rotations (the model's, one per layer, shared by every
+    sequence) are made before it and counted apart."""
     out = {}
-    for which in CACHES:
-        cs = caches(s, which)
+    for w in which:
+        cs = caches(s, w)
+        rots = _rotations(cs)
+        mx.eval(rots)
+        before = _active()
         fill(cs, ctx, s)
-        out[which] = round(sum(_held(c) for c in cs) / (ctx * len(cs)), 1)
-        del cs
+        held = _active() - before
+        out[w] = (held, sum(_nbytes(c) for c in cs), sum(r.nbytes for r in rots))
+        del cs, rots
     return out
+
+
+def held_bytes_per_token_per_layer(s: Setup, ctx: int, which=HELD) -> dict:
+    """{"held": allocator bytes, "nbytes": reported bytes} per token and layer, per cache."""
+    m = held_memory(s, ctx, which)
+    per = ctx * s.layers
+    return {
+        "held": {w: round(v[0] / per, 1) for w, v in m.items()},
+        "nbytes": {w: round(v[1] / per, 1) for w, v in m.items()},
+        "rotation_bytes_per_layer": round(m["int2"][2] / s.layers) if "int2" in m else None,
+    }
 
 
 def _conversions(out) -> int:
@@ -381,9 +419,10 @@ def run(
     res["upcasts_per_decode_step"] = res["upcasts"]["attention_read"]
     progress("held bytes")
     # What a Mac holds: the model's bf16 (the INT2 cache stores bf16 rows whatever computes).
-    res["held_bytes_per_token_per_layer"] = {
-        str(n): held_bytes_per_token_per_layer(s, n) for n in c["held"]
-    }
+    held = {str(n): held_bytes_per_token_per_layer(s, n) for n in c["held"]}
+    res["held_bytes_per_token_per_layer"] = {n: h["held"] for n, h in held.items()}
+    res["nbytes_per_token_per_layer"] = {n: h["nbytes"] for n, h in held.items()}
+    res["rotation_bytes_per_layer"] = next(iter(held.values()))["rotation_bytes_per_layer"]
     if bf16_chunk_tokens and engine_dtype() is not None:
         # Where the engine computes in float32 (a CPU), mlx-lm's cache holds float32 rows and
         # its chunk-vs-steps difference is float32 rounding; this one is the comparison a
