@@ -109,7 +109,7 @@ def test_the_allocator_holds_what_nbytes_says_after_a_chunked_prefill(v3):
     s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
     s.model.set_dtype(mx.bfloat16)
     m = bench.held_memory(s, 4096)
-    for which, (held, nbytes, rot) in m.items():
+    for which, (held, nbytes, _) in m.items():
         assert abs(held - nbytes) <= max(0.05 * nbytes, 16384), (which, held, nbytes)
     assert m["int2"][2] == 512 * 512 * 2  # the rotation, counted apart
     assert m["int2"][1] < m["bf16_latent"][1] / 3
