@@ -115,6 +115,28 @@ def test_the_allocator_holds_what_nbytes_says_after_a_chunked_prefill(v3):
     assert m["int2"][1] < m["bf16_latent"][1] / 3
 
 
+def test_the_projection_counts_the_rows_a_decode_step_reads(v3):
+    """The bytes counted for one decode step come from the segments the kernel is handed: for
+    INT2, the codes of every token past the sink and the window, the 64 sink rows, the last
+    256 window rows (not the 16 of slack) and the rotation; for mlx-lm's cache its rows up to
+    its offset (not its 256-row headroom). Every cache does the same products."""
+    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s.model.set_dtype(mx.bfloat16)
+    n = 4100
+    got = {}
+    for w in ("int2", "bf16"):
+        cs = bench.caches(s, w)
+        bench.fill(cs, n, s)
+        got[w] = bench.read_per_step(cs, 128)
+    codes, bf16_rows, rot = n - 64 - 256, 64 + 256, 512 * 512 * 2
+    assert got["int2"]["bytes_once"] == codes * 228 + bf16_rows * 1152 + rot
+    assert got["int2"]["bytes_per_product"] == (
+        2 * codes * 160 + codes * 68 + bf16_rows * (2 * 1024 + 128) + 2 * rot
+    )
+    assert got["bf16"]["bytes_once"] == n * 1152
+    assert got["int2"]["flops"] == got["bf16"]["flops"] == 2 * 128 * n * (576 + 512)
+
+
 def _held_after(fill_fn) -> tuple[int, object]:
     before = bench._active()
     cache = fill_fn()
