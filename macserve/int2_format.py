@@ -62,6 +62,11 @@ class LatentQuant:
         """Tokens of a sequence also kept in bf16 (0 for the bf16 baseline)."""
         return self.sink + self.recent if self.bits is not None else 0
 
+    def bf16_rows(self) -> int:
+        """bf16 rows a sequence's cache holds after a prefill: the sink, the recent window and
+        the `slack` rows kept for an exact `trim` (0 for the bf16 baseline)."""
+        return self.window_tokens() + self.slack if self.bits is not None else 0
+
     def index_row_bytes(self, dims: int) -> int:
         bits = self.index_bits if self.bits is not None else None
         return quantized_row_bytes(dims, bits, self.group_size)

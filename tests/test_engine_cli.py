@@ -139,22 +139,35 @@ def test_bench_engine_json_at_real_width_small_contexts():
         [
             "bench", "engine", "--synthetic", "deepseek-v3", "--layers", "1",
             "--prefill-contexts", "2048", "--held-contexts", "512", "--decode-contexts", "512",
-            "--chunk-tokens", "16", "--bf16-chunk-tokens", "8", "--acceptance", "0.7", "--json",
+            "--projection-contexts", "1024", "--chunk-tokens", "16", "--bf16-chunk-tokens", "8",
+            "--acceptance", "0.7", "--json",
         ],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["upcasts_per_decode_step"] == {"int2": 0, "bf16": 0}
     assert d["upcasts"]["logits_dtype"] == {"int2": "bfloat16", "bf16": "bfloat16"}
-    held = d["held_bytes_per_token_per_layer"]["512"]
-    assert held["bf16"] == 1152  # (512 + 64) x 2 B: mlx-lm's latent row
+    held, nb = d["held_bytes_per_token_per_layer"]["512"], d["nbytes_per_token_per_layer"]["512"]
+    assert nb["bf16"] == nb["bf16_latent"] == 1152  # (512 + 64) x 2 B: the latent row
+    for w in ("int2", "bf16_latent", "bf16"):  # the allocator's figure, 32 B: 16 KB / 512
+        assert abs(held[w] - nb[w]) <= 32, (w, held[w], nb[w])
     assert held["int2"] < held["bf16"]
+    assert d["rotation_bytes_per_layer"] == 512 * 512 * 2
     tr = d["prefill_transient_bytes"]["2048"]
     assert 0 < tr["int2"] < tr["bf16"]
     for key in ("chunk_vs_steps_max_logit_diff", "chunk_vs_steps_bf16_model"):
         diffs = d[key]
         assert all(0 <= diffs[w] < 0.1 for w in ("int2", "bf16", "bf16_latent")), diffs
-    assert all(v["int2"] > 0 and v["bf16"] > 0 for v in d["decode_tok_s"].values())
+    for v in d["decode_tok_s"].values():
+        assert v["int2_vs_bf16_latent"] == v["int2"] / v["bf16_latent"] > 0
+        assert v["int2_vs_mlx_lm"] == v["int2"] / v["bf16"] > 0
+    assert set(d["attention_parts"]["ms"]) == {
+        "mlx_lm_sdpa", "mlx_lm_folded", "bf16_latent", "int2", "int2_unpack"
+    }  # fmt: skip
+    assert d["attention_parts"]["folded_max_abs_diff"] < 1e-3  # the same product, refolded
+    proj = d["mac_projection"]["contexts"]["1024"]
+    assert proj["int2"]["bytes_once"] < proj["bf16"]["bytes_once"]
+    assert proj["int2"]["flops"] == proj["bf16"]["flops"]  # the same products: the roofline
     m = d["mtp"]
     assert m["acceptance"] == 0.7 and m["trunk_layers"] == 61
     assert m["verify_cost_ratio"] > 0 and m["projected_speedup_k1"] > 0

@@ -94,11 +94,73 @@ def test_held_bytes_per_token_follow_the_layout(v3):
     codes for tokens past the window, bf16 for the 64 + 256 (+ 16 slack) window rows."""
     s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
     s.model.set_dtype(mx.bfloat16)
-    at4k = bench.held_bytes_per_token_per_layer(s, 4096)
-    at32k = bench.held_bytes_per_token_per_layer(s, 32768)
+    at4k = bench.held_bytes_per_token_per_layer(s, 4096, ("int2", "bf16"))["nbytes"]
+    at32k = bench.held_bytes_per_token_per_layer(s, 32768, ("int2", "bf16"))["nbytes"]
     assert at4k["bf16"] == at32k["bf16"] == 1152
     assert at4k["int2"] <= 320 and at32k["int2"] <= 260
     assert at32k["int2"] >= INT2.row_bytes(512, 64)
+
+
+def test_the_allocator_holds_what_nbytes_says_after_a_chunked_prefill(v3):
+    """After a 4K prefill in 2,048-token chunks at DeepSeek-V3's width in bf16, MLX's allocator
+    holds what each cache's `nbytes` says (within 5 %, and a few KB of allocator rounding):
+    no buffer is a slice keeping a whole chunk alive. It used to: the 64-row bf16 sink was
+    the first chunk's rows themselves, 866 B/token/layer held for 308 reported."""
+    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s.model.set_dtype(mx.bfloat16)
+    m = bench.held_memory(s, 4096)
+    for which, (held, nbytes, _) in m.items():
+        assert abs(held - nbytes) <= max(0.05 * nbytes, 16384), (which, held, nbytes)
+    assert m["int2"][2] == 512 * 512 * 2  # the rotation, counted apart
+    assert m["int2"][1] < m["bf16_latent"][1] / 3
+
+
+def test_the_projection_counts_the_rows_a_decode_step_reads(v3):
+    """The bytes counted for one decode step come from the segments the kernel is handed: for
+    INT2, the codes of every token past the sink and the window, the 64 sink rows, the last
+    256 window rows (not the 16 of slack) and the rotation; for mlx-lm's cache its rows up to
+    its offset (not its 256-row headroom). Every cache does the same products."""
+    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s.model.set_dtype(mx.bfloat16)
+    n = 4100
+    got = {}
+    for w in ("int2", "bf16"):
+        cs = bench.caches(s, w)
+        bench.fill(cs, n, s)
+        got[w] = bench.read_per_step(cs, 128)
+    codes, bf16_rows, rot = n - 64 - 256, 64 + 256, 512 * 512 * 2
+    assert got["int2"]["bytes_once"] == codes * 228 + bf16_rows * 1152 + rot
+    assert got["int2"]["bytes_per_product"] == (
+        2 * codes * 160 + codes * 68 + bf16_rows * (2 * 1024 + 128) + 2 * rot
+    )
+    assert got["bf16"]["bytes_once"] == n * 1152
+    assert got["int2"]["flops"] == got["bf16"]["flops"] == 2 * 128 * n * (576 + 512)
+
+
+def _held_after(fill_fn) -> tuple[int, object]:
+    before = bench._active()
+    cache = fill_fn()
+    return bench._active() - before, cache
+
+
+@pytest.mark.parametrize("chunk", [336, 512, 2048])
+def test_every_buffer_owns_its_rows_when_the_chunk_is_a_slice(chunk):
+    """The MTP layer's cache (unrotated) written from slices of one projection output, as
+    mlx-lm's kv_a split makes them, in bf16: what stays held is what nbytes counts, whatever
+    the chunk (336 tokens: the window is exactly sink + recent + slack rows of the chunk)."""
+    from macserve.engine.latent_cache import RotatedLatentCache
+
+    def fill():
+        c = RotatedLatentCache(INT2)
+        for _ in range(4096 // chunk):
+            kv = mx.random.normal((1, 1, chunk, 576)).astype(mx.bfloat16)
+            c.append(kv[..., :512], kv[..., 512:])
+            c.compact()
+            mx.eval(c.state)
+        return c
+
+    held, c = _held_after(fill)
+    assert abs(held - c.nbytes) <= 16384, (held, c.nbytes)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +198,18 @@ def test_dsa_at_real_width_selects_top_k_and_sparse_equals_masked(v32):
     # nothing left pending in the caches: no primitive between their arrays and evaluated data
     assert bench._conversions(fresh[0][1].arrays()) == 0
     assert _pending(fresh[0][1].arrays() + fresh[0][0].arrays()) == 0
+
+
+def test_indexer_key_cache_holds_what_it_reports(v32):
+    """The DSA layer's CacheList (latent codes and 8-bit indexer key), filled in 2,048-token
+    chunks in bf16: the allocator holds its nbytes."""
+    v32.model.set_dtype(mx.bfloat16)
+    try:
+        m = bench.held_memory(v32, 4096, ("int2",))
+    finally:
+        v32.model.set_dtype(mx.float32)
+    held, nbytes, _ = m["int2"]
+    assert abs(held - nbytes) <= max(0.05 * nbytes, 16384), (held, nbytes)
 
 
 def _pending(arrays) -> int:

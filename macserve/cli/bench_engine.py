@@ -41,6 +41,26 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 @click.option("--held-contexts", default="1024,4096,32768", show_default=True)
 @click.option("--decode-contexts", default="4096,32768", show_default=True)
 @click.option(
+    "--projection-contexts",
+    default="8192,32768,131072",
+    show_default=True,
+    help="contexts of the Mac projection from bytes moved",
+)
+@click.option(
+    "--mac-bandwidth",
+    type=click.FloatRange(min=1, min_open=False),
+    default=819,
+    show_default=True,
+    help="GB/s of the Mac the projection is for (M3 Ultra: 819)",
+)
+@click.option(
+    "--mac-tflops",
+    type=click.FloatRange(min=0.1),
+    default=28,
+    show_default=True,
+    help="TFLOP/s assumed for its GPU's matrix products (the projection's roofline)",
+)
+@click.option(
     "--chunk-tokens",
     type=click.IntRange(2),
     default=2048,
@@ -68,6 +88,9 @@ def bench_engine(
     prefill_contexts,
     held_contexts,
     decode_contexts,
+    projection_contexts,
+    mac_bandwidth,
+    mac_tflops,
     chunk_tokens,
     bf16_chunk_tokens,
     acceptance,
@@ -81,6 +104,7 @@ def bench_engine(
         "prefill": _ints(prefill_contexts, "--prefill-contexts"),
         "held": _ints(held_contexts, "--held-contexts"),
         "decode": _ints(decode_contexts, "--decode-contexts"),
+        "projection": _ints(projection_contexts, "--projection-contexts"),
     }
     if acceptance is None:
         acceptance = _demo_acceptance()
@@ -96,6 +120,7 @@ def bench_engine(
         chunk_tokens,
         progress=lambda m: click.echo(f"... {m}", err=True),
         bf16_chunk_tokens=bf16_chunk_tokens,
+        mac={"bandwidth": mac_bandwidth * 1e9, "flops": mac_tflops * 1e12},
     )
     if as_json:
         click.echo(json.dumps(res, indent=1))
@@ -132,12 +157,14 @@ def _print_engine(r: dict) -> None:
             f"{_gb(tr['bf16']):>15}"
         )
     click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
-    held = r["held_bytes_per_token_per_layer"]
+    held, nb = r["held_bytes_per_token_per_layer"], r["nbytes_per_token_per_layer"]
     click.echo(
-        "held bytes per token per layer: "
+        "bytes per token per layer held by the allocator (nbytes): "
         + ", ".join(
-            f"{int(n):,}: int2 {v['int2']:.0f} / bf16 {v['bf16']:.0f}" for n, v in held.items()
+            f"{int(n):,}: " + " / ".join(f"{w} {v[w]:.0f} ({nb[n][w]:.0f})" for w in v)
+            for n, v in held.items()
         )
+        + f"; rotation {r['rotation_bytes_per_layer']:,} B per layer, apart"
     )
     cs = r["chunk_vs_steps_max_logit_diff"]
     click.echo(
@@ -151,12 +178,41 @@ def _print_engine(r: dict) -> None:
             f"bf16-stored latent {cb['bf16_latent']:.3g}"
         )
     click.echo(
-        "decode tok/s: "
+        "decode tok/s (this CPU): "
         + ", ".join(
-            f"{int(n):,}: int2 {v['int2']:.2f} / bf16 {v['bf16']:.2f} ({v['int2'] / v['bf16']:.2f}x)"
+            f"{int(n):,}: int2 {v['int2']:.2f} / bf16-latent {v['bf16_latent']:.2f} / "
+            f"mlx-lm {v['bf16']:.2f} (int2 vs bf16-latent {v['int2_vs_bf16_latent']:.2f}x, "
+            f"vs mlx-lm {v['int2_vs_mlx_lm']:.2f}x)"
             for n, v in r["decode_tok_s"].items()
         )
     )
+    ap = r["attention_parts"]
+    click.echo(
+        f"one layer's attention read at {ap['context']:,}, ms: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in ap["ms"].items())
+        + f" (sdpa / folded {ap['sdpa_vs_folded']:.1f}x, int2 / bf16-latent "
+        f"{ap['int2_vs_bf16_latent']:.2f}x, unpack {ap['unpack_share_of_int2']:.0%} of int2)"
+    )
+    p = r["mac_projection"]
+    a = p["assumptions"]
+    click.echo(
+        f"PROJECTION, not measured: {a['model']}, {a['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, "
+        f"{a['gpu_flops_per_s'] / 1e12:.0f} TFLOP/s assumed; weights "
+        f"{a['weight_bytes_per_token'] / 1e9:.1f} GB per token"
+    )
+    click.echo(
+        f"{'context':>8} {'attn MB/layer int2 / mlx-lm':>28} {'memory-bound tok/s':>22} "
+        f"{'ratio':>6} {'roofline tok/s':>16} {'ratio':>6}  attention bound by"
+    )
+    for n, row in p["contexts"].items():
+        i, b = row["int2"], row["bf16"]
+        click.echo(
+            f"{int(n):>8,} {i['bytes_per_product'] / 1e6:>13.1f} / {b['bytes_per_product'] / 1e6:<12.1f} "
+            f"{i['tok_s_memory_bound']:>9.1f} / {b['tok_s_memory_bound']:<10.1f} "
+            f"{row['int2_vs_mlx_lm_memory_bound']:>5.2f}x "
+            f"{i['tok_s_roofline']:>7.1f} / {b['tok_s_roofline']:<6.1f} "
+            f"{row['int2_vs_mlx_lm_roofline']:>5.2f}x  {i['attention_bound']} / {b['attention_bound']}"
+        )
     m = r["mtp"]
     if "verify_cost_ratio" in m:
         click.echo(

@@ -25,7 +25,9 @@ back to recent + slack rows afterwards (`compact`, called by the attention), wit
 the chunk's rows are freed.
 
 Memory is in fixed-size buffers that grow in blocks (codes: 256 rows; window: 32 rows) so a
-decode step does not copy the cache; `nbytes` counts every buffer as allocated.
+decode step does not copy the cache. Every buffer owns its rows: nothing it holds is a slice
+of a prefill chunk's arrays (a slice keeps its parent's whole buffer alive), so `nbytes`, the
+buffers' sizes, is what MLX's allocator holds for the cache (tested at real width).
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ class Rows:
                 cap = -(-need // CODE_STEP) * CODE_STEP
             else:
                 cap = need
+            if self.length == 0 and n == cap:
+                # The rows fill the new buffer: MLX would make the buffer the rows themselves
+                # (a full slice assignment returns its update), and the rows are a slice of a
+                # prefill chunk (the sink's first 64 rows): the whole chunk would stay alive.
+                self.parts = tuple(_copy(p) for p in new)
+                self.length = n
+                return
             grown = []
             for i, p in enumerate(new):
                 buf = mx.zeros((*p.shape[:2], cap, p.shape[3]), p.dtype)

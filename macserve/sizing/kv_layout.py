@@ -38,7 +38,8 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   inspect shows what it measures instead (mlx_measure.py, `measured_layout`).
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
   (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
-  and last 256 tokens of a sequence also kept in bf16 (a fixed per-sequence cost); a DSA
+  and last 256 tokens of a sequence, and 16 rows of slack for an exact trim, also kept in
+  bf16 (a fixed per-sequence cost); a DSA
   indexer key as 8-bit groups of 64 (D + ceil(D/64) x 4 B); every other cache as in mlx/bf16.
 """
 
@@ -332,10 +333,12 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
                 Buffer(i, "latent + rope (int2/int8)", INT2.row_bytes(l.latent, l.rope), "token"),
                 Buffer(
                     i,
-                    "bf16 sink + recent tokens",
+                    "bf16 sink + recent + slack rows",
                     BF16_LATENT.row_bytes(l.latent, l.rope),
                     "fixed",
-                    rows=INT2.window_tokens(),
+                    # what the engine holds after a prefill (the allocator's figure, bench
+                    # engine): 64 + 256 tokens and the 16 rows kept for an exact trim
+                    rows=INT2.bf16_rows(),
                 ),
             ]
         elif mod.name in MLX_MLA_EXPANDED:

@@ -61,6 +61,41 @@ SMALL_REST = dict(
     first_k_dense_replace=1,
     moe_layer_freq=1,
 )
+# What DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3) says of the rest of the model: the
+# weights a decode step reads (bench engine's Mac projection), not built here.
+DEEPSEEK_V3_REST = dict(
+    num_hidden_layers=61,
+    vocab_size=129280,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+)
+
+
+def active_weights_per_token(att: dict = DEEPSEEK_V3_ATTENTION, rest: dict = DEEPSEEK_V3_REST):
+    """Weights one decode token multiplies by, counted from the config: every layer's
+    attention projections, the dense MLPs of the first layers, the routed and shared experts a
+    token uses in the others, the routers and the vocabulary head (the embedding reads one
+    row). DeepSeek-V3: 36.6 B, its published "37B activated"."""
+    h, heads = att["hidden_size"], att["num_attention_heads"]
+    qk = att["qk_nope_head_dim"] + att["qk_rope_head_dim"]
+    attn = (
+        h * att["q_lora_rank"]
+        + att["q_lora_rank"] * heads * qk
+        + h * (att["kv_lora_rank"] + att["qk_rope_head_dim"])
+        + att["kv_lora_rank"] * heads * (att["qk_nope_head_dim"] + att["v_head_dim"])
+        + heads * att["v_head_dim"] * h
+    )
+    n, dense = rest["num_hidden_layers"], rest["first_k_dense_replace"]
+    mlp_dense = 3 * h * rest["intermediate_size"]
+    experts = rest["num_experts_per_tok"] + rest["n_shared_experts"]
+    mlp_moe = 3 * h * rest["moe_intermediate_size"] * experts + h * rest["n_routed_experts"]
+    return n * attn + dense * mlp_dense + (n - dense) * mlp_moe + h * rest["vocab_size"]
+
+
 # DeepSeek-V3.2's indexer (deepseek-ai/DeepSeek-V3.2's config.json).
 V32_INDEXER = dict(index_head_dim=128, index_n_heads=64, index_topk=2048)
 KINDS = ("deepseek-v3", "deepseek-v3.2")
