@@ -37,7 +37,7 @@ def test_calibrate_writes_a_loadable_file(tmp_path):
     )
     assert r.exit_code == 0, r.output
     cal = Calibration.load(out)
-    assert set(cal.rotations) == set(METHODS) and cal.meta["calibration_tokens"] == 256
+    assert set(cal.rotations) == set(METHODS) | {"gate"} and cal.meta["calibration_tokens"] == 256
 
 
 def test_bench_kv_json_rows(tmp_path):

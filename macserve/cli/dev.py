@@ -10,6 +10,7 @@ import click
 from .. import env
 from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
+from ..dev.hard_mla import build as build_hard_mla
 from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.tiny.train import TrainSettings, train
 from ..errors import MacserveError
@@ -30,6 +31,13 @@ def train_tiny(out, minutes, batch, seq_len, lr, seed):
     s = TrainSettings(minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, seed=seed)
     info = train(out, s, log=lambda m: click.echo(m, err=True))
     click.echo(f"trained {info['steps']} steps in {info['wall_seconds'] / 60:.1f} min -> {out}")
+
+
+@click.command("hard-mla")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+def hard_mla_cmd(out):
+    """Write the gate's hard case: a random-weight MLA model whose latent is near full rank."""
+    click.echo(f"wrote {build_hard_mla(out)}")
 
 
 @click.command("export-gguf")

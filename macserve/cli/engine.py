@@ -8,6 +8,7 @@ training plays to calibrate on, its held-out plays to measure on.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import click
 import numpy as np
 
 from ..dev.tiny import data as tiny_data
+from ..engine import gate
 from ..engine import generate as gen
 from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.calibration import calibration_windows, collect, fit
+from ..engine.mla_attention import mla_attentions
 from ..engine.model import Bundle, load
 from ..errors import MacserveError
 from ..int2_format import INT2
@@ -76,17 +79,57 @@ def held_out_prompts(tok, n, prompt_tokens):
 )
 @click.option("--windows", type=int, default=8, show_default=True)
 @click.option("--seq-len", type=int, default=1024, show_default=True)
-def calibrate(model, out, data, windows, seq_len):
+@click.option(
+    "--target",
+    type=float,
+    default=gate.DEFAULT_TARGET,
+    show_default=True,
+    help="the gate's functional-error target per layer (docs/int2-latent-cache.md)",
+)
+@click.option("--report", is_flag=True, help="print per layer the gate's measurements")
+@click.option("--json", "as_json", is_flag=True, help="print the gate's report as JSON")
+def calibrate(model, out, data, windows, seq_len, target, report, as_json):
     """Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache."""
     b = load_mla(model)
     ws = text_windows(b.tokenizer, data, windows, seq_len, held_out=False)
     stats = collect(b.model, ws, progress=progress_bar("calibrating"))
     cal = fit(stats, INT2, meta={"model": str(model), "data": data or "tiny training plays"})
+    rope = mla_attentions(b.model)[0].qk_rope_head_dim
+    gate.attach(cal, gate.gate(stats, rope, target), target)
     cal.save(out)
-    for i, st in enumerate(stats):
-        ev = np.linalg.eigvalsh(st.sigma_c)
-        click.echo(f"layer {i}: latent eigenvalues {ev[-1]:.3g} .. {max(ev[0], 0):.3g}")
+    rep = cal.meta["gate"]
+    if as_json:
+        click.echo(json.dumps(dict(rep, out=str(out), calibration_tokens=stats[0].tokens)))
+        return
+    if report:
+        for line in gate_report_lines(rep):
+            click.echo(line)
+    else:
+        for i, st in enumerate(stats):
+            ev = np.linalg.eigvalsh(st.sigma_c)
+            click.echo(f"layer {i}: latent eigenvalues {ev[-1]:.3g} .. {max(ev[0], 0):.3g}")
+    plan = ", ".join(f"{n} {f}" for f, n in rep["plan"].items())
+    click.echo(f"gate (target {target:g}): {len(stats)} MLA layers: {plan}")
     click.echo(f"wrote {out} ({stats[0].tokens:,} tokens, methods {', '.join(cal.rotations)})")
+
+
+def gate_report_lines(rep: dict) -> list[str]:
+    """Per layer: spectrum shares, the error of every format x rotation, the choice."""
+    lines = [f"functional error = {rep['definition']}; target {rep['target']:g}"]
+    for row in rep["layers"]:
+        sp = row["spectrum"]
+        lines.append(
+            f"layer {row['layer']}: spectrum top1 {sp['top1']:.3f} top10 {sp['top10']:.3f} "
+            f"top64 {sp['top64']:.3f} -> {row['choice']} {row['rotation']}, "
+            f"{row['bytes_per_token']} B/token"
+        )
+        rots = list(dict.fromkeys(m for errs in row["errors"].values() for m in errs))
+        lines.append("  " + f"{'format':<10}" + "".join(f"{m:>17}" for m in rots))
+        for f, errs in row["errors"].items():
+            cells = "".join(f"{errs[m]:>17.4f}" if m in errs else f"{'':>17}" for m in rots)
+            lines.append("  " + f"{f:<10}" + cells)
+    lines.append(f"bytes per token, all MLA layers: {rep['bytes_per_token']:,}")
+    return lines
 
 
 @click.command()
