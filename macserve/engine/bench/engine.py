@@ -40,128 +40,29 @@ import gc
 import re
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import psutil
-from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import make_prompt_cache
 
-from ...int2_format import BF16_LATENT, INT2, LatentQuant
 from .. import mla_attention
-from ..caches import latent_caches, make_caches, model_dtype
+from ..caches import latent_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
-from ..model import load
-from .synthetic import synthetic
-
-CHUNK = 2048  # mlx-lm's prefill_step_size: what the prefill figures are measured in
-CACHES = ("int2", "bf16")  # "bf16": mlx-lm's own cache
-# The INT2 cache, the same class with quantization off, mlx-lm's cache: held memory and
-# decode speed are measured on all three, so each ratio has its nearest baseline.
-HELD = ("int2", "bf16_latent", "bf16")
-
-
-@dataclass
-class Setup:
-    model: object
-    mtp: object
-    name: str
-    rotations: list  # per layer, in the model's dtype (random orthogonal for a synthetic model)
-    quant: LatentQuant = INT2
-
-    @property
-    def attn(self):
-        return mla_attention.mla_attentions(self.model)[0]
-
-    @property
-    def layers(self) -> int:
-        return len(mla_attention.mla_attentions(self.model))
-
-    @property
-    def dsa(self) -> bool:
-        return hasattr(self.attn, "indexer")
-
-
-def _orthogonal(n: int, seed: int) -> mx.array:
-    q, _ = mx.linalg.qr(mx.random.normal((n, n), key=mx.random.key(seed)), stream=mx.cpu)
-    return q
-
-
-def engine_dtype():
-    """The loader's rule (model.load): float32 on the CPU, the model's own on a GPU."""
-    return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
-
-
-def setup_synthetic(kind: str, layers: int) -> Setup:
-    model, mtp = synthetic(kind, layers, mx.bfloat16)
-    mla_attention.install(model, extra=[mtp.self_attn])
-    r = model.args.kv_lora_rank
-    rots = [_orthogonal(r, i) for i in range(layers)]
-    return Setup(model, mtp, f"synthetic {kind} ({layers} layers)", rots)
-
-
-def setup_folder(path: str) -> Setup:
-    b = load(path).require_mla()
-    n = len(mla_attention.mla_attentions(b.model))
-    r = b.model.args.kv_lora_rank
-    rots = [_orthogonal(r, i) for i in range(n)]
-    try:
-        mtp = b.mtp()
-    except Exception:  # noqa: BLE001 - a model without an MTP layer still benches its caches
-        mtp = None
-    return Setup(b.model, mtp, str(path), rots)
-
-
-def to_dtype(s: Setup, dtype) -> None:
-    if dtype is None:
-        return
-    for m in (s.model, s.mtp):
-        if m is not None:
-            m.set_dtype(dtype)
-    s.rotations = [r.astype(dtype) for r in s.rotations]
-    mx.eval(s.rotations)
-
-
-def caches(s: Setup, which: str) -> list:
-    """ "bf16": mlx-lm's own cache; "int2": the rotated INT2 latent cache; "bf16_latent": the
-    same class with quantization off (every token stored in bf16, unrotated)."""
-    if which == "bf16":
-        return make_prompt_cache(s.model)
-    if which == "bf16_latent":
-        return make_caches(s.model, BF16_LATENT)
-    rots = [r.astype(model_dtype(s.model)) for r in s.rotations]
-    return make_caches(s.model, s.quant, rots, [None] * s.layers)
-
-
-def fill(cs: list, n: int, s: Setup, seed: int = 0, step: int = CHUNK) -> None:
-    """Fill caches with n tokens of random latents in `step`-token chunks through their own
-    append (what the attention does, without the compute: held memory and speed do not
-    depend on the values)."""
-    a = s.attn
-    dtype = model_dtype(s.model)
-    key = mx.random.key(seed)
-    for t in range(0, n, step):
-        m = min(step, n - t)
-        for c in cs:
-            key, k1, k2, k3 = mx.random.split(key, 4)
-            parts = [c[0], c[1]] if hasattr(c, "caches") else [c]
-            lat = mx.random.normal((1, 1, m, a.kv_lora_rank), key=k1).astype(dtype)
-            pe = mx.random.normal((1, 1, m, a.qk_rope_head_dim), key=k2).astype(dtype)
-            main = parts[0]
-            if isinstance(main, RotatedLatentCache):
-                main.append(lat, pe)
-                main.compact()
-            else:
-                main.update_and_fetch(lat, pe)
-            if len(parts) > 1:
-                idx = mx.random.normal((1, 1, m, a.indexer.head_dim), key=k3).astype(dtype)
-                if isinstance(parts[1], IndexerKeyCache):
-                    parts[1].append(idx)
-                else:
-                    parts[1].update_and_fetch(idx, mx.zeros_like(idx))
-        mx.eval([c.state for c in cs])
+from .decode_read import attention_parts, mac_projection, read_per_step  # noqa: F401
+from .setup import (  # noqa: F401  (tests and the CLI name them through this module)
+    CACHES,
+    CHUNK,
+    HELD,
+    Setup,
+    _best_of,
+    caches,
+    engine_dtype,
+    fill,
+    setup_folder,
+    setup_synthetic,
+    to_dtype,
+)
 
 
 def _nbytes(c) -> int:
@@ -338,186 +239,6 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 2) -> dict:
                 c.trim(steps + 1)
     best["int2_vs_bf16_latent"] = best["int2"] / best["bf16_latent"]
     best["int2_vs_mlx_lm"] = best["int2"] / best["bf16"]
-    return best
-
-
-def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
-    """Where the decode ratios come from: one layer's attention read of its cache at ctx,
-    timed alone (ms, best of `reps`, interleaved), the query (1, heads, 1, latent) as a decode
-    step has it:
-
-        mlx_lm_sdpa     mlx-lm's L == 1 read: scaled_dot_product_attention over its cache
-                        (128 query heads against one latent "head")
-        mlx_lm_folded   the same rows and product with the heads folded into one matrix
-                        product, (1, 1, heads, latent) against the rows: what our kernel does
-        bf16_latent     the engine's read of the bf16-latent cache (mla_attention._absorbed)
-        int2            the engine's read of the INT2 cache, the query rotated as it is there
-        int2_unpack     unpacking the INT2 cache's codes alone (latent_cache.dequantize)
-    """
-    a = s.attn
-    dtype = model_dtype(s.model)
-    H, r, d = a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim
-    cs = {w: caches(s, w)[:1] for w in HELD}
-    for w in HELD:
-        fill(cs[w], ctx, s)
-    key = mx.random.key(1)
-    q_lat = (mx.random.normal((1, H, 1, r), key=key) * a.scale).astype(dtype)
-    q_pe = (mx.random.normal((1, H, 1, d), key=mx.random.split(key)[0]) * a.scale).astype(dtype)
-    mx.eval(q_lat, q_pe)
-    ml = latent_caches(cs["bf16"])[0]
-    lat, pe = ml.keys[..., : ml.offset, :], ml.values[..., : ml.offset, :]
-
-    def sdpa():
-        return scaled_dot_product_attention(
-            q_lat, lat, lat, cache=ml, scale=1.0, mask=q_pe @ pe.swapaxes(-1, -2)
-        )
-
-    def folded():
-        sc = q_lat.reshape(1, 1, H, r) @ lat.swapaxes(-1, -2)
-        sc = sc + q_pe.reshape(1, 1, H, d) @ pe.swapaxes(-1, -2)
-        return (mx.softmax(sc, axis=-1) @ lat).reshape(1, H, 1, r)
-
-    def ours(w):
-        c = latent_caches(cs[w])[0]
-
-        def f():
-            blks = mla_attention.blocks(c, 1, H, dtype.size)
-            out = mla_attention._absorbed(c, c.rotate(q_lat), q_pe, blks, 1)
-            return out if c.rotation is None else out @ c.rotation.swapaxes(-1, -2)
-
-        return f
-
-    c2 = latent_caches(cs["int2"])[0]
-    seg = [(lat_, pe_) for kind, _, lat_, pe_ in c2.segments(1) if kind == "codes"]
-
-    def unpack():
-        return [mla_attention._dense(c2, "codes", lt, pt, dtype) for lt, pt in seg]
-
-    names = ("mlx_lm_sdpa", "mlx_lm_folded", "bf16_latent", "int2", "int2_unpack")
-    fns = (sdpa, folded, ours("bf16_latent"), ours("int2"), unpack)
-    times = _best_of(fns, reps)
-    ms = {n: round(t * 1e3, 2) for n, t in zip(names, times)}
-    check = mx.abs(sdpa() - folded()).max().item()
-    return {
-        "context": ctx,
-        "ms": ms,
-        "sdpa_vs_folded": ms["mlx_lm_sdpa"] / ms["mlx_lm_folded"],
-        "int2_vs_bf16_latent": ms["int2"] / ms["bf16_latent"],
-        "unpack_share_of_int2": ms["int2_unpack"] / ms["int2"],
-        "folded_max_abs_diff": check,
-    }
-
-
-# A memory-bound Mac, for the projection: M3 Ultra's memory bandwidth (Apple's figure) and a
-# GPU throughput assumed for its matrix products (Apple publishes none; ~28 TFLOPS is the
-# figure commonly given for the 80-core GPU in fp32, and fp16 runs at the same rate).
-MAC_BANDWIDTH = 819e9
-MAC_FLOPS = 28e12
-WEIGHT_BITS = 4 + 2 * 16 / 64  # 4-bit, groups of 64 with a bf16 scale and bias
-
-
-def read_per_step(cs: list, heads: int) -> dict:
-    """What one decode step's attention reads from a layer's cache, counted from the arrays
-    the step really reads (the segments `mla_attention.blocks` hands the kernel, or mlx-lm's
-    keys and values up to its offset): bytes per product they enter (the scores read the
-    latent and rope rows, the values read the latent rows again: two products, two passes
-    over memory; the rotation twice, query in and output back), bytes counting every array
-    once, and the multiply-adds x 2 of the two products."""
-    c = cs[0][0] if hasattr(cs[0], "caches") else cs[0]
-    if isinstance(c, RotatedLatentCache):
-        H = heads
-        lat_b = pe_b = rows = 0
-        for _, _, lat, pe, _ in mla_attention.blocks(c, 1, H, 2):
-            lat_b += sum(p.nbytes for p in lat)
-            pe_b += sum(p.nbytes for p in pe)
-            rows += lat[0].shape[2]
-        rot = c.rotation.nbytes if c.rotation is not None else 0
-        r, d = c.latent_dims, c.rope_dims
-        per_product, once = 2 * lat_b + pe_b + 2 * rot, lat_b + pe_b + rot
-    else:
-        lat = c.keys[..., : c.offset, :]
-        pe = c.values[..., : c.offset, :]
-        rows, r, d = c.offset, lat.shape[-1], pe.shape[-1]
-        per_product, once = 2 * lat.nbytes + pe.nbytes, lat.nbytes + pe.nbytes
-    flops = 2 * heads * rows * (r + d) + 2 * heads * rows * r
-    return {"bytes_per_product": per_product, "bytes_once": once, "flops": flops}
-
-
-def mac_projection(
-    s: Setup,
-    contexts=(8192, 32768, 131072),
-    bandwidth: float = MAC_BANDWIDTH,
-    flops: float = MAC_FLOPS,
-) -> dict:
-    """Decode tokens/s projected for a 61-layer DeepSeek-V3 at 4-bit on a Mac, from bytes
-    moved and multiply-adds, per cache: the weights a token reads (synthetic.py's count of
-    the active parameters) and 61 times what one layer's attention reads of its cache (one
-    layer of this model filled to the context in bf16, counted by `read_per_step`).
-
-        memory_bound   every byte read at `bandwidth`, nothing else costs time
-        roofline       each part takes the longer of its bytes at `bandwidth` and its
-                       products at `flops` (weights and attention apart)
-
-    A projection, not a measurement: it ignores kernel launch and dispatch, the INT2
-    unpack's arithmetic (the roofline counts the same products for every cache, so where the
-    attention is compute-bound it credits INT2 with no cost for its smaller reads and none for
-    unpacking: INT2 is at best even there) and any cache reuse between the two products."""
-    from .synthetic import DEEPSEEK_V3_REST, active_weights_per_token
-
-    n = DEEPSEEK_V3_REST["num_hidden_layers"]
-    params = active_weights_per_token()
-    w_bytes = params * WEIGHT_BITS / 8
-    w_time = max(w_bytes / bandwidth, 2 * params / flops)
-    prev = model_dtype(s.model)
-    to_dtype(s, mx.bfloat16)
-    out = {
-        "assumptions": {
-            "model": "DeepSeek-V3, 61 layers, 4-bit weights (groups of 64, bf16 scale+bias)",
-            "active_weights": params,
-            "weight_bytes_per_token": round(w_bytes),
-            "bandwidth_bytes_per_s": bandwidth,
-            "gpu_flops_per_s": flops,
-            "attention": "absorbed MLA decode, 128 heads x one 512+64 latent row per token",
-        },
-        "contexts": {},
-    }
-    try:
-        for ctx in contexts:
-            row = {}
-            for w in HELD:
-                cs = caches(s, w)[:1]
-                fill(cs, ctx, s)
-                rd = read_per_step(cs, s.attn.num_heads)
-                del cs
-                mem_t = rd["bytes_per_product"] / bandwidth
-                flop_t = rd["flops"] / flops
-                row[w] = {
-                    **rd,
-                    "attention_bound": "compute" if flop_t > mem_t else "memory",
-                    "tok_s_memory_bound": 1 / (w_bytes / bandwidth + n * mem_t),
-                    "tok_s_memory_bound_bytes_once": 1
-                    / (w_bytes / bandwidth + n * rd["bytes_once"] / bandwidth),
-                    "tok_s_roofline": 1 / (w_time + n * max(mem_t, flop_t)),
-                }
-            for k in ("tok_s_memory_bound", "tok_s_memory_bound_bytes_once", "tok_s_roofline"):
-                row[f"int2_vs_mlx_lm_{k[6:]}"] = row["int2"][k] / row["bf16"][k]
-            out["contexts"][str(ctx)] = row
-    finally:
-        to_dtype(s, prev)
-    return out
-
-
-def _best_of(fns, reps: int) -> list[float]:
-    """Best time of each function over `reps` rounds, the functions interleaved in every
-    round, so a busy moment of the machine weighs on all of them, not on one ratio's side."""
-    for fn in fns:
-        mx.eval(fn())
-    best = [float("inf")] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t = time.perf_counter()
-            mx.eval(fn())
-            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
