@@ -26,7 +26,12 @@ HELP = """commands:
   /system TEXT   set the system prompt; /system alone clears it
   /stats         speed of the last answer and of the session
   /save FILE     write the conversation as JSON
-  /exit          leave (also /quit, Ctrl-D)"""
+  /bye           leave (also /exit, /quit, Ctrl-D)"""
+
+# An answer's length when --max-tokens is not given: a few paragraphs. Servers' own defaults
+# run to the context (llama-server: -1, until the context is full) or to a fixed cap that
+# prints a page of a model that never ends its turn.
+DEFAULT_MAX_TOKENS = 512
 
 
 # ---- where to talk to --------------------------------------------------------------------------
@@ -87,8 +92,17 @@ def _error_text(r: httpx.Response) -> str:
 
 
 class Client:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        on_note: Callable[[str], None] | None = None,
+    ):
+        """`on_note(text)`: the server's progress comments while it prepares an answer
+        (`: macserve router: starting NAME (Ns)`, sent while the router loads a model)."""
         self.base_url = base_url
+        self.on_note = on_note
         if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
             # httpx would raise encoding the header: a key no HTTP client can send
             raise MacserveError(
@@ -136,7 +150,7 @@ class Client:
                 if r.status_code >= 400:
                     r.read()
                     raise MacserveError(_error_text(r))
-                for data in _sse_data(r.iter_lines()):
+                for data in _sse_data(r.iter_lines(), self._note):
                     if data == "[DONE]":
                         break
                     try:
@@ -168,13 +182,21 @@ class Client:
             st.tokens_per_s = max(st.completion_tokens - 1, 0) / (st.seconds - st.ttft) or None
         yield st
 
+    def _note(self, comment: str) -> None:
+        if self.on_note is not None and comment.startswith("macserve router:"):
+            self.on_note(comment)
 
-def _sse_data(lines) -> Iterator[str]:
+
+def _sse_data(lines, on_comment: Callable[[str], None] | None = None) -> Iterator[str]:
     # One JSON object per `data:` line is what OpenAI, llama-server and we send; multi-line
-    # data fields (legal SSE, unused by them) are joined per event for completeness.
+    # data fields (legal SSE, unused by them) are joined per event for completeness. A comment
+    # line (`: text`) goes to on_comment.
     buf: list[str] = []
     for line in lines:
-        if line.startswith("data:"):
+        if line.startswith(":"):
+            if on_comment is not None:
+                on_comment(line[1:].strip())
+        elif line.startswith("data:"):
             buf.append(line[5:].lstrip(" "))
         elif not line.strip() and buf:
             yield "\n".join(buf)
@@ -196,6 +218,11 @@ def _take_stats(st: TurnStats, ev: dict) -> None:
             st.tokens_per_s, st.tps_source = float(t["predicted_per_second"]), "server"
         if "draft_n" in t:
             st.draft_n, st.draft_accepted = t.get("draft_n") or 0, t.get("draft_n_accepted") or 0
+
+
+_ROOM = re.compile(
+    r"prompt \((\d+) tokens\) \+ max_tokens \((\d+)\) is more than the context \((\d+)\)"
+)
 
 
 # ---- the session --------------------------------------------------------------------------------
@@ -220,6 +247,8 @@ class Session:
         }
         self.messages: list[dict] = []
         self.turns: list[TurnStats] = []
+        # the default cap, not the user's: shrunk to fit a small context (`_stream`)
+        self.default_max = max_tokens == DEFAULT_MAX_TOKENS
 
     def request(self) -> dict:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -233,7 +262,7 @@ class Session:
         self.messages.append({"role": "user", "content": text})
         parts: list[str] = []
         try:
-            for item in self.client.stream_chat(self.request()):
+            for item in self._stream():
                 if isinstance(item, TurnStats):
                     stats = item
                 else:
@@ -245,6 +274,25 @@ class Session:
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         self.turns.append(stats)
         return stats
+
+    def _stream(self) -> Iterator[str | TurnStats]:
+        """The answer; the default max_tokens (not one the user gave) shrunk to the room the
+        context leaves, when the server refuses it as too long (`macserve serve` does;
+        llama-server and mlx_lm shorten it themselves)."""
+        try:
+            yield from self.client.stream_chat(self.request())
+        except MacserveError as e:
+            room = _ROOM.search(str(e))
+            if not (self.default_max and room):
+                raise
+            left = int(room.group(3)) - int(room.group(1))
+            if left < 1:
+                raise
+            self.params["max_tokens"] = left
+            try:
+                yield from self.client.stream_chat(self.request())
+            finally:
+                self.params["max_tokens"] = DEFAULT_MAX_TOKENS
 
     def clear(self) -> None:
         self.messages.clear()
@@ -286,7 +334,7 @@ def command(session: Session, line: str, echo: Callable[[str], None]) -> bool:
     """Run one /command; False means leave."""
     name, _, arg = line.strip().partition(" ")
     arg = arg.strip()
-    if name in ("/exit", "/quit"):
+    if name in ("/bye", "/exit", "/quit"):
         return False
     if name == "/clear":
         session.clear()
@@ -318,13 +366,17 @@ def repl(
     echo: Callable[[str], None],
 ) -> None:
     """read() returns the next line (raises EOFError at the end); write() streams answer
-    text; echo() prints a whole line. Errors end the turn, never the session."""
+    text; echo() prints a whole line. Errors end the turn, never the session; Ctrl-C at the
+    prompt says how to leave (Ollama's way), Ctrl-C during an answer stops it."""
     while True:
         try:
             line = read()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             echo("")
             return
+        except KeyboardInterrupt:
+            echo("\n(Ctrl-D or /bye to leave)")
+            continue
         if not line.strip():
             continue
         if line.startswith("/"):

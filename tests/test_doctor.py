@@ -34,7 +34,7 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     # each footprint is what inspect says for that source, cache type and context
     expect = {
         "g": (f"{GGUF_REPO}:F32", 1024, "llama.cpp/f16"),  # -c 1024: new's choice
-        "e": (str(TINY_MODEL), 512, "mlx/bf16"),
+        "e": (str(TINY_MODEL), 512, "macserve/int2"),  # the folder ships its calibration
         "m": (MLX_REPO, 1024, "mlx/bf16"),  # no context flag: up to the model's limit
     }
     for name, (source, ctx, key) in expect.items():
@@ -55,4 +55,6 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     text = cli("doctor", "--memory", f"{need}B").stdout
     assert ": DOES NOT FIT" in text and "raise:    sudo sysctl iogpu.wired_limit_mb=" in text
     assert "docs/services.md#gpu-wired-limit" in text
+    text = cli("doctor", "--memory", f"{2 * need}B").stdout  # everything fits: no sysctl line
+    assert ": fits" in text and "raise:" not in text and "sudo sysctl" not in text
     assert cli("rm", "g").returncode == 0

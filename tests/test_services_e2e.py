@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from macserve.services.profiles import Profile, ProfileStore
+
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, poll, status, supervisord_pid
 
@@ -54,7 +56,7 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
         "new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1 -np 1"
     )
     assert r.returncode == 0, r.stderr
-    assert f"tiny: healthy at {url}/v1" in r.stdout
+    assert f"tiny: started, healthy at {url}/v1" in r.stdout
     assert "CTX=1024\nEXTRA_ARGS='--spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
     s = status("tiny")
     assert (s["state"], s["healthy"], s["port"]) == ("running", True, port)
@@ -303,20 +305,9 @@ def test_slow_failing_server_backs_off(services, macserve_home):
     supervisord's startsecs), which supervisord would respawn at once, forever; `macserve run`
     spaces the respawns 1, 2, 4 s ... and the error says what the server said."""
     port = free_port()
-    r = cli(
-        "new",
-        str(TINY_MODEL),
-        "--provider",
-        "macserve",
-        "--name",
-        "bad",
-        "--port",
-        str(port),
-        "--ctx",
-        "99999",
-        "--no-start",
-    )
-    assert r.returncode == 0, r.stderr
+    # written by hand: `new` and `set` refuse a CTX beyond the model's limit before writing
+    values = {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": str(port), "CTX": "99999"}
+    ProfileStore().save(Profile("bad", values))
     assert cli("start", "bad", "--no-wait").returncode == 0
     log = macserve_home / "logs" / "bad.log"
     poll(lambda: "back-off 4s" in log.read_text(), "three respawns", 120)
@@ -484,12 +475,12 @@ def test_engine_service_new_set_chat(services, macserve_home):
         "error: KV int3: macserve serve caches bf16 | int2",
     )
     assert status("tiny-engine")["pid"] == first["pid"]
-    r = cli("set", "tiny-engine", "--", "CTX=1024", "KV=int2", timeout=300)
+    r = cli("set", "tiny-engine", "--", "CTX=512", "KV=int2", timeout=300)
     assert r.returncode == 0, r.stderr
     second = status("tiny-engine")
     assert second["healthy"] and second["pid"] != first["pid"]
     services.append(second["pid"])
-    assert "--ctx 1024 --kv int2 --mtp-k 1" in " ".join(psutil.Process(second["pid"]).cmdline())
+    assert "--ctx 512 --kv int2 --mtp-k 1" in " ".join(psutil.Process(second["pid"]).cmdline())
     # one profile: `chat "a prompt"` asks it (with the profile's key)
     r = cli("chat", "What country, friends, is this?")
     assert r.returncode == 0, r.stderr

@@ -1,21 +1,88 @@
 """`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts."""
 
+import contextlib
 import sys
 
 import click
 
 from .. import chat as c
 from .. import env
-from ..services import manager
+from ..errors import MacserveError
+from ..services import manager, providers, routed, usage
+from ..services.views import outcome_line
+from .complete import profile_names
+from .services import Waiting
+
+try:
+    import readline  # line editing and history for input(); absent on some Pythons
+except ImportError:  # pragma: no cover
+    readline = None
+
+HISTORY_LINES = 1000
+
+
+def history_path():
+    """The interactive chat's history: lines typed, kept across sessions."""
+    return env.home() / "chat_history"
+
+
+def _router_for(name: str) -> str | None:
+    """The URL of a running router that serves profile `name`, if any."""
+    for r in routed.live():
+        if name in (r.get("models") or {}) and r.get("url"):
+            return r["url"]
+    return None
+
+
+def _router_key(url: str) -> str | None:
+    port = url.rsplit(":", 1)[-1]
+    st = manager.store()
+    for n in st.names():
+        with contextlib.suppress(MacserveError):
+            p = st.load(n)
+            if p.provider == "router" and str(p.port) == port:
+                return st.load_secrets(n).get("API_KEY")
+    return None
+
+
+def reach(name: str | None) -> tuple[str, str | None, str | None]:
+    """(URL, API key, model to send) for a profile: its own port when its server answers; a
+    running router that serves it (which starts it, with progress comments); else the
+    profile's service is started here, with a progress line, and then its port."""
+    url, key = manager.endpoint(name)
+    if name is None:
+        name = manager.store().names()[0]
+    profile = providers.typed(manager.store().load(name))
+    prov = providers.for_profile(profile)
+    if prov.ready(profile, timeout=2.0):
+        usage.touch(name)  # past a router: its idle clock starts again
+        return url, key, None
+    router = _router_for(name)
+    if router is not None:
+        click.echo(f"{name} is not running: asking the router at {router}", err=True)
+        return router, _router_key(router) or key, name
+    click.echo(f"{name} is not running: starting it", err=True)
+    w = Waiting(name)
+    try:
+        out = manager.start(name, tick=w)
+    finally:
+        w.done()
+    usage.touch(name)
+    click.echo(outcome_line(name, "started", out.url, out.pid), err=True)
+    return url, key, None
 
 
 @click.command()
-@click.argument("target", required=False)
+@click.argument("target", required=False, shell_complete=profile_names)
 @click.argument("prompt", required=False)
 @click.option("--system", help="System prompt.")
 @click.option("--model", help="Model id to send [default: the server's first /v1/models entry].")
 @click.option(
-    "--max-tokens", type=click.IntRange(1), help="Answer length limit [default: the server's]."
+    "--max-tokens",
+    type=click.IntRange(1),
+    default=c.DEFAULT_MAX_TOKENS,
+    show_default=True,
+    help="Answer length limit.",
 )
 @click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
 @click.option(
@@ -34,19 +101,24 @@ from ..services import manager
 def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
     """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
     one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
-    print one answer and a stats line on stderr, then exit. Inside: /clear /system /stats
-    /save /exit /help."""
+    print one answer and a stats line on stderr, then exit. A profile that is not running is
+    started first (or asked through a running router that serves it). Inside: /clear /system
+    /stats /save /bye /help."""
     url = c.url_of(target) if target else None
-    profile_key = None
+    profile_key = used = None
     if url is None:
         if target is not None and prompt is None and not manager.has_profile(target):
             # `chat "a prompt"`: no profile has that name, so it is the prompt for the only one
             target, prompt = None, target
-        url, profile_key = manager.endpoint(target)
-    client = c.Client(url, api_key or profile_key, timeout=timeout)
+        url, profile_key, routed_model = reach(target)
+        model = model or routed_model
+        used = target or manager.store().names()[0]
+    progress = _Progress()
+    client = c.Client(url, api_key or profile_key, timeout=timeout, on_note=progress)
     session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)
 
     def write(text):
+        progress.clear()
         click.echo(text, nl=False)  # click.echo flushes: each piece shows as it arrives
 
     if prompt is not None:
@@ -62,6 +134,8 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
         )
 
     def read():
+        if used is not None:
+            usage.touch(used)  # each turn: a router's idle clock starts again
         if tty:
             return input("> ")  # input() gives line editing when readline is available
         line = sys.stdin.readline()
@@ -69,4 +143,38 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
             raise EOFError
         return line.rstrip("\n")
 
-    c.repl(session, read, write, click.echo)
+    if not (tty and readline is not None):
+        c.repl(session, read, write, click.echo)
+        return
+    hist = history_path()
+    with contextlib.suppress(OSError):
+        readline.read_history_file(hist)
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        c.repl(session, read, write, click.echo)
+    finally:
+        with contextlib.suppress(OSError):
+            hist.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(hist)
+
+
+class _Progress:
+    """The router's `starting NAME (Ns)` comments on stderr: one line rewritten in place on a
+    terminal (cleared when the answer begins), each on its own line otherwise."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.shown = False
+
+    def __call__(self, text: str) -> None:
+        text = "router: " + text.removeprefix("macserve router: ")
+        if self.tty:
+            click.echo(f"\r\033[K{text} ...", nl=False, err=True)
+            self.shown = True
+        else:
+            click.echo(f"{text} ...", err=True)
+
+    def clear(self) -> None:
+        if self.shown:
+            click.echo("\r\033[K", nl=False, err=True)
+            self.shown = False

@@ -15,13 +15,15 @@ import sys
 import click
 
 from ..errors import MacserveError
-from ..services import manager
+from ..services import manager, usage
 from ..services import pull as hub
 from ..services.doctor import doctor as doctor_report
 from ..services.run import exec_profile
 from ..services.supervisors import backend_name, log_path
 from ..services.supervisors import logs as service_logs
+from ..services.views import outcome_line
 from ..sizing.budget import parse_size
+from .complete import profile_names
 from .fmt import age as _age
 from .fmt import context as _context
 from .fmt import short_size as _mem
@@ -36,7 +38,7 @@ TIMEOUT = click.option(
 )
 
 
-class _Waiting:
+class Waiting:
     """Progress while a service loads: a spinner on a terminal, one line otherwise."""
 
     def __init__(self, name: str):
@@ -63,7 +65,7 @@ class _Waiting:
 
 
 def _run_waiting(label, fn, *args, **kw):
-    w = _Waiting(label)
+    w = Waiting(label)
     try:
         return fn(*args, tick=w, **kw)
     except manager.SetFailed as e:
@@ -158,7 +160,7 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
     if no_start:
         click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
     else:
-        click.echo(f"{out.name}: healthy at {out.url}/v1 (pid {out.pid})")
+        click.echo(outcome_line(out.name, "started", out.url, out.pid))
 
 
 @click.command()
@@ -206,7 +208,7 @@ def worker(name, host, port, extra_args, no_start, timeout):
 
 
 @click.command(name="set", context_settings={"ignore_unknown_options": True})
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 @click.argument("items", nargs=-1, type=click.UNPROCESSED)
 @click.option("--no-restart", is_flag=True, help="Only write the profile (batch edits).")
 @TIMEOUT
@@ -225,13 +227,24 @@ def set_(name, items, no_restart, timeout):
     changes = manager.parse_assignments(items)
     secrets = {k: (_read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
     changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
-    out = _run_waiting(
-        name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
-    )
+    st = manager.store()
+    before = st.text(name)
+    try:
+        out = _run_waiting(
+            name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
+        )
+    except KeyboardInterrupt:
+        # Before the restart (the checks: a server's --help, ssh): nothing was written. Once
+        # the restart is under way, set's own handler rolls back and says so (SetFailed).
+        if st.text(name) == before:
+            raise MacserveError(f"interrupted: nothing changed ({name} is as it was)") from None
+        raise MacserveError(
+            f"interrupted while saving: the next macserve command puts {name} back"
+        ) from None
     for n in out.notes:
         click.echo(f"{name}: {n}")
     if out.pid:
-        click.echo(f"{name}: restarted, healthy at {out.url}/v1 (pid {out.pid})")
+        click.echo(outcome_line(name, "restarted", out.url, out.pid))
 
 
 @click.command()
@@ -275,7 +288,7 @@ def parse_args(ctx, command, args):
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 def run(name):
     """Run a profile's server in the foreground (what the service runs)."""
     exec_profile(name)
@@ -353,7 +366,7 @@ def _journal_notes(rows) -> None:
 
 
 @click.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, shell_complete=profile_names)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
     """Service state plus a live health probe, for one profile or all."""
@@ -370,7 +383,7 @@ def status(name, as_json):
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(name, as_json):
     """A profile: its file, the exact server command, and its service."""
@@ -392,32 +405,36 @@ def show(name, as_json):
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 @click.option("--no-wait", is_flag=True, help="Do not wait for health.")
 @TIMEOUT
 def start(name, no_wait, timeout):
     """Install (if needed) and start a profile's service."""
     out = _run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
-    extra = f" ({', '.join(out.notes)})" if out.notes else ""
-    click.echo(f"{name}: started at {out.url}/v1{extra}")
+    usage.touch(name)  # a running router's idle clock starts again
+    what = "already running" if "already running" in out.notes else "started"
+    click.echo(outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 def stop(name):
     """Stop a profile's service (it stays stopped until start)."""
+    url = manager.base_url(manager.store().load(name))
+    pid = manager.get_backend().status(name).pid
     manager.stop(name)
-    click.echo(f"{name}: stopped")
+    click.echo(outcome_line(name, "stopped", url, pid))
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 @click.option("--no-wait", is_flag=True, help="Do not wait for health.")
 @TIMEOUT
 def restart(name, no_wait, timeout):
     """Restart a profile's service (reloading its unit if that changed)."""
     out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
-    click.echo(f"{name}: restarted at {out.url}/v1 (pid {out.pid})")
+    usage.touch(name)
+    click.echo(outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
 
 
 @click.command()
@@ -462,16 +479,17 @@ def doctor(as_json, memory):
                 click.echo(f"  {p['name']}: {why}")
     verdict = "fits" if rep.fits else "DOES NOT FIT"
     click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")
-    click.echo(
-        f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; to keep it: "
-        f"{rep.persist})"
-    )
+    if not rep.fits:  # the sysctl only when something does not fit
+        click.echo(
+            f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; "
+            f"to keep it: {rep.persist})"
+        )
     for n in rep.notes:
         click.echo(f"note: {n}")
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option("-n", "lines", type=click.IntRange(0), default=50, show_default=True)
 def logs(name, follow, lines):
@@ -489,7 +507,7 @@ def logs(name, follow, lines):
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", shell_complete=profile_names)
 def rm(name):
     """Stop and uninstall a profile's service, then delete the profile (logs are kept)."""
     manager.remove(name)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .. import env
 from ..errors import MacserveError
+from ..sizing.report import report
 from . import plan as sizing_plan
 from . import providers, run
 from .health import (
@@ -27,10 +28,13 @@ from .health import (
     with_log_line,
 )
 from .ports import DEFAULT_PORT, check_port, pick_port, ports_used
-from .profiles import Profile, ProfileStore, check_name
+from .profiles import MODELLESS, Profile, ProfileStore, check_name
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .providers.router import DEFAULT_PORT as ROUTER_DEFAULT_PORT
+from .pull import ENGINE_FILES
 from .supervisors import get_backend, log_path, logs
+
+SHIPPED_ROTATION = ENGINE_FILES[0]  # the engine's calibration file (engine/caches.py reads it)
 
 
 def default_name(source: str, quant: str | None) -> str:
@@ -69,9 +73,21 @@ def new(
         raise MacserveError(
             f"profile {name} exists (change it with macserve set {name}, or pick --name)"
         )
+    notes = []
+    folder = Path(source).expanduser()
+    if kv is None and provider == "macserve" and (folder / SHIPPED_ROTATION).is_file():
+        kv = "int2"
+        notes.append(
+            f"the folder ships its calibration ({SHIPPED_ROTATION}): the INT2 latent cache, "
+            "KV=int2 (about 5x the context of bf16; --kv bf16 for the plain cache)"
+        )
     plan = sizing_plan.plan(source, quant, provider, ctx, kv=kv)
     prov = providers.get(plan.provider)
-    notes = list(plan.notes)
+    if ctx not in (None, "auto"):
+        refuse_ctx(
+            "--ctx", plan.n_ctx, plan.model_max, plan.fits, plan.budget_bytes, plan.cache_key
+        )
+    notes += plan.notes
     args: list[str] = []
     typed = {"KV": plan.kv}
     cache = plan.cache_key or f"{plan.kv} (not modelled by inspect)"
@@ -201,6 +217,65 @@ def new_router(
     )
 
 
+def refuse_ctx(
+    what: str,
+    n: int | None,
+    model_max: int | None,
+    fits: int | None,
+    budget_bytes: int,
+    cache_key: str | None,
+    multi_host: bool = False,
+) -> None:
+    """Refuse a context beyond the model's limit or beyond what fits the memory budget (as
+    inspect counts it), naming the limit and the largest context that fits."""
+    if not n:
+        return
+    over_limit = bool(model_max) and n > model_max
+    fits = None if multi_host else fits  # split over several Macs: each holds a part
+    over_budget = fits is not None and n > fits
+    if not (over_limit or over_budget):
+        return
+    budget = f"{budget_bytes / 2**30:.1f} GB budget"
+    if fits == 0:
+        raise MacserveError(
+            f"{what} {n:,}: the weights alone do not fit the {budget} (nothing written)"
+        )
+    largest = min(x for x in (model_max, fits) if x)
+    why = (
+        f"beyond the model's limit of {model_max:,} tokens"
+        if over_limit
+        else f"the {cache_key} cache at {n:,} tokens does not fit the {budget}"
+    )
+    raise MacserveError(
+        f"{what} {n:,}: {why}; the largest context that fits is {largest:,}"
+        + (f" with {cache_key}" if cache_key and fits is not None else "")
+        + " (nothing written)"
+    )
+
+
+def check_ctx(profile: Profile, what: str = "CTX") -> None:
+    """`refuse_ctx` for a profile's typed CTX, sized by inspect for its MODEL and KV; a model
+    inspect cannot read here is left to its server."""
+    if profile.ctx is None or profile.provider in MODELLESS or not profile.model:
+        return
+    prov = providers.for_profile(profile)
+    key = prov.cache_key(profile)
+    try:
+        r = report(profile.model)
+    except MacserveError:
+        return
+    fits = r["max_context"].get(key) if key else None
+    refuse_ctx(
+        what,
+        profile.ctx,
+        r.get("model_max_context"),
+        fits,
+        r["budget_bytes"],
+        key,
+        profile.multi_host,
+    )
+
+
 def moved_note(st: ProfileStore, name: str, prov, moved: Mapping[str, str]) -> str:
     how = ", ".join(
         f"{k} as {prov.api_key_env if k == 'API_KEY' else 'HF_TOKEN'}" for k in sorted(moved)
@@ -238,6 +313,7 @@ def _create(
         prov = providers.for_profile(profile)
         profile, lifted = prov.lift(profile)  # --extra-args '-c N': the CTX key
         if lifted:
+            check_ctx(profile)  # the CTX (or KV) that came from --extra-args
             notes.append(lifted)
         profile, moved = prov.move_secrets(profile)
         if moved:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..errors import MacserveError
 from . import journal, providers, run
-from .create import moved_note
+from .create import check_ctx, moved_note
 from .health import (
     TAIL_LINES,
     Interrupts,
@@ -139,6 +139,9 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
         _check_aliases(st, new)
     edit = _Edit(raw, new, old_secrets, secrets, notes, old)
     prov.validate(new)  # no I/O: also when only the router's keys changed
+    sized = ("ctx", "kv", "model", "provider", "hosts")
+    if checked is None and any(getattr(new, k) != getattr(old, k) for k in sized):
+        check_ctx(new)  # beyond the model's limit or the budget: refused before writing
     if _server_values(new) != _server_values(old) and (checked is None or new != checked.new):
         prov.check_args(new)  # refuse before anything is written or restarted
     return edit

@@ -121,3 +121,16 @@ def show(name: str) -> dict:
         backend=get_backend().name,
     )
     return r
+
+
+def outcome_line(name: str, what: str, url: str, pid: int | None, healthy: bool = True) -> str:
+    """The one shape new, set, start, restart and stop print: `NAME: WHAT, healthy at URL/v1
+    (pid N)`; `stopped, was at ...` for a stop, `..., not waited for` without a health wait."""
+    where = f"at {url}/v1" + (f" (pid {pid})" if pid else "")
+    if what == "stopped":
+        return f"{name}: stopped, was {where}"
+    return (
+        f"{name}: {what}, healthy {where}"
+        if healthy
+        else f"{name}: {what} {where}, health not waited for"
+    )

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -205,7 +206,7 @@ class Router:
             resp = await _until(request, self._open(m, request, body, path))
             if _is_stream(resp):
                 handed_over = True
-                gen = self._pipe(resp, m, path, t0)
+                gen = self._pipe(resp, m, path, t0, request.state.asked)
                 return _Leased(
                     gen,
                     lease,
@@ -219,6 +220,7 @@ class Router:
                 raise RouteError(502, _gone(m, e)) from None
             finally:
                 await resp.aclose()
+            content = _Renamer(request.state.asked).whole(content)
             return Response(content, resp.status_code, headers=_headers(resp))
         except RouteError as e:
             return dialects.error_response(e, path)
@@ -246,6 +248,7 @@ class Router:
                 "invalid_request_error",
             )
         m = self.pool.resolve(name)
+        request.state.asked = name  # answers carry it as their `model`, not the upstream's
         prov = m.provider
         if dialects.for_path(path) is anthropic_api and not prov.anthropic_api:
             raise RouteError(
@@ -281,17 +284,22 @@ class Router:
                 await _until(request, self.pool.ready(m))
         raise AssertionError("unreachable")
 
-    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float):
-        """The upstream stream as it comes; if the server goes away mid-stream, an error event
-        (after a blank line if it was cut mid-event) instead of a silent end."""
+    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float, asked=None):
+        """The upstream stream as it comes (each event's `model` the name asked for); if the
+        server goes away mid-stream, an error event (after a blank line if it was cut
+        mid-event) instead of a silent end."""
         tail = b"\n\n"
         meter = Meter(m.name, t0)
+        names = _Renamer(asked)
         try:
             async for chunk in resp.aiter_raw():
                 if chunk:
                     tail = (tail + chunk)[-2:]
                     meter.feed(chunk)
-                    yield chunk
+                    if out := names.feed(chunk):
+                        yield out
+            if out := names.rest():
+                yield out
         except httpx.HTTPError as e:
             m.ready_pid = None
             log.warning("%s: stream cut: %s", m.name, e)
@@ -322,7 +330,7 @@ class Router:
                 err = RouteError(resp.status_code, _message(text))
                 yield dialects.error_event(err, path)
                 return
-            async for b in self._pipe(resp, m, path, t0):
+            async for b in self._pipe(resp, m, path, t0, request.state.asked):
                 yield b
         finally:
             waiting.cancel()
@@ -333,6 +341,38 @@ class Router:
 
 class _ClientGone(Exception):
     pass
+
+
+class _Renamer:
+    """Each JSON line's `"model": "..."` (an SSE event, or a whole body) rewritten to the name
+    the client asked for: upstreams answer with their file path (llama-server) or their own id.
+    Lines are held until their newline, so a name split across chunks is still found."""
+
+    FIELD = re.compile(rb'(?<!\\)("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
+
+    def __init__(self, name: str | None):
+        self.value = json.dumps(name).encode() if name else None
+        self.buf = b""
+
+    def _sub(self, b: bytes) -> bytes:
+        return self.FIELD.sub(lambda mt: mt.group(1) + self.value, b) if self.value else b
+
+    def whole(self, b: bytes) -> bytes:
+        return self._sub(b)
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.value is None:
+            return chunk
+        self.buf += chunk
+        i = self.buf.rfind(b"\n")
+        if i < 0:
+            return b""
+        out, self.buf = self.buf[: i + 1], self.buf[i + 1 :]
+        return self._sub(out)
+
+    def rest(self) -> bytes:
+        out, self.buf = self._sub(self.buf), b""
+        return out
 
 
 async def _until(request: Request, aw):

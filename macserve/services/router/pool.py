@@ -37,7 +37,7 @@ import time
 from ...errors import MacserveError
 from ...sizing.budget import machine_budget
 from ...web.errors import HttpError
-from .. import manager, providers
+from .. import manager, providers, usage
 from .. import routed as state_file
 from ..profiles import MODELLESS
 from ..supervisors import Status
@@ -377,6 +377,9 @@ class Pool:
                 continue
             if not m.last_used:
                 m.last_used = now  # running, never served by this router: idle from now
+            used = usage.last(m.name)  # a use past the router (chat to its port, start)
+            if used is not None:
+                m.last_used = max(m.last_used, used - (time.time() - now))
             ttl = m.ttl(self.settings.ttl)
             idle = m.idle(now)
             if ttl is not None and idle is not None and idle > ttl and self._evictable(m):
