@@ -97,9 +97,18 @@ COMMANDS = {
     ),
     "set": (_S + "set_", "Change a profile and restart its service: set NAME -- KEY=VALUE ..."),
     "run": (_S + "run", "Run a profile's server in the foreground (what the service runs)."),
-    "ls": (_S + "ls", "Profiles with their service state, pid, port, uptime and memory."),
-    "status": (_S + "status", "Service state plus a live health probe, for one profile or all."),
-    "show": (_S + "show", "A profile: its file, the exact server command, and its service."),
+    "ls": (
+        "macserve.cli.views:ls",
+        "Profiles with their service state, pid, port, uptime and memory.",
+    ),
+    "status": (
+        "macserve.cli.views:status",
+        "Service state plus a live health probe, for one profile or all.",
+    ),
+    "show": (
+        "macserve.cli.views:show",
+        "A profile: its file, the exact server command, and its service.",
+    ),
     "start": (_S + "start", "Install (if needed) and start a profile's service."),
     "stop": (_S + "stop", "Stop a profile's service (it stays stopped until start)."),
     "restart": (

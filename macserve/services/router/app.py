@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,6 +50,7 @@ from .. import providers
 from . import prom, ui
 from .metrics import Meter, Metrics
 from .pool import Lease, Model, Pool, RouteError, Settings, size
+from .rename import Renamer
 
 log = logging.getLogger("macserve.router")
 
@@ -220,7 +220,7 @@ class Router:
                 raise RouteError(502, _gone(m, e)) from None
             finally:
                 await resp.aclose()
-            content = _Renamer(request.state.asked).whole(content)
+            content = Renamer(request.state.asked).whole(content)
             return Response(content, resp.status_code, headers=_headers(resp))
         except RouteError as e:
             return dialects.error_response(e, path)
@@ -290,7 +290,7 @@ class Router:
         mid-event) instead of a silent end."""
         tail = b"\n\n"
         meter = Meter(m.name, t0)
-        names = _Renamer(asked)
+        names = Renamer(asked)
         try:
             async for chunk in resp.aiter_raw():
                 if chunk:
@@ -341,38 +341,6 @@ class Router:
 
 class _ClientGone(Exception):
     pass
-
-
-class _Renamer:
-    """Each JSON line's `"model": "..."` (an SSE event, or a whole body) rewritten to the name
-    the client asked for: upstreams answer with their file path (llama-server) or their own id.
-    Lines are held until their newline, so a name split across chunks is still found."""
-
-    FIELD = re.compile(rb'(?<!\\)("model"\s*:\s*)"(?:[^"\\]|\\.)*"')
-
-    def __init__(self, name: str | None):
-        self.value = json.dumps(name).encode() if name else None
-        self.buf = b""
-
-    def _sub(self, b: bytes) -> bytes:
-        return self.FIELD.sub(lambda mt: mt.group(1) + self.value, b) if self.value else b
-
-    def whole(self, b: bytes) -> bytes:
-        return self._sub(b)
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self.value is None:
-            return chunk
-        self.buf += chunk
-        i = self.buf.rfind(b"\n")
-        if i < 0:
-            return b""
-        out, self.buf = self.buf[: i + 1], self.buf[i + 1 :]
-        return self._sub(out)
-
-    def rest(self) -> bytes:
-        out, self.buf = self._sub(self.buf), b""
-        return out
 
 
 async def _until(request: Request, aw):

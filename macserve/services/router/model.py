@@ -67,3 +67,17 @@ class Model:
 
     def idle(self, now: float) -> float | None:
         return None if not self.last_used or self.inflight else now - self.last_used
+
+
+def mtime(p) -> int | None:
+    try:
+        return p.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def clear_task(m: Model, attr: str, task: asyncio.Task) -> None:
+    if getattr(m, attr) is task:
+        setattr(m, attr, None)
+    if not task.cancelled():
+        task.exception()  # retrieved: every waiter got it; no "never retrieved" warning

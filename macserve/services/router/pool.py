@@ -44,7 +44,7 @@ from ..supervisors import Status
 
 # Model and Settings live in model.py; app.py and cli/router.py still name them (and size,
 # DEFAULT_START_TIMEOUT) here.
-from .model import DEFAULT_START_TIMEOUT, Model, Settings, size  # noqa: F401
+from .model import DEFAULT_START_TIMEOUT, Model, Settings, clear_task, mtime, size  # noqa: F401
 from .prom import RouterMetrics
 
 log = logging.getLogger("macserve.router")
@@ -106,7 +106,7 @@ class Pool:
         st = manager.store()
         names = st.names()
         for name in names:
-            stamp = tuple(_mtime(p) for p in (st.path(name), st.secrets_path(name)))
+            stamp = tuple(mtime(p) for p in (st.path(name), st.secrets_path(name)))
             m = self.models.get(name)
             if (m and m.stamp == stamp) or self.broken.get(name, (None, None))[1] == stamp:
                 continue
@@ -214,7 +214,7 @@ class Pool:
             if m.start_task is None and m.stop_task is None:
                 task = asyncio.ensure_future(self._bring_up(m, st))
                 m.start_task = task
-                task.add_done_callback(lambda t: _clear(m, "start_task", t))
+                task.add_done_callback(lambda t: clear_task(m, "start_task", t))
         if m.start_task is None:  # a stop began while the status was read
             return await self.ready(m)
         await asyncio.shield(m.start_task)
@@ -349,7 +349,7 @@ class Pool:
             self.prom.stopped(m.name, reason)
             task = asyncio.ensure_future(asyncio.to_thread(self.backend.stop, m.name))
             m.stop_task = task
-            task.add_done_callback(lambda t: _clear(m, "stop_task", t))
+            task.add_done_callback(lambda t: clear_task(m, "stop_task", t))
         try:
             await asyncio.shield(m.stop_task)
         except MacserveError as e:
@@ -487,17 +487,3 @@ class Pool:
 
     def unpublish(self) -> None:
         state_file.remove(self.settings.port)
-
-
-def _mtime(p) -> int | None:
-    try:
-        return p.stat().st_mtime_ns
-    except FileNotFoundError:
-        return None
-
-
-def _clear(m: Model, attr: str, task: asyncio.Task) -> None:
-    if getattr(m, attr) is task:
-        setattr(m, attr, None)
-    if not task.cancelled():
-        task.exception()  # retrieved: every waiter got it; no "never retrieved" warning
