@@ -8,30 +8,6 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write(path: Path, text: str | bytes, mode: int = 0o644) -> None:
-    """Write via a temp file in the same directory (fsync, chmod, os.replace), then fsync the
-    directory so the rename itself survives a power cut."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 @contextlib.contextmanager
 def atomic_path(path: Path):
     """A temp path in `path`'s directory for a writer that wants a file name (a library that
@@ -59,3 +35,13 @@ def atomic_path(path: Path):
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def atomic_write(path: Path, text: str | bytes, mode: int = 0o644) -> None:
+    """Write via a temp file in the same directory (fsync, chmod, os.replace), then fsync the
+    directory so the rename itself survives a power cut. The temp file is made 0600 by
+    mkstemp, so a secret is never readable by others even before the chmod."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)

@@ -34,8 +34,8 @@ from ..errors import MacserveError
 from ..web import dialects, guards
 from ..web.body import read_body
 from ..web.errors import HttpError
+from ..web.jsonbody import parse_object
 from . import anthropic as A
-from . import protocol as P
 from . import tools
 from .dialect import ANTHROPIC, OPENAI
 from .metrics import CONTENT_TYPE, CountRequests
@@ -164,7 +164,7 @@ async def _prepare(request: Request, api, kind: str):
     eng: Engine = request.app.state.engine
     bundle = eng.bundle()
     eng.refuse_if_draining()
-    req = api.parse(P.parse_json(await read_body(request, eng.settings.read_timeout)), kind)
+    req = api.parse(parse_object(await read_body(request, eng.settings.read_timeout)), kind)
     # Templates and grammars take a while on long inputs: off the event loop, so other
     # streams keep flowing.
     ids = await run_in_threadpool(prompt_ids, bundle, req)
@@ -246,7 +246,7 @@ async def count_tokens(request: Request) -> Response:
     eng: Engine = request.app.state.engine
     try:
         bundle = eng.bundle()
-        body = P.parse_json(await read_body(request, eng.settings.read_timeout))
+        body = parse_object(await read_body(request, eng.settings.read_timeout))
         req = A.count_tokens_request(body)
         ids = await run_in_threadpool(prompt_ids, bundle, req)
         return JSONResponse({"input_tokens": len(ids)})

@@ -16,7 +16,6 @@ from typing import Any
 from ..web.errors import HttpError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_DEPTH = 64  # JSON nesting a body may have: far above any real schema, far below recursion
 MAX_TOP_LOGPROBS = 20
 # Fields we would otherwise silently ignore, with the values that mean "not asked for".
 _REFUSED = {
@@ -71,35 +70,6 @@ class GenRequest:
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
-
-
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise HttpError(400, f"request body is nested more than {MAX_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HttpError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "request body must be a JSON object")
-    if _depth(body) > MAX_DEPTH:
-        raise HttpError(400, f"request body is nested more than {MAX_DEPTH} levels deep")
-    return body
-
-
-def _depth(v) -> int:
-    """Nesting depth, without recursion (the body may be built to exhaust the stack)."""
-    deepest, todo = 0, [(v, 1)]
-    while todo:
-        x, d = todo.pop()
-        if isinstance(x, dict):
-            x = list(x.values())
-        if isinstance(x, list):
-            deepest = max(deepest, d)
-            if d > MAX_DEPTH:
-                return d
-            todo.extend((y, d + 1) for y in x)
-    return deepest
 
 
 def _is_int(v) -> bool:
