@@ -291,7 +291,7 @@ def test_non_streaming_and_queued_requests_are_cancelled_when_their_client_leave
     assert server.health()["queued"] == 0
 
 
-def test_engine_provider_argv_flags_and_checks():
+def test_engine_provider_argv_flags_and_checks(macserve_home):
     p = Profile(
         "t",
         {
@@ -309,6 +309,11 @@ def test_engine_provider_argv_flags_and_checks():
         "macserve",
         "serve",
         str(TINY_MODEL),
+        # the disk tier of its prompt cache, kept with the profile's state across restarts
+        "--prompt-cache-dir",
+        str(macserve_home / "state" / "t" / "prompt-cache"),
+        "--prompt-cache-disk",
+        "20GB",
         "--host",
         "127.0.0.1",
         "--port",
