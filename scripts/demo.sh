@@ -22,13 +22,15 @@ curl -s http://127.0.0.1:18480/v1/chat/completions -H 'Content-Type: application
   | python3 -c 'import json,sys; d=json.load(sys.stdin); print(repr(d["choices"][0]["message"]["content"])); t=d.get("timings",{}); print("MTP draft acceptance:", t.get("draft_n_accepted"), "/", t.get("draft_n"))'
 kill $pid 2>/dev/null || true
 
-# The same model on macserve's own MLX engine as a supervised service: new, then set (the
-# service restarts itself and is health-checked) to the INT2 latent cache with MTP drafting,
+# The same model on macserve's own MLX engine as a supervised service: new (the folder ships
+# a calibration, so the INT2 latent cache; the model has an MTP layer, so drafting), then set
+# a smaller context (the service restarts itself, is health-checked, rolls back on failure),
 # then one chat turn; the stats line shows the draft acceptance.
 export MACSERVE_HOME="$out/home"
 macserve rm tiny-engine >/dev/null 2>&1 || true
 macserve new "$model" --provider macserve --name tiny-engine --port 18481
-macserve set tiny-engine -- EXTRA_ARGS="--ctx 1024 --kv int2 --mtp-k 1"
+macserve show tiny-engine | head -12
+macserve set tiny-engine -- CTX=768
 macserve chat tiny-engine "What country, friends, is this?"
 macserve rm tiny-engine
 # The demo's private supervisord (Linux; launchd on a Mac needs nothing) goes too.
