@@ -78,7 +78,7 @@ def test_check_flags_accepts_values_negatives_and_equals():
     check_flags(["-c", "-1", "--ctx_size=4096", "--jinja", "-sm", "row"], flags, "x")
 
 
-def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
+def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch, macserve_home):
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
     m = tmp_path / "m.gguf"
     m.write_bytes(b"GGUF")
@@ -111,6 +111,9 @@ def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch):
         "--alias",
         "my model",
         "--metrics",  # the router passes /metrics/{profile} through
+        # this binary lists --slot-save-path: slots kept across a planned stop
+        "--slot-save-path",
+        str(macserve_home / "state" / "a" / "slots"),
     ]
     assert prov.health_url(p) == "http://127.0.0.1:9000/health"
     prov.check_args(p)
