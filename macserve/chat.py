@@ -91,6 +91,16 @@ def _error_text(r: httpx.Response) -> str:
     return f"server answered {r.status_code}: {' '.join(str(msg).split())}"
 
 
+def check_key(api_key: str | None) -> None:
+    """A key no HTTP client can send (httpx would raise encoding the header) is one line, said
+    before anything is started or sent."""
+    if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+        raise MacserveError(
+            "the API key is not printable ASCII, so no client can send it "
+            "(set a new one: macserve set NAME -- API_KEY=...)"
+        )
+
+
 class Client:
     def __init__(
         self,
@@ -103,12 +113,7 @@ class Client:
         (`: macserve router: starting NAME (Ns)`, sent while the router loads a model)."""
         self.base_url = base_url
         self.on_note = on_note
-        if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
-            # httpx would raise encoding the header: a key no HTTP client can send
-            raise MacserveError(
-                "the API key is not printable ASCII, so no client can send it "
-                "(set a new one: macserve set NAME -- API_KEY=...)"
-            )
+        check_key(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
             base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=5.0)

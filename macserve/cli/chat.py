@@ -50,6 +50,7 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     running router that serves it (which starts it, with progress comments); else the
     profile's service is started here, with a progress line, and then its port."""
     url, key = manager.endpoint(name)
+    c.check_key(key)  # a stored key no client can send: said before anything starts
     if name is None:
         name = manager.store().names()[0]
     profile = providers.typed(manager.store().load(name))
@@ -104,6 +105,7 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
     print one answer and a stats line on stderr, then exit. A profile that is not running is
     started first (or asked through a running router that serves it). Inside: /clear /system
     /stats /save /bye /help."""
+    c.check_key(api_key)  # before a stopped profile is started for it
     url = c.url_of(target) if target else None
     profile_key = used = None
     if url is None:
