@@ -8,7 +8,7 @@ twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU 
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
 (a local Hugging Face hub serving the demo model).
-Helpers: `free_port`, `poll`, `cli` and `status` (the macserve CLI in a subprocess, on
+Helpers: `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
 supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
 """
@@ -100,6 +100,24 @@ def free_port() -> int:
                 continue
         return port
     raise RuntimeError(f"no free port in {lo}-{top}")
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Processes started inside get SIGINT as a terminal's foreground job has it. A shell
+    starts a background job (`bash scripts/test.sh &`, a CI runner's step) with SIGINT
+    ignored, and an ignored signal stays ignored across fork and exec: a test that sends
+    Ctrl-C to a CLI would then test nothing (the two "flaky" Ctrl-C tests of issue 31 were
+    this). A handled signal is reset to its default at exec, so the suite handles it here
+    for the moment a child is started."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def poll(fn, what, timeout=90.0):

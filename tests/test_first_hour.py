@@ -18,7 +18,7 @@ import pytest
 from macserve.services.profiles import Profile, ProfileStore
 
 from .conftest import REPO, TINY_MODEL
-from .fixtures import cli, free_port, poll, router_process, status
+from .fixtures import cli, free_port, interruptible, poll, router_process, status
 from .serverproc import serve
 
 
@@ -32,7 +32,8 @@ class Terminal:
 
     def __init__(self, *args):
         self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: the CLI as a user runs it
+        if self.pid == 0:  # the child: the CLI as a user runs it, a terminal's foreground job
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # even when the suite runs with it ignored
             os.environ.update(environ(TERM="xterm", COLUMNS="200"))
             os.execv(sys.executable, [sys.executable, "-m", "macserve", *args])
         self.out = b""
@@ -53,6 +54,17 @@ class Terminal:
                 assert chunk, f"the terminal closed before {pattern!r}: {self.out[-2000:]!r}"
                 self.out += chunk
         return self.out
+
+    def wait_blocked(self, timeout=60.0) -> None:
+        """Until the CLI sleeps (blocked reading the terminal). CPython's readline checks for
+        signals only when its select() is interrupted (readline_until_enter_or_signal in
+        Modules/readline.c): a Ctrl-C that lands between the prompt being drawn and that
+        select() is lost, a window of microseconds for a person, long enough for a test on a
+        loaded machine that types the moment the prompt shows."""
+        import psutil
+
+        proc = psutil.Process(self.pid)
+        poll(lambda: proc.status() == psutil.STATUS_SLEEPING, "chat to wait for a key", timeout)
 
     def send(self, keys: bytes) -> None:
         os.write(self.fd, keys)
@@ -97,7 +109,7 @@ def test_interactive_chat_in_a_terminal(server, macserve_home):
     t.send(b"\r")
     t.read_until(rb"\n> $")  # the second answer, then the prompt
     assert b"^[[A" not in t.out
-    time.sleep(0.5)  # readline is at the prompt
+    t.wait_blocked()  # readline is waiting for a key, not between the prompt and its select()
     t.send(b"\x03")  # Ctrl-C at the prompt: a hint, not an exit
     t.read_until(rb"\(Ctrl-D or /bye to leave\)\r?\n> ", timeout=20)
     t.send(b"/stats\r")
@@ -265,14 +277,15 @@ def test_ctrl_c_before_a_restart_changes_nothing(tmp_path, macserve_home):
         Profile("g", {"PROVIDER": "llama.cpp", "MODEL": str(gguf), "PORT": str(free_port())})
     )
     before = (macserve_home / "profiles" / "g.env").read_text()
-    p = subprocess.Popen(
-        [sys.executable, "-m", "macserve", "set", "g", "--", "EXTRA_ARGS+=-t 2"],
-        env=environ(MACSERVE_LLAMA_SERVER=str(slow)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    with interruptible():
+        p = subprocess.Popen(
+            [sys.executable, "-m", "macserve", "set", "g", "--", "EXTRA_ARGS+=-t 2"],
+            env=environ(MACSERVE_LLAMA_SERVER=str(slow)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
     poll(
         lambda: any("sleep" in " ".join(c) for c in _children_cmdlines(p.pid)),
         "the server's flag check to run",
@@ -284,6 +297,22 @@ def test_ctrl_c_before_a_restart_changes_nothing(tmp_path, macserve_home):
     assert err.strip() == "error: interrupted: nothing changed (g is as it was)"
     assert "Aborted" not in err
     assert (macserve_home / "profiles" / "g.env").read_text() == before
+
+
+def test_a_detached_set_keeps_ignoring_what_its_shell_ignored():
+    """`nohup macserve set ...` ignores SIGHUP, a background job SIGINT: the hangup or Ctrl-C
+    meant for the terminal must not roll back the change; what is not ignored still is."""
+    from macserve.services.health import Interrupts
+
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Interrupts():
+            signal.raise_signal(signal.SIGHUP)  # ignored: nothing happens
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, saved)
 
 
 def _children_cmdlines(pid):

@@ -18,7 +18,7 @@ import psutil
 from macserve.services.profiles import Profile, ProfileStore
 
 from .conftest import REPO, TINY_MODEL
-from .fixtures import cli, free_port, poll, status, supervisord_pid
+from .fixtures import cli, free_port, interruptible, poll, status, supervisord_pid
 
 
 def n_ctx(port) -> int:
@@ -30,14 +30,15 @@ def n_ctx(port) -> int:
 def set_interrupted(sig, *assignments) -> subprocess.CompletedProcess:
     """`macserve set` in the background, `sig` sent once it is waiting for health."""
     env = dict(os.environ, PYTHONPATH=str(REPO), MACSERVE_SERVICE_BACKEND="supervisor")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "macserve", "set", *assignments],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
+    with interruptible():
+        p = subprocess.Popen(
+            [sys.executable, "-m", "macserve", "set", *assignments],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
     first = p.stderr.readline()  # "waiting for NAME to become healthy ..." (not a terminal)
     assert first.startswith("waiting for"), first
     p.send_signal(sig)

@@ -145,7 +145,10 @@ def with_log_line(profile: Profile, why: str, tail: list[str]) -> str:
 class Interrupts:
     """Ctrl-C, SIGTERM and SIGHUP as KeyboardInterrupt while `set` waits, so every way out of
     the wait goes through the rollback; held back (and remembered) while the previous settings
-    are being put back. Signal handlers exist only in the main thread; elsewhere a no-op."""
+    are being put back. Signal handlers exist only in the main thread; elsewhere a no-op.
+    A signal that is ignored when `set` starts stays ignored: a shell starts a background job
+    with SIGINT ignored, and `nohup` ignores SIGHUP, so that a Ctrl-C or a closed terminal
+    does not reach the job; rolling back on one would undo a change the user detached."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -162,8 +165,10 @@ class Interrupts:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.saved = {s: signal.getsignal(s) for s in self.SIGNALS}
-            for s in self.SIGNALS:
+            self.saved = {
+                s: h for s in self.SIGNALS if (h := signal.getsignal(s)) != signal.SIG_IGN
+            }
+            for s in self.saved:
                 signal.signal(s, self._handler)
         return self
 
