@@ -2,8 +2,8 @@
 
 `macserve chat` to a profile's own port, `start` and `restart` touch it; the router reads it
 before it stops a profile as idle, so any use through macserve resets the idle clock, not only
-requests through the router. (A raw HTTP request to the profile's port, past macserve, leaves
-no mark: send it through the router.)
+requests through the router. Raw HTTP to a profile's port is seen from the server's own
+`/metrics` instead (router/activity.py).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ import contextlib
 import logging
 import time
 
+import httpx
+
 from ...errors import MacserveError
 from ...sizing.budget import machine_budget
 from ...web.errors import HttpError
@@ -41,6 +43,7 @@ from .. import manager, providers, usage
 from .. import routed as state_file
 from ..profiles import MODELLESS
 from ..supervisors import Status
+from .activity import Activity
 
 # Model and Settings live in model.py; app.py and cli/router.py still name them (and size,
 # DEFAULT_START_TIMEOUT) here.
@@ -98,6 +101,7 @@ class Pool:
         self._changed: asyncio.Event | None = None
         self._published: str | None = None
         self.prom = RouterMetrics(self)
+        self.activity = Activity()
 
     # ---- the profiles --------------------------------------------------------------------------
 
@@ -371,12 +375,18 @@ class Pool:
         sts = await self.statuses()
         now = time.monotonic()
         stops = []
-        for m in list(self.models.values()):
-            st = sts.get(m.name)
-            if st is None or st.state not in IN_MEMORY:
-                continue
-            if not m.last_used:
-                m.last_used = now  # running, never served by this router: idle from now
+        up = [m for m in self.models.values() if (st := sts.get(m.name)) and st.state in IN_MEMORY]
+        for m in self.models.values():
+            if m not in up:
+                self.activity.forget(m.name)
+        async with httpx.AsyncClient() as client:  # clients at its port: its own counters
+            moved = await asyncio.gather(
+                *(self.activity.used(client, m.name, providers.base_url(m.profile), m.api_key)
+                  for m in up)
+            )  # fmt: skip
+        for m, worked in zip(up, moved):
+            if not m.last_used or worked:
+                m.last_used = now  # never served by this router, or used past it: from now
             used = usage.last(m.name)  # a use past the router (chat to its port, start)
             if used is not None:
                 m.last_used = max(m.last_used, used - (time.time() - now))
