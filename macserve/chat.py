@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -108,11 +109,17 @@ class Client:
         api_key: str | None = None,
         timeout: float = 600.0,
         on_note: Callable[[str], None] | None = None,
+        routed: str | None = None,
     ):
         """`on_note(text)`: the server's progress comments while it prepares an answer
-        (`: macserve router: starting NAME (Ns)`, sent while the router loads a model)."""
+        (`: macserve router: starting NAME (Ns)`, sent while the router loads a model).
+        `routed`: the model's name when base_url is a router: while a request waits, its
+        state in the router's listing is shown through on_note each second. The router's
+        own comments start only after its --keep-alive (10 s), because the first one commits
+        the answer to a 200: the listing says so from the first second."""
         self.base_url = base_url
         self.on_note = on_note
+        self.routed = routed
         check_key(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
@@ -148,10 +155,17 @@ class Client:
         st = TurnStats()
         chunks = 0
         t0 = time.perf_counter()
+        answered, lock = threading.Event(), threading.Lock()
+        if self.routed and self.on_note is not None:
+            threading.Thread(
+                target=self._watch_start, args=(answered, lock, t0), daemon=True
+            ).start()
         try:
             with self.http.stream(
                 "POST", "/v1/chat/completions", json={**body, "stream": True}
             ) as r:
+                with lock:  # no progress line once the answer has begun
+                    answered.set()
                 if r.status_code >= 400:
                     r.read()
                     raise MacserveError(_error_text(r))
@@ -180,12 +194,27 @@ class Client:
                             yield text
         except httpx.HTTPError as e:
             raise self._fail(e) from None
+        finally:
+            answered.set()
         st.seconds = time.perf_counter() - t0
         if not st.completion_tokens:
             st.completion_tokens = chunks  # servers without usage: one chunk is about one token
         if st.tokens_per_s is None and st.ttft is not None and st.seconds > st.ttft:
             st.tokens_per_s = max(st.completion_tokens - 1, 0) / (st.seconds - st.ttft) or None
         yield st
+
+    def _watch_start(self, answered: threading.Event, lock: threading.Lock, t0: float) -> None:
+        while not answered.wait(1.0):
+            try:
+                r = httpx.get(self.base_url + "/v1/models", headers=self.http.headers, timeout=2.0)
+                data = r.json()["data"]
+                state = next((m.get("state") for m in data if m.get("id") == self.routed), None)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                continue  # progress is a courtesy: the answer's own wait goes on
+            with lock:
+                if state == "starting" and not answered.is_set():
+                    secs = time.perf_counter() - t0
+                    self._note(f"macserve router: starting {self.routed} ({secs:.0f}s)")
 
     def _note(self, comment: str) -> None:
         if self.on_note is not None and comment.startswith("macserve router:"):

@@ -187,7 +187,9 @@ def test_router_cold_start_progress_and_model_name(services, macserve_home):
         "--no-start",
     )
     assert r.returncode == 0, r.stderr
-    args = ["router", "--port", str(rport), "--ttl", "5m", "--keep-alive", "0.5"]
+    # A keep-alive far longer than the start: the router's own comments never come, the
+    # progress is chat's reading of the router's listing, from the first second.
+    args = ["router", "--port", str(rport), "--ttl", "5m", "--keep-alive", "300"]
     with router_process(macserve_home, args, rport) as router:
         poll(lambda: "tiny" in (cli("ls").stdout), "ls")
         # `chat NAME` to a stopped profile a router serves: through the router, with progress

@@ -107,7 +107,7 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
     /stats /save /bye /help."""
     c.check_key(api_key)  # before a stopped profile is started for it
     url = c.url_of(target) if target else None
-    profile_key = used = None
+    profile_key = used = routed_model = None
     if url is None:
         if target is not None and prompt is None and not manager.has_profile(target):
             # `chat "a prompt"`: no profile has that name, so it is the prompt for the only one
@@ -116,7 +116,9 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
         model = model or routed_model
         used = target or manager.store().names()[0]
     progress = _Progress()
-    client = c.Client(url, api_key or profile_key, timeout=timeout, on_note=progress)
+    client = c.Client(
+        url, api_key or profile_key, timeout=timeout, on_note=progress, routed=routed_model
+    )
     session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)
 
     def write(text):
