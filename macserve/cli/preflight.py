@@ -11,10 +11,7 @@ from ..services import preflight as pf
 from .fmt import gb as _gb
 
 
-@click.command()
-@click.argument("name")
 def preflight(name):
-    """Check a multi-host profile's hosts: ssh, Python/mlx/mlx-lm versions, model, memory."""
     profile = manager.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")
