@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
+from ..hf_config import text_config
 from .arch import ModelShape
 from .arch_config import shape_from_config
-from .arch_fields import text_config
 from .arch_gguf import shape_from_gguf
 from .budget import Budget, machine_budget
 from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout, measured_layout
