@@ -11,6 +11,7 @@ from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
 from ..dev.hard_mla import build as build_hard_mla
 from ..dev.mlx_configs import configs_from_mlx_tests
+from ..dev.skeleton_tensors import write_header
 from ..dev.tiny.train import TrainSettings, train
 from ..errors import MacserveError
 from ..services.supervisors import launchd_files, package_root
@@ -56,7 +57,7 @@ def _pair(p):
     return "-" if p is None else f"{p[0]:,}, {p[1]:,}"
 
 
-def llama_truth_cmd(configs, ctx, server):
+def llama_truth_cmd(configs, ctx, server, gguf):
     if not server:
         raise click.UsageError("no llama-server: set MACSERVE_LLAMA_SERVER or pass --server")
     agree = 0
@@ -68,6 +69,9 @@ def llama_truth_cmd(configs, ctx, server):
         try:
             with tempfile.TemporaryDirectory() as d:
                 got = llama_truth.measure(cfg, server, ctx, Path(d))
+                if gguf:  # the skeleton's header alone: what inspect reads of a GGUF
+                    write_header(cfg, Path(d) / "header.gguf")
+                    from_gguf = llama_bytes_at(Path(d) / "header.gguf", ctx)[0]
         except MacserveError as e:
             click.echo(f"{p.stem[:44]:44} not measured: {str(e).splitlines()[0][:150]}")
             continue
@@ -77,6 +81,12 @@ def llama_truth_cmd(configs, ctx, server):
             want, per = None, f"inspect: {e}"[:60]
         mine = "n/a" if want is None else f"{want / 2**20:.2f}"
         ok = want is not None and abs(got.mib - want / 2**20) <= got.tolerance_mib
+        if gguf:
+            ok = (
+                ok
+                and from_gguf is not None
+                and abs(got.mib - from_gguf / 2**20) <= got.tolerance_mib
+            )
         agree += ok
         grown = sum(l.mib for l in got.lines if l.cells == _pad256(ctx)) * 2**20 / _pad256(ctx)
         click.echo(
@@ -84,6 +94,9 @@ def llama_truth_cmd(configs, ctx, server):
             f"{f'{grown:,.0f} ~ {float(per):,.0f}' if want is not None else per:>32}  "
             f"{'agree' if ok else 'DIFFER'}"
         )
+        if gguf:
+            said = "n/a" if from_gguf is None else f"{from_gguf / 2**20:.2f} MiB"
+            click.echo(f"    inspect of the skeleton's GGUF header: {said}")
         for line in got.lines:
             parts = ", ".join(f"{a} ({t}) {m:.2f}" for a, t, m in line.parts)
             click.echo(

@@ -64,8 +64,13 @@ def mlx_check_cmd(configs, from_mlx_tests):
     envvar="MACSERVE_LLAMA_SERVER",
     help="llama-server (default: $MACSERVE_LLAMA_SERVER).",
 )
+@click.option(
+    "--gguf",
+    is_flag=True,
+    help="Also size the skeleton's own GGUF header, as `inspect model.gguf` would.",
+)
 @runs(_BODY + "llama_truth_cmd")
-def llama_truth_cmd(configs, ctx, server):
+def llama_truth_cmd(configs, ctx, server, gguf):
     """llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real
     llama-server) beside inspect's llama.cpp/f16 figure."""
 
