@@ -1,7 +1,7 @@
 """`macserve --help` is the first thing a new user types, then a command's own `--help`: both
 import none of the wings (mlx-lm alone takes seconds to import), and neither does shell
 completion; `-h` works everywhere. What is imported is checked here, which does not depend on
-the machine's speed; the wall times are printed by `python3 -m macserve dev help-times`
+the machine's speed; the wall times are printed by `python3 -m macserve bench startup`
 (docs/architecture.md)."""
 
 import ast

@@ -128,8 +128,8 @@ BENCH = {
         "macserve.cli.commands.bench_engine:bench_engine",
         "The INT2 cache against mlx-lm's bf16 cache at real width.",
     ),
-    "help": (
-        _B + "bench_help",
+    "startup": (
+        _B + "bench_startup",
         "Wall time of `macserve --help` and of every command's own --help, against the bare interpreter's in the same run.",
     ),
     "serve": (

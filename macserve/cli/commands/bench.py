@@ -123,10 +123,10 @@ def bench_serve(
     clients; ratios against mlx_lm.server."""
 
 
-@click.command("help")
+@click.command("startup")
 @click.option("--runs", type=click.IntRange(1), default=3, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-@runs("macserve.cli.bench_help:bench_help")
-def bench_help(runs, as_json):
+@runs("macserve.cli.bench_startup:bench_startup")
+def bench_startup(runs, as_json):
     """Wall time of `macserve --help` and of every command's own --help, against the bare
     interpreter's in the same run."""
