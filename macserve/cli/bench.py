@@ -3,6 +3,7 @@ engine` is cli/bench_engine.py. Each prints ratios against a baseline measured i
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
+Each command's arguments, options and help: cli/commands/bench.py.
 """
 
 from __future__ import annotations

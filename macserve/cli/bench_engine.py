@@ -1,5 +1,6 @@
 """`bench engine`: the INT2 cache against mlx-lm's bf16 cache at real width, on a model folder
 or a synthetic model with random weights (docs/int2-latent-cache.md), and its printed report.
+Each command's arguments, options and help: cli/commands/bench_engine.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts."""
+"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts.
+Each command's arguments, options and help: cli/commands/chat.py."""
 
 import contextlib
 import sys

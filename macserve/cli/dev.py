@@ -1,5 +1,6 @@
 """`macserve dev ...`: developer commands (train the demo model, export its GGUF twin, check
-inspect against the engines)."""
+inspect against the engines).
+Each command's arguments, options and help: cli/commands/dev.py."""
 
 import json
 import tempfile

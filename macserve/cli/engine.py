@@ -4,6 +4,7 @@ loaded, and text from the demo model's corpus.
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
+Each command's arguments, options and help: cli/commands/engine.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only."""
+"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only.
+Each command's arguments, options and help: cli/commands/inspect.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`macserve preflight NAME`: the multi-host checks run before a start, per host. Printing only;
-the checks are in services/preflight.py."""
+the checks are in services/preflight.py.
+Each command's arguments, options and help: cli/commands/preflight.py."""
 
 from __future__ import annotations
 

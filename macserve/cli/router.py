@@ -2,6 +2,7 @@
 
 Its own module so the other service commands never import the HTTP stack (starlette, uvicorn).
 Parsing and printing only; the work is in services/router/ and services/manager.py.
+Each command's arguments, options and help: cli/commands/router.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`macserve serve MODEL`: the MLX engine behind an OpenAI-compatible API. Parse and call only."""
+"""`macserve serve MODEL`: the MLX engine behind an OpenAI-compatible API. Parse and call only.
+Each command's arguments, options and help: cli/commands/serve.py."""
 
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 rm.
 
 Parsing and printing only; the work is in services/manager.py.
+Each command's arguments, options and help: cli/commands/services.py.
 """
 
 from __future__ import annotations

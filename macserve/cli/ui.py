@@ -1,5 +1,6 @@
 """`macserve ui`: open the running router's web page. Parsing and printing only; where the
-routers run is what they publish (services/routed.py)."""
+routers run is what they publish (services/routed.py).
+Each command's arguments, options and help: cli/commands/ui.py."""
 
 from __future__ import annotations
 

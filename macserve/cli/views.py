@@ -1,5 +1,6 @@
 """`macserve ls`, `status` and `show`: what the services are doing, as a table or JSON.
-Parsing and printing only; the rows are services/views.py's."""
+Parsing and printing only; the rows are services/views.py's.
+Each command's arguments, options and help: cli/commands/views.py."""
 
 from __future__ import annotations
 
