@@ -12,11 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
+from macserve.dev.skeleton_tensors import write_header
 from macserve.errors import MacserveError
 from macserve.sizing.arch import MLA, Compressed, Full, Linear, NoCache, Sliding
 from macserve.sizing.arch_gguf import shape_from_gguf
 from macserve.sizing.kv_layout import kv_bytes_per_token
 from macserve.sizing.sources import HttpRangeFile, read_gguf_file
+
+from .conftest import CONFIGS
 
 BIG = 8 * 2**20  # a tensor this big: reading the whole file would cost over 1 MB
 
@@ -371,6 +374,48 @@ def test_hybrid_and_sliding_ggufs():
         )
     )
     assert nc.layers == [Full(2, 16, 16), NoCache()]
+
+
+def test_nemotron_h_gguf_caches_kv_on_attention_layers_and_mamba2_state_per_sequence():
+    """llama.cpp's nemotron_h loader: a layer with KV heads attends; one with neither KV heads
+    nor an FFN is Mamba-2 (conv and SSM state per sequence); an MLP / MoE layer caches nothing."""
+    m = _meta(
+        "nemotron_h_moe",
+        block_count=4,
+        embedding_length=64,
+        **{
+            "attention.head_count": [0, 8, 0, 0],
+            "attention.head_count_kv": [0, 2, 0, 0],
+            "attention.key_length": 128,
+            "attention.value_length": 128,
+            "feed_forward_length": [0, 0, 32, 0],
+            "ssm.conv_kernel": 4,
+            "ssm.inner_size": 1024,
+            "ssm.state_size": 128,
+            "ssm.group_count": 8,
+        },
+    )
+    s = shape_from_gguf(m)
+    # llama_hparams::n_embd_r = (d_conv - 1) * (d_inner + 2 * groups * d_state), n_embd_s =
+    # d_state * d_inner
+    mamba = Linear("mamba2", (4 - 1) * (1024 + 2 * 8 * 128), 128 * 1024)
+    assert s.layers == [mamba, Full(2, 128, 128), NoCache(), mamba]
+    assert kv_bytes_per_token(s, "llama.cpp/f16") == 2 * 128 * 2 * 2  # K and V, f16
+
+
+def test_nemotron_h_gguf_is_sized_as_its_config(tmp_path):
+    """The GGUF header llama-truth's skeleton writes for mlx-lm's nemotron_h test config
+    (mamba2 + attention): inspect of the .gguf gives the config's llama.cpp figures, which
+    llama-server itself agreed with (docs/inspect.md); before, the GGUF was refused."""
+    cfg = CONFIGS / "mlx-lm" / "nemotron_h.json"
+    write_header(json.loads(cfg.read_text()), tmp_path / "n.gguf")
+    g = inspect_json(str(tmp_path / "n.gguf"))
+    c = inspect_json(str(cfg), "--modelled")
+    assert g["model_type"] == "nemotron_h"
+    for key in ("kv_bytes_per_token", "state_bytes_per_sequence"):
+        assert g[key]["llama.cpp/f16"] == c[key]["llama.cpp/f16"], key
+    assert g["state_bytes_per_sequence"]["llama.cpp/f16"] > 0
+    assert g["layers"] == c["layers"]
 
 
 @pytest.mark.parametrize(

@@ -167,3 +167,19 @@ def test_the_dev_command_prints_both_figures(llama_server):
     row = next(l for l in r.output.splitlines() if l.startswith("openai__gpt-oss-120b"))
     assert row.split()[1] == "gpt-oss" and row.endswith("agree")
     assert "1 of 1 agree at -c 1024" in r.output
+    assert "inspect of the skeleton's GGUF header" not in r.output
+
+
+def test_the_dev_command_sizes_the_skeletons_gguf_header_too(llama_server):
+    """--gguf: the skeleton's own header read as `inspect model.gguf` reads it, beside what
+    llama-server allocated (Qwen2.5: the GGUF path reads llama.cpp's keys, not the config)."""
+    path = str(CONFIGS / "Qwen__Qwen2.5-7B-Instruct.json")
+    r = CliRunner().invoke(
+        main, ["dev", "llama-truth", path, "-c", "1024", "--gguf", "--server", llama_server]
+    )
+    assert r.exit_code == 0, r.output
+    row = next(l for l in r.output.splitlines() if l.startswith("Qwen__Qwen2.5-7B-Instruct"))
+    llama_mib, inspect_mib = float(row.split()[2]), float(row.split()[3])
+    said = next(l for l in r.output.splitlines() if "skeleton's GGUF header:" in l)
+    assert float(said.split(":")[1].split()[0]) == pytest.approx(llama_mib, abs=0.01)
+    assert inspect_mib == pytest.approx(llama_mib, abs=0.01) and row.endswith("agree")

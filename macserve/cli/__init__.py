@@ -1,61 +1,25 @@
 """The `macserve` command group: parse and print only; the work is in the wings.
 
-Every command is registered here, by name, as ("module:function", its one-line summary). A
-command's module is imported only when that command runs or shows its own help, so `macserve
-inspect` never imports mlx, httpx or the service machinery, and `macserve --help` (which
-lists the summaries from here) imports none of the wings: the first thing a new user types
-answers at once. Each cli module imports its wing at the top; tests/test_cli_help.py checks
-that each summary is how its command's own help begins.
+Every command is registered here, by name, as ("module:function", its one-line summary), the
+module being its declaration in cli/commands/ (arguments, options, help; click and the leaves
+only). Its body, in cli/<family>.py with its wing imported at the top, is imported only when
+the command runs (cli/lazy.py). So `macserve --help` (listed from the summaries here), every
+command's own `--help` and shell completion import no wing, and `macserve inspect` never
+imports httpx or the service machinery. tests/test_cli_help.py checks the modules each help
+loads, that each summary is how its command's help begins, and that each body takes its
+declaration's parameters.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import click
 
 from ..errors import MacserveError
+from .lazy import LazyGroup
 
 HELP = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand's context
-
-
-def _clip(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    return text[: max(width - 3, 1)].rsplit(" ", 1)[0] + "..."
-
-
-class LazyGroup(click.Group):
-    """A click group whose subcommands are ("module:attr", summary), imported on use; its
-    --help lists them from the summaries, importing nothing."""
-
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})
-
-    def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx, name):
-        if name in self.lazy:
-            module, _, attr = self.lazy[name][0].partition(":")
-            return getattr(importlib.import_module(module), attr)
-        return super().get_command(ctx, name)
-
-    def format_commands(self, ctx, formatter):
-        rows = []
-        for name in self.list_commands(ctx):
-            if name in self.lazy:
-                rows.append((name, self.lazy[name][1]))
-            else:
-                cmd = super().get_command(ctx, name)
-                if cmd is not None and not cmd.hidden:
-                    rows.append((name, cmd.get_short_help_str(formatter.width)))
-        if rows:
-            width = formatter.width - 6 - max(len(n) for n, _ in rows)
-            with formatter.section("Commands"):
-                formatter.write_dl([(n, _clip(h, width)) for n, h in rows])
 
 
 class _Main(LazyGroup):
@@ -74,12 +38,12 @@ class _Main(LazyGroup):
             sys.exit(2)
 
 
-_S = "macserve.cli.services:"
-_E = "macserve.cli.engine:"
-_B = "macserve.cli.bench:"
+_S = "macserve.cli.commands.services:"
+_E = "macserve.cli.commands.engine:"
+_B = "macserve.cli.commands.bench:"
 COMMANDS = {
     "inspect": (
-        "macserve.cli.inspect:inspect",
+        "macserve.cli.commands.inspect:inspect",
         "Size a model's KV cache and the context that fits.",
     ),
     "new": (
@@ -88,25 +52,25 @@ COMMANDS = {
     ),
     "worker": (_S + "worker", "Run llama.cpp's rpc-server here as a supervised service."),
     "router": (
-        "macserve.cli.router:router",
+        "macserve.cli.commands.router:router",
         "One OpenAI- and Anthropic-compatible endpoint for every profile.",
     ),
     "ui": (
-        "macserve.cli.ui:ui",
+        "macserve.cli.commands.ui:ui",
         "Open the router's web page (profiles, memory, actions, live speed, logs, chat) in a browser.",
     ),
     "set": (_S + "set_", "Change a profile and restart its service: set NAME -- KEY=VALUE ..."),
     "run": (_S + "run", "Run a profile's server in the foreground (what the service runs)."),
     "ls": (
-        "macserve.cli.views:ls",
+        "macserve.cli.commands.views:ls",
         "Profiles with their service state, pid, port, uptime and memory.",
     ),
     "status": (
-        "macserve.cli.views:status",
+        "macserve.cli.commands.views:status",
         "Service state plus a live health probe, for one profile or all.",
     ),
     "show": (
-        "macserve.cli.views:show",
+        "macserve.cli.commands.views:show",
         "A profile: its file, the exact server command, and its service.",
     ),
     "start": (_S + "start", "Install (if needed) and start a profile's service."),
@@ -129,13 +93,16 @@ COMMANDS = {
         _S + "parse_args",
         "Parse ARGS with `macserve COMMAND`'s own click options, without running it.",
     ),
-    "preflight": ("macserve.cli.preflight:preflight", "Check a multi-host profile's hosts."),
+    "preflight": (
+        "macserve.cli.commands.preflight:preflight",
+        "Check a multi-host profile's hosts.",
+    ),
     "serve": (
-        "macserve.cli.serve:serve",
+        "macserve.cli.commands.serve:serve",
         "Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions, /v1/messages (Anthropic) and /v1/models.",
     ),
     "chat": (
-        "macserve.cli.chat:chat",
+        "macserve.cli.commands.chat:chat",
         "Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT.",
     ),
     "calibrate": (
@@ -158,15 +125,19 @@ BENCH = {
     ),
     "dsa": (_B + "bench_dsa", "DSA decode on the INT2 cache: top-k rows only vs every row masked."),
     "engine": (
-        "macserve.cli.bench_engine:bench_engine",
+        "macserve.cli.commands.bench_engine:bench_engine",
         "The INT2 cache against mlx-lm's bf16 cache at real width.",
+    ),
+    "startup": (
+        _B + "bench_startup",
+        "Wall time of `macserve --help` and of every command's own --help, against the bare interpreter's in the same run.",
     ),
     "serve": (
         _B + "bench_serve",
         "macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over HTTP.",
     ),
 }
-_D = "macserve.cli.dev:"
+_D = "macserve.cli.commands.dev:"
 DEV = {
     "launchd-plists": (
         _D + "launchd_plists_cmd",

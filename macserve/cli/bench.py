@@ -3,6 +3,7 @@ engine` is cli/bench_engine.py. Each prints ratios against a baseline measured i
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
+Each command's arguments, options and help: cli/commands/bench.py.
 """
 
 from __future__ import annotations
@@ -25,26 +26,7 @@ from ..int2_format import INT2
 from .engine import held_out_prompts, load_mla, progress_bar, text_windows
 
 
-@click.command("kv")
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "--rotation",
-    type=click.Path(exists=True, dir_okay=False),
-    help="calibration file (default: the model folder's latent-rotation.safetensors, "
-    "else calibrate now on the training plays)",
-)
-@click.option(
-    "--data",
-    type=click.Path(exists=True, dir_okay=False),
-    help="held-out text (default: the demo model's held-out plays)",
-)
-@click.option("--windows", type=int, default=2, show_default=True)
-@click.option("--seq-len", type=int, default=1024, show_default=True)
-@click.option("--gen-tokens", type=int, default=256, show_default=True)
-@click.option("--contexts", default="1024,4096,16384", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
 def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
-    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
     rotation = rotation or shipped_rotation(model)
@@ -90,17 +72,7 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_j
     )
 
 
-@click.command("dsa")
-@click.option(
-    "--contexts",
-    default="4096,16384",
-    show_default=True,
-    help="cached tokens before the timed decode steps",
-)
-@click.option("--json", "as_json", is_flag=True)
 def bench_dsa(contexts, as_json):
-    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
-    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
     try:
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
@@ -117,31 +89,7 @@ def bench_dsa(contexts, as_json):
         )
 
 
-@click.command("mtp")
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "-k",
-    "ks",
-    type=int,
-    multiple=True,
-    default=[1, 2, 3],
-    show_default=True,
-    help="draft lengths to measure",
-)
-@click.option("--prompts", type=int, default=8, show_default=True)
-@click.option("--prompt-tokens", type=int, default=64, show_default=True)
-@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
-@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
-@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--llama-server",
-    "llama_url",
-    help="URL of a llama-server running the GGUF twin "
-    "with --spec-type draft-mtp: its acceptance on the same prompts is reported",
-)
-@click.option("--json", "as_json", is_flag=True)
 def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
-    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
     bundle = load(model)
     spec = CacheSpec.for_model(model, kv, rotation)
     mtp = bundle.mtp()
@@ -189,37 +137,6 @@ def _user_messages(n: int, chars: int = 80) -> list[str]:
     return out
 
 
-@click.command("serve")
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option("--turns", type=click.IntRange(2), default=10, show_default=True)
-@click.option(
-    "--rounds",
-    type=click.IntRange(1),
-    default=5,
-    show_default=True,
-    help="each: a chat, one client, then the concurrent clients, on every server in turn; "
-    "medians are reported",
-)
-@click.option("--answer-tokens", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--clients", type=click.IntRange(2), default=8, show_default=True)
-@click.option("--requests", type=click.IntRange(1), default=3, show_default=True, help="per client")
-@click.option(
-    "--load-tokens",
-    type=click.IntRange(1),
-    default=64,
-    show_default=True,
-    help="max_tokens of each load request",
-)
-@click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
-@click.option(
-    "--restart-rounds",
-    type=click.IntRange(0),
-    default=3,
-    show_default=True,
-    help="rounds of the restart scenario (a long turn, a server restart, the follow-up from "
-    "the disk cache); 0 skips it",
-)
-@click.option("--json", "as_json", is_flag=True)
 def bench_serve(
     model,
     turns,
@@ -232,9 +149,6 @@ def bench_serve(
     restart_rounds,
     as_json,
 ):
-    """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
-    HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
-    clients; ratios against mlx_lm.server."""
     plan = serve_bench.Plan(
         Path(model).resolve(),
         (),

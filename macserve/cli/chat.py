@@ -1,4 +1,5 @@
-"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts."""
+"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts.
+Each command's arguments, options and help: cli/commands/chat.py."""
 
 import contextlib
 import sys
@@ -10,7 +11,6 @@ from .. import env
 from ..errors import MacserveError
 from ..services import manager, providers, routed, usage
 from ..services.views import outcome_line
-from .complete import profile_names
 from .services import Waiting
 
 try:
@@ -73,38 +73,7 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     return url, key, None
 
 
-@click.command()
-@click.argument("target", required=False, shell_complete=profile_names)
-@click.argument("prompt", required=False)
-@click.option("--system", help="System prompt.")
-@click.option("--model", help="Model id to send [default: the server's first /v1/models entry].")
-@click.option(
-    "--max-tokens",
-    type=click.IntRange(1),
-    default=c.DEFAULT_MAX_TOKENS,
-    show_default=True,
-    help="Answer length limit.",
-)
-@click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
-@click.option(
-    "--api-key",
-    envvar=env.API_KEY,
-    show_envvar=True,
-    help="Bearer key [default: the profile's API_KEY].",
-)
-@click.option(
-    "--timeout",
-    type=click.FloatRange(1),
-    default=600,
-    show_default=True,
-    help="Seconds to wait for the server between bytes.",
-)
 def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
-    """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
-    one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
-    print one answer and a stats line on stderr, then exit. A profile that is not running is
-    started first (or asked through a running router that serves it). Inside: /clear /system
-    /stats /save /bye /help."""
     c.check_key(api_key)  # before a stopped profile is started for it
     url = c.url_of(target) if target else None
     profile_key = used = routed_model = None

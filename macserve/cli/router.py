@@ -2,13 +2,13 @@
 
 Its own module so the other service commands never import the HTTP stack (starlette, uvicorn).
 Parsing and printing only; the work is in services/router/ and services/manager.py.
+Each command's arguments, options and help: cli/commands/router.py.
 """
 
 from __future__ import annotations
 
 import click
 
-from .. import env
 from ..errors import MacserveError
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
@@ -20,7 +20,7 @@ from ..sizing.budget import parse_size
 from .services import _read_secret, _run_waiting
 
 
-def _ttl(ctx, param, value: str):
+def ttl_value(ctx, param, value: str):
     """Seconds, or None for never; checked while parsing, so `set router -- EXTRA_ARGS+=...`
     (macserve parse-args router) refuses a bad one before any restart."""
     ctx.meta["router.ttl"] = value  # as typed, for --install's EXTRA_ARGS
@@ -30,7 +30,7 @@ def _ttl(ctx, param, value: str):
         raise click.BadParameter(str(e).removeprefix("bad --ttl ")) from None
 
 
-def _memory(ctx, param, value: str | None):
+def memory_value(ctx, param, value: str | None):
     ctx.meta["router.memory"] = value
     try:
         return parse_size(value) if value else None
@@ -38,72 +38,6 @@ def _memory(ctx, param, value: str | None):
         raise click.BadParameter(str(e)) from None
 
 
-@click.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    help=f"Default: {ROUTER_PORT}; with --install, the first free port from {ROUTER_PORT}.",
-)
-@click.option(
-    "--ttl",
-    default="5m",
-    callback=_ttl,
-    show_default=True,
-    help="Stop a profile after this long without a request (90s, 10m, 1h, or never); a "
-    "profile's TTL key overrides it, TTL=never keeps it running.",
-)
-@click.option(
-    "--memory",
-    callback=_memory,
-    help="Plan for a Mac with this much RAM (e.g. 192GB; the budget is its GPU working set). "
-    "Default: this Mac's GPU wired limit.",
-)
-@click.option(
-    "--keep-alive",
-    type=click.FloatRange(0),
-    default=10.0,
-    show_default=True,
-    help="Seconds a streaming request waits for a starting model before it gets its 200 and "
-    "an SSE comment this often until the model is up; 0 holds it.",
-)
-@click.option(
-    "--start-timeout",
-    type=click.FloatRange(1),
-    default=router_pool.DEFAULT_START_TIMEOUT,
-    show_default=True,
-    help="Seconds a model may take to become healthy (or to find room).",
-)
-@click.option(
-    "--api-key",
-    envvar=env.API_KEY,
-    show_envvar=True,
-    help="Require this key (Authorization: Bearer KEY or x-api-key). Each profile's own key "
-    "is sent to its server by the router.",
-)
-@click.option(
-    "--allow-unauthenticated",
-    is_flag=True,
-    help="Without --api-key, still forward to profiles that have their own API_KEY (anyone "
-    "who reaches the router then uses their key). Default: such requests get 401.",
-)
-@click.option(
-    "--allowed-hosts",
-    default="",
-    help="Bound to loopback, the Host names accepted besides localhost / 127.0.0.1 / [::1] "
-    "(comma-separated): a page whose name resolves to this Mac (DNS rebinding) is refused.",
-)
-@click.option("--install", is_flag=True, help="Install it as a supervised service and start it.")
-@click.option("--name", default="router", show_default=True, help="The service's profile name.")
-@click.option("--no-start", is_flag=True, help="With --install: write the profile only.")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(1),
-    default=60.0,
-    show_default=True,
-    help="With --install: seconds to wait for the router to answer.",
-)
-@click.pass_context
 def router(
     ctx,
     host,
@@ -120,11 +54,6 @@ def router(
     no_start,
     timeout,
 ):
-    """One OpenAI- and Anthropic-compatible endpoint for every profile: each request goes to
-    the profile its `model` names (or one of its ALIASES), started on demand, stopped after
-    its TTL of idleness, and never more at once than fits the GPU memory budget (the least
-    recently used ones are stopped first). Runs in the foreground, or with --install as a
-    supervised service like any profile."""
     if install:
         given = lambda p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
         args = []

@@ -1,5 +1,6 @@
 """`macserve ls`, `status` and `show`: what the services are doing, as a table or JSON.
-Parsing and printing only; the rows are services/views.py's."""
+Parsing and printing only; the rows are services/views.py's.
+Each command's arguments, options and help: cli/commands/views.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import click
 
 from ..services import manager
 from ..services.supervisors import backend_name
-from .complete import profile_names
 from .fmt import age as _age
 from .fmt import short_size as _mem
 
@@ -64,10 +64,7 @@ def _table(rows, health=False):
         click.echo("  ".join(c.ljust(w) for c, w in zip(l, widths)) + "  " + l[-1])
 
 
-@click.command(name="ls")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def ls(as_json):
-    """Profiles with their service state, pid, port, uptime and memory."""
     rows = manager.rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -86,11 +83,7 @@ def _journal_notes(rows) -> None:
             click.echo(f"note: {r['name']}: {r['state']}: {r['detail']}", err=True)
 
 
-@click.command()
-@click.argument("name", required=False, shell_complete=profile_names)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
-    """Service state plus a live health probe, for one profile or all."""
     if name is not None:
         manager.store().load(name)  # unknown name (or ""): one-line error
     rows = [manager.row(name, health=True)] if name is not None else manager.rows(health=True)
@@ -103,11 +96,7 @@ def status(name, as_json):
     _journal_notes(rows)
 
 
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(name, as_json):
-    """A profile: its file, the exact server command, and its service."""
     r = manager.show(name)
     if as_json:
         click.echo(json.dumps(r, indent=2))

@@ -15,7 +15,8 @@ skeleton_base.py. skeleton_tensors.py then writes the file.
 from __future__ import annotations
 
 from ..errors import MacserveError
-from .skeleton_base import UNMAPPED, Skeleton, text_config
+from ..hf_config import text_config
+from .skeleton_base import UNMAPPED, Skeleton
 from .skeleton_gqa import GQA_ARCHS
 from .skeleton_hybrid import HYBRID_ARCHS
 

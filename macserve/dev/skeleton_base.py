@@ -21,15 +21,6 @@ class Skeleton:
     notes: list = field(default_factory=list)
 
 
-def text_config(config: dict) -> dict:
-    tc = config.get("text_config")
-    if isinstance(tc, dict) and "num_hidden_layers" in tc:
-        merged = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
-        merged.update(tc)
-        return merged
-    return config
-
-
 def need(c: dict, *keys):
     for k in keys:
         if c.get(k) is not None:

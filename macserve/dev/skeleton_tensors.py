@@ -71,6 +71,14 @@ def _write(path: Path, sk: Skeleton, tensors: dict[str, tuple]) -> None:
     w.close()
 
 
+def write_header(config: dict, path: Path) -> Skeleton:
+    """The skeleton's header alone, with no tensors: all that `macserve inspect` reads of a
+    GGUF, written without llama-server (llama-server would refuse it)."""
+    sk = skeleton_metadata(config)
+    _write(path, sk, {})
+    return sk
+
+
 def write_skeleton(config: dict, path: Path, server: str, log=lambda m: None) -> Skeleton:
     """Write a skeleton GGUF of `config` that `server` loads, learning its tensors from
     llama.cpp's own errors. Returns the Skeleton (arch and hyperparameters).

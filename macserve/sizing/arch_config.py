@@ -11,6 +11,7 @@ models. The dimensions of each kind are read by arch_fields.py.
 from __future__ import annotations
 
 from ..errors import MacserveError
+from ..hf_config import text_config
 from .arch import MLA, Compressed, Full, ModelShape, NoCache, Sliding
 from .arch_fields import (
     full_layer,
@@ -23,7 +24,6 @@ from .arch_fields import (
     shared_indexers,
     short_conv_layer,
     sliding_layer,
-    text_config,
     uint,
 )
 

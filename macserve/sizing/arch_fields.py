@@ -9,16 +9,6 @@ from ..errors import MacserveError
 from .arch import MLA, Full, Linear, Sliding
 
 
-def text_config(config: dict) -> dict:
-    """Multimodal configs nest the language model under `text_config`; flatten it."""
-    tc = config.get("text_config")
-    if isinstance(tc, dict) and "num_hidden_layers" in tc:
-        merged = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
-        merged.update(tc)
-        return merged
-    return config
-
-
 def required(c: dict, key: str, mt: str):
     v = c.get(key)
     if v is None:

@@ -152,6 +152,21 @@ def shape_from_gguf(meta: dict) -> ModelShape:
         conv = Linear("short_conv", (int(need("shortconv.l_cache")) - 1) * n_embd, 0)
         return done([Full(h, k_len, v_len) if h else conv for h in kv_heads])
 
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        # src/models/nemotron-h.cpp, load_arch_hparams: a layer is Mamba-2 (recurrent) iff it
+        # has neither KV heads nor an FFN (`recurrent_layer_arr`); one with KV heads is
+        # attention, caching K and V; the rest (MLP, MoE) cache nothing. The Mamba-2 state is
+        # per sequence, not per token (llama_memory_recurrent; n_embd_r/s as in _gguf_linear).
+        ff = per_layer("feed_forward_length", 0)
+        mamba = _gguf_linear(g, need, arch, heads[0], "mamba2")
+
+        def kind(i):
+            if kv_heads[i]:
+                return Full(kv_heads[i], k_len, v_len)
+            return NoCache() if ff[i] else mamba
+
+        return done([kind(i) for i in range(blocks)])
+
     if g("ssm.state_size") is not None or g("ssm.conv_kernel") is not None:
         raise MacserveError(
             f"GGUF ({arch}): recurrent layout (`{arch}.ssm.*`) of this "

@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
+from ..hf_config import text_config
 from .arch import MLA, Full, Sliding
-from .arch_fields import text_config
 from .budget import Budget, machine_budget, parse_size
 from .kv_layout import as_number, layout
 from .kv_layout import max_context as _max_context

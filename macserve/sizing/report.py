@@ -18,15 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
+from ..hf_config import text_config
 from .arch import ModelShape
 from .arch_config import shape_from_config
-from .arch_fields import text_config
 from .arch_gguf import shape_from_gguf
 from .budget import Budget, machine_budget
 from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout, measured_layout
 from .kv_layout import max_context as _max_context
 from .mlx_measure import measure as measure_mlx
-from .sources import ModelSource, resolve
+from .sources import ModelSource, read_gguf_file, resolve
 
 TABLE_CONTEXTS = (8192, 32768, 131072)
 
@@ -250,10 +250,15 @@ def mlx_check(config: dict) -> MlxCheck:
     return MlxCheck(mt, m.module, measured, modelled, why)
 
 
-def llama_bytes_at(config: dict, ctx: int, cache_key: str = "llama.cpp/f16") -> tuple:
-    """inspect's llama.cpp figures for `config` at `-c ctx -np 1`, for `macserve dev
-    llama-truth`: (total cache bytes, bytes per token), or (None, reason) if unsupported."""
-    lay = layout(shape_from_config(config), cache_key)
+def llama_bytes_at(source, ctx: int, cache_key: str = "llama.cpp/f16") -> tuple:
+    """inspect's llama.cpp figures at `-c ctx -np 1` for `source` (a config dict, or a .gguf
+    path whose header is read as `inspect` reads it), for `macserve dev llama-truth`: (total
+    cache bytes, bytes per token), or (None, reason) if unsupported."""
+    if isinstance(source, dict):
+        shape = shape_from_config(source)
+    else:
+        shape = shape_from_gguf(read_gguf_file(source).gguf_meta)
+    lay = layout(shape, cache_key)
     if not lay.supported:
         return None, lay.reason
     return lay.bytes_at(ctx), lay.per_token

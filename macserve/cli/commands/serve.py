@@ -1,0 +1,157 @@
+"""`macserve serve`: what it accepts; the body is in cli/serve.py."""
+
+from __future__ import annotations
+
+import click
+
+from ... import env
+from ..lazy import runs
+
+_BODY = "macserve.cli.serve:"
+
+
+@click.command()
+@click.argument("model")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Bind address (loopback unless you mean to share it).",
+)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option(
+    "--api-key",
+    envvar=env.API_KEY,
+    show_envvar=True,
+    help="Require Authorization: Bearer KEY on /v1 (the env var keeps it out of ps).",
+)
+@click.option(
+    "--ctx",
+    type=click.IntRange(1),
+    help="Prompt + completion tokens per request [default: the model's max_position_embeddings].",
+)
+@click.option(
+    "--kv",
+    type=click.Choice(["bf16", "int2"]),
+    default="bf16",
+    show_default=True,
+    help="KV cache: bf16, or the rotated INT2 MLA latent cache.",
+)
+@click.option(
+    "--rotation",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Fitted rotations for --kv int2.",
+)
+@click.option(
+    "--mtp-k",
+    type=click.IntRange(0, 3),
+    default=0,
+    show_default=True,
+    help="Tokens to draft per step with the model's MTP layer (0: off).",
+)
+@click.option(
+    "--default-max-tokens",
+    type=click.IntRange(1),
+    default=4096,
+    show_default=True,
+    help="Completion tokens for a request that sets no max_tokens (at most the rest of --ctx).",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="Requests that may wait for the engine; more get 429 with Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600,
+    show_default=True,
+    help="Seconds a request may take from arrival: still queued -> 503, generating -> cut "
+    'with finish_reason "length".',
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30,
+    show_default=True,
+    help="Seconds a client has to send a request's headers, and then its body.",
+)
+@click.option(
+    "--allowed-origins",
+    default="",
+    help="CORS: comma-separated origins whose web pages may call the API ('*': any) "
+    "[default: none, no CORS headers].",
+)
+@click.option(
+    "--allowed-hosts",
+    default="",
+    help="Bound to loopback, the Host names accepted besides localhost / 127.0.0.1 / [::1] "
+    "(comma-separated).",
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(min=0),
+    default=10,
+    show_default=True,
+    help="On SIGTERM, seconds running requests get to finish (queued ones get 503 at once).",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(1, 256),
+    help="Requests decoded together (continuous batching); more wait in the queue "
+    "[default: as many whole-context KV caches as fit in the memory budget beside the weights "
+    "and the prompt cache, measured at load, at most 64].",
+)
+@click.option(
+    "--prompt-cache-bytes",
+    default="4GB",
+    show_default=True,
+    help="Memory for the caches of recent requests, reused by requests that share a prefix "
+    "(least recently used dropped first); 0 turns the prompt cache off.",
+)
+@click.option(
+    "--prompt-cache-dir",
+    type=click.Path(file_okay=False),
+    help="Where the prompt cache's disk tier keeps prefixes across restarts "
+    "[default: $MACSERVE_HOME/prompt-cache].",
+)
+@click.option(
+    "--prompt-cache-disk",
+    default="20GB",
+    show_default=True,
+    help="Disk for the prompt cache's disk tier (least recently used deleted first; 2 GB of "
+    "the filesystem are always left free); 0 turns it off.",
+)
+@click.option(
+    "--split",
+    help="Under mlx.launch: layers per rank, N1,N2,... (rank 0 runs the "
+    "last layers) [default: mlx-lm's even split].",
+)
+@runs(_BODY + "serve")
+def serve(
+    model,
+    host,
+    port,
+    api_key,
+    ctx,
+    kv,
+    rotation,
+    mtp_k,
+    default_max_tokens,
+    max_queue,
+    request_timeout,
+    read_timeout,
+    allowed_origins,
+    allowed_hosts,
+    shutdown_grace,
+    max_batch,
+    prompt_cache_bytes,
+    prompt_cache_dir,
+    prompt_cache_disk,
+    split,
+):
+    """Serve MODEL (an MLX / safetensors folder) on /v1/chat/completions, /v1/completions,
+    /v1/messages (Anthropic) and /v1/models; /health is 503 until the model has loaded,
+    then 200."""
