@@ -14,7 +14,7 @@ import plistlib
 import shutil
 import sys
 
-from macserve.services import manager, providers
+from macserve.services import manager, providers, values
 from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
@@ -70,7 +70,8 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     assert d["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
     assert d["RunAtLoad"] is True
     assert d["ThrottleInterval"] == 30
-    assert d["ExitTimeOut"] == 20
+    # SIGTERM -> SIGKILL: the default DRAIN plus the margin, as supervisord's stopwaitsecs
+    assert d["ExitTimeOut"] == values.stop_wait(None) > values.DEFAULT_DRAIN
     assert d["ProcessType"] == "Interactive"
     assert d["StandardOutPath"] == d["StandardErrorPath"] == str(log_path("big"))
     assert os.path.isabs(d["StandardOutPath"])
@@ -91,6 +92,31 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
         "StandardOutPath",
         "StandardErrorPath",
     }
+
+
+def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
+    """One figure, from the profile's DRAIN: launchd's ExitTimeOut and supervisord's
+    stopwaitsecs agree, and both leave the drain its whole length before any SIGKILL."""
+    from macserve.services.supervisors.supervisord import SupervisorBackend
+
+    sv = SupervisorBackend(macserve_home)
+    for drain, secs in (("", values.DEFAULT_DRAIN), ("3", 3), ("90s", 90), ("5m", 300)):
+        p = _profile().updated({"DRAIN": drain})
+        assert p.drain == (None if not drain else secs)
+        spec = _spec(p)
+        exit_timeout = plistlib.loads(render_plist(spec, DOMAIN))["ExitTimeOut"]
+        conf = sv.program_conf(spec)
+        assert f"stopwaitsecs={exit_timeout}\n" in conf
+        assert exit_timeout >= secs + values.STOP_MARGIN
+        LaunchdBackend().install(spec)  # our own graceful stop waits what the plist says
+        assert LaunchdBackend().grace("big") == exit_timeout
+    for bad in ("soon", "0", "-3", "2h"):
+        try:
+            _profile().updated({"DRAIN": bad})
+        except manager.MacserveError as e:
+            assert "DRAIN" in str(e)
+        else:
+            raise AssertionError(f"DRAIN={bad} accepted")
 
 
 def test_provider_env_lands_in_the_plist(macserve_home):
@@ -173,7 +199,7 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
 
 def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, monkeypatch):
     b = LaunchdBackend()
-    b.grace = 0.3
+    monkeypatch.setattr(b, "grace", lambda name: 0.3)
     b.apply(_spec(_profile()))
     launchctl()
     monkeypatch.setenv("FAKE_LAUNCHCTL_IGNORE_TERM", "1")
