@@ -398,10 +398,12 @@ class LaunchdBackend:
                 raise MacserveError(f"launchctl kickstart {label(name)} failed: {_msg(r)}")
 
     def stop(self, name: str) -> None:
-        self._need(name)
-        target = self.target(name)
-        self._unload(name)
-        _launchctl("disable", target)
+        found = self.copies(name)
+        if not found:
+            self._need(name)
+        self._unload(name, found=found)  # a copy whose plist is gone too (status shows it)
+        if self.installed(name):
+            _launchctl("disable", self.target(name))
 
     def restart(self, name: str) -> None:
         self._need(name)
@@ -416,44 +418,68 @@ class LaunchdBackend:
         self.agent_path(name).unlink(missing_ok=True)
 
     def status(self, name: str) -> Status:
+        """What `launchctl print` says of the job, nothing of our own: its state, pid, runs,
+        last exit code and terminating signal. A job loaded although its plist is gone
+        (removed by hand) is reported as launchd runs it, not as `not installed`."""
         if not self.installed(name):
+            for target, p in self.copies(name).items():
+                st = _from_print(name, p, installed=False)
+                st.detail = (
+                    f"loaded in {target.rsplit('/', 1)[0]} although its plist is gone "
+                    f"({st.detail}): macserve stop {name} unloads it"
+                )
+                return st
             return Status(name, False, "not installed")
         p = self._print(self.target(name))
         if p is None:
             return Status(name, True, "stopped", detail="not loaded")
-        pid = _pid(p)
-        m = re.match(r"-?\d+", p.get("last exit code", ""))  # "(never exited)" has none
-        exit_code = int(m.group()) if m else None
-        sig = p.get("last terminating signal") or None
-        runs = int(p["runs"]) if p.get("runs", "").isdigit() else None
-        st = p.get("state", "unknown")
-        running = st == "running" and pid is not None
-        died = not running and (exit_code is not None or sig is not None)
-        if running:
-            state = "running"
-        elif died:  # loaded, not running, its last run ended: launchd may respawn it
-            state = "exited"
-        elif st in ("spawn scheduled", "waiting"):
-            state = "starting"
-        elif st == "not running":
-            state = "stopped"
-        else:
-            state = st
-        return Status(
-            name,
-            True,
-            state,
-            pid=pid,
-            exit_code=exit_code,
-            runs=runs,
-            died=died,
-            signal=sig,
-            detail=f"launchd state {st}",
-        )
+        return _from_print(name, p, installed=True)
 
     def _need(self, name: str) -> None:
         if not self.installed(name):
             raise MacserveError(f"service {name} is not installed")
+
+
+def _from_print(name: str, p: dict[str, str], installed: bool) -> Status:
+    """`launchctl print`'s fields as a Status. `crash-loop`: loaded, not running, its last
+    run failed (a non-zero exit code or a terminating signal) and launchd has already
+    respawned it at least once (`runs` counts the spawns of this job: every macserve (re)start
+    is a fresh bootstrap, at 1), so KeepAlive will spawn it again after ThrottleInterval."""
+    pid = _pid(p)
+    m = re.match(r"-?\d+", p.get("last exit code", ""))  # "(never exited)" has none
+    exit_code = int(m.group()) if m else None
+    sig = p.get("last terminating signal") or None
+    runs = int(p["runs"]) if p.get("runs", "").isdigit() else None
+    st = p.get("state", "unknown")
+    running = st == "running" and pid is not None
+    died = not running and (exit_code is not None or sig is not None)
+    failed = bool(sig) or (exit_code is not None and exit_code != 0)
+    if running:
+        state = "running"
+    elif died and failed and (runs or 0) >= 2:
+        state = "crash-loop"
+    elif died:  # loaded, not running, its last run ended: launchd may respawn it
+        state = "exited"
+    elif st in ("spawn scheduled", "waiting"):
+        state = "starting"
+    elif st == "not running":
+        state = "stopped"
+    else:
+        state = st
+    return Status(
+        name,
+        installed,
+        state,
+        pid=pid,
+        exit_code=exit_code,
+        runs=runs,
+        died=died,
+        signal=sig,
+        detail=f"launchd state {st}"
+        + (f", runs {runs}" if runs else "")
+        + (f", last exit code {exit_code}" if exit_code is not None else "")
+        + (f", last terminating signal {sig}" if sig else ""),
+    )
 
 
 def _pid(p: dict[str, str]) -> int | None:
