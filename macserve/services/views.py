@@ -45,12 +45,12 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     r["journal"] = _settle(name, backend)
     s: Status = backend.status(name)
     state, detail = s.state, s.detail
-    # A supervisor calls a respawn "running" while `macserve run` backs off between two
-    # crashes (the run's own record, run/NAME.json); launchd's print says crash-loop itself
-    # (launchd.py). Either way the server's last error line says why.
+    # A supervisor calls a respawn "starting", then "running", while `macserve run` backs off
+    # between two crashes (the run's own record, run/NAME.json); launchd's print says
+    # crash-loop itself (launchd.py). Either way the server's last error line says why.
     looping = state == "crash-loop" or (
         p is not None
-        and state == "running"
+        and state in ("running", "starting")
         and run.backing_off(name) >= 2 * run.BACKOFF_FIRST
         and not providers.for_profile(p).ready(p, timeout=2.0)
     )
