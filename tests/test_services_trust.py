@@ -151,6 +151,8 @@ def test_hostile_values_one_line_nothing_written(model_gguf, macserve_home, monk
         "API_KEY=clé",
         "API_KEY=a\tb",
         "TTL=soon",
+        "DRAIN=soon",
+        "DRAIN=2h",
         "ALIASES=tiny",
         "HOSTS=a:b",
         "SPLIT=x",
