@@ -19,7 +19,7 @@ from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
-from .conftest import REPO
+from .conftest import REPO, TINY_MODEL
 from .fixtures import DOMAIN, UID
 
 USER_DOMAIN = f"user/{UID}"
@@ -110,6 +110,19 @@ def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
         assert exit_timeout >= secs + values.STOP_MARGIN
         LaunchdBackend().install(spec)  # our own graceful stop waits what the plist says
         assert LaunchdBackend().grace("big") == exit_timeout
+    # the engine drains by itself: DRAIN is its --shutdown-grace, and no longer an EXTRA_ARGS flag
+    eng = providers.get("macserve")
+    for drain, grace in (("", "60"), ("90s", "90"), ("2.5", "2.5")):
+        p = Profile("e", {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": "1"})
+        argv = eng.argv(p.updated({"DRAIN": drain}))
+        assert argv[argv.index("--shutdown-grace") + 1] == grace
+    taken = p.updated({"EXTRA_ARGS": "--shutdown-grace 5"})
+    try:
+        eng.check_args(taken)
+    except manager.MacserveError as e:
+        assert str(e) == "--shutdown-grace is set by macserve from the profile; use the DRAIN key"
+    else:
+        raise AssertionError("--shutdown-grace in EXTRA_ARGS accepted")
     for bad in ("soon", "0", "-3", "2h"):
         try:
             _profile().updated({"DRAIN": bad})
