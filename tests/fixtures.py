@@ -338,7 +338,9 @@ STAND_IN = textwrap.dedent("""\
     if verb == "bootstrap":
         d = plistlib.load(open(args[2], "rb"))
         target = args[1] + "/" + d["Label"]
-        if target in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]]:
+        # a disabled label is refused too (launchctl disable persists: `enable` clears it)
+        if target in state or d.get("LimitLoadToSessionType") != SESSION[args[1].split("/")[0]] \
+                or target in state.get("_disabled", []):
             print("Bootstrap failed: 5: Input/output error", file=sys.stderr); sys.exit(5)
         pid = state.get("_pid", 4242)
         state["_pid"] = pid + 1
@@ -377,7 +379,9 @@ STAND_IN = textwrap.dedent("""\
         lines += ["", "spawn type = interactive (4)", "endpoints = {{", "\\tstate = active", "}}"]
         print(args[1] + " = {{\\n" + "".join("\\t" + l + "\\n" for l in lines) + "}}")
     elif verb in ("enable", "disable"):
-        pass
+        off = set(state.get("_disabled", []))
+        (off.add if verb == "disable" else off.discard)(args[1])
+        state["_disabled"] = sorted(off); save()
     else:
         sys.exit(64)
 """)

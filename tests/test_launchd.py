@@ -14,12 +14,12 @@ import plistlib
 import shutil
 import sys
 
-from macserve.services import manager, providers
+from macserve.services import manager, providers, values
 from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
 
-from .conftest import REPO
+from .conftest import REPO, TINY_MODEL
 from .fixtures import DOMAIN, UID
 
 USER_DOMAIN = f"user/{UID}"
@@ -70,7 +70,8 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     assert d["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
     assert d["RunAtLoad"] is True
     assert d["ThrottleInterval"] == 30
-    assert d["ExitTimeOut"] == 20
+    # SIGTERM -> SIGKILL: the default DRAIN plus the margin, as supervisord's stopwaitsecs
+    assert d["ExitTimeOut"] == values.stop_wait(None) > values.DEFAULT_DRAIN
     assert d["ProcessType"] == "Interactive"
     assert d["StandardOutPath"] == d["StandardErrorPath"] == str(log_path("big"))
     assert os.path.isabs(d["StandardOutPath"])
@@ -91,6 +92,44 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
         "StandardOutPath",
         "StandardErrorPath",
     }
+
+
+def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
+    """One figure, from the profile's DRAIN: launchd's ExitTimeOut and supervisord's
+    stopwaitsecs agree, and both leave the drain its whole length before any SIGKILL."""
+    from macserve.services.supervisors.supervisord import SupervisorBackend
+
+    sv = SupervisorBackend(macserve_home)
+    for drain, secs in (("", values.DEFAULT_DRAIN), ("3", 3), ("90s", 90), ("5m", 300)):
+        p = _profile().updated({"DRAIN": drain})
+        assert p.drain == (None if not drain else secs)
+        spec = _spec(p)
+        exit_timeout = plistlib.loads(render_plist(spec, DOMAIN))["ExitTimeOut"]
+        conf = sv.program_conf(spec)
+        assert f"stopwaitsecs={exit_timeout}\n" in conf
+        assert exit_timeout >= secs + values.STOP_MARGIN
+        LaunchdBackend().install(spec)  # our own graceful stop waits what the plist says
+        assert LaunchdBackend().grace("big") == exit_timeout
+    # the engine drains by itself: DRAIN is its --shutdown-grace, and no longer an EXTRA_ARGS flag
+    eng = providers.get("macserve")
+    for drain, grace in (("", "60"), ("90s", "90"), ("2.5", "2.5")):
+        p = Profile("e", {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": "1"})
+        argv = eng.argv(p.updated({"DRAIN": drain}))
+        assert argv[argv.index("--shutdown-grace") + 1] == grace
+    taken = p.updated({"EXTRA_ARGS": "--shutdown-grace 5"})
+    try:
+        eng.check_args(taken)
+    except manager.MacserveError as e:
+        assert str(e) == "--shutdown-grace is set by macserve from the profile; use the DRAIN key"
+    else:
+        raise AssertionError("--shutdown-grace in EXTRA_ARGS accepted")
+    for bad in ("soon", "0", "-3", "2h"):
+        try:
+            _profile().updated({"DRAIN": bad})
+        except manager.MacserveError as e:
+            assert "DRAIN" in str(e)
+        else:
+            raise AssertionError(f"DRAIN={bad} accepted")
 
 
 def test_provider_env_lands_in_the_plist(macserve_home):
@@ -168,12 +207,14 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     assert launchctl() == graceful
     assert not plist.exists()
     assert b.status("big").state == "not installed"
-    assert launchctl() == []  # no plist: status does not even ask launchctl
+    # no plist: status still asks launchd in every domain (a job whose plist was removed by
+    # hand runs all the same: tests/test_launchd_truth.py)
+    assert launchctl() == _probe()
 
 
 def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, monkeypatch):
     b = LaunchdBackend()
-    b.grace = 0.3
+    monkeypatch.setattr(b, "grace", lambda name: 0.3)
     b.apply(_spec(_profile()))
     launchctl()
     monkeypatch.setenv("FAKE_LAUNCHCTL_IGNORE_TERM", "1")

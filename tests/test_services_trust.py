@@ -151,6 +151,8 @@ def test_hostile_values_one_line_nothing_written(model_gguf, macserve_home, monk
         "API_KEY=clé",
         "API_KEY=a\tb",
         "TTL=soon",
+        "DRAIN=soon",
+        "DRAIN=2h",
         "ALIASES=tiny",
         "HOSTS=a:b",
         "SPLIT=x",
@@ -352,3 +354,81 @@ def _env(p) -> dict:
         return p.environ()
     except psutil.Error:
         return {}
+
+
+def test_crash_loop_in_ls_then_start_fails(
+    llama_server, model_gguf, services, macserve_home, tmp_path
+):
+    """A service whose server exits at once, under real supervisord: `ls` and `status` say
+    `crash-loop` with the server's own last error line (supervisord calls each respawn
+    RUNNING while `macserve run` backs off), and `start` fails instead of `already running`."""
+    import shutil
+
+    gguf = tmp_path / "weights.gguf"
+    shutil.copy(model_gguf, gguf)
+    new_tiny(gguf)
+    pid = status("tiny")["pid"]
+    services.append(pid)
+    gguf.write_bytes(b"GGUF" + b"\xff" * 64)  # the weights go bad under the running service
+    for p in psutil.Process(pid).children(recursive=True):
+        services.append(p.pid)
+        p.kill()  # a crash: the supervisor respawns it, and every respawn dies at once
+
+    def looping():
+        r = cli("ls", "--json")
+        assert r.returncode == 0, r.stderr
+        row = {x["name"]: x for x in json.loads(r.stdout)}["tiny"]
+        return row if row["state"] == "crash-loop" else None
+
+    row = poll(looping, "ls to say crash-loop", 180)
+    log = (macserve_home / "logs" / "tiny.log").read_text(errors="replace")
+    assert row["detail"].strip() and row["detail"].strip() in log, row
+    assert "macserve run tiny:" not in row["detail"]  # the server's line, not our own
+    # and every time after: the respawns' "starting" and "running" alike (supervisord's words)
+    for _ in range(8):
+        r = cli("ls")
+        assert r.returncode == 0, r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.split()[:1] == ["tiny"])
+        assert "crash-loop" in line, r.stdout
+        assert "note: tiny: crash-loop: " in r.stderr
+
+    r = cli("start", "tiny", "--timeout", "30")
+    assert r.returncode != 0, r.stdout
+    assert "already running" not in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_router_leaves_a_profile_being_changed(llama_server, model_gguf, services, macserve_home):
+    """The router's reaper does not stop a profile past its TTL while a `set` of it is at
+    work (its journal, `profiles/.NAME.pending`, has a live owner), and does once the owner
+    is gone: the same TTL, the same router."""
+    from .fixtures import router_process, state
+
+    new_tiny(model_gguf)
+    pid = status("tiny")["pid"]
+    services.append(pid)
+    assert cli("set", "tiny", "--", "TTL=1s").returncode == 0  # read by the router: no restart
+    p = set_bg("tiny", "--", "CTX=256", pause="saving")  # holds the journal, owner alive
+    try:
+        poll(lambda: journal_phase(macserve_home, "tiny") == "saving", "set at saving", 120)
+        port = free_port()
+        with router_process(
+            macserve_home, ["router", "--port", str(port), "--ttl", "1s"], port
+        ) as router:
+            poll(
+                lambda: (
+                    "tiny: left running: a change to it is in progress" in router.log.read_text()
+                ),
+                "the router to leave tiny alone",
+                60,
+            )
+            assert state("tiny") == "running" and status("tiny")["pid"] == pid
+            assert "stopping tiny" not in router.log.read_text()
+            p.kill()  # the owner is gone: nothing holds tiny any more
+            p.wait(30)
+            poll(lambda: "stopping tiny: idle" in router.log.read_text(), "the idle stop", 60)
+            poll(lambda: state("tiny") == "stopped", "tiny stopped", 60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)

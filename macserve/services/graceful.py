@@ -1,10 +1,13 @@
 """`macserve run` as the parent of a server that has no graceful stop of its own (llama-server).
 
 Such a server is not exec'd: it runs as this process's child, and this process takes the
-supervisor's SIGTERM (SIGINT, SIGHUP). On a stop it waits, up to DRAIN_SECS, until no
+supervisor's SIGTERM (SIGINT, SIGHUP). On a stop it waits, up to the profile's DRAIN, until no
 generation is in flight (the provider's `busy`), lets the provider keep what it can
 (`before_stop`: llama-server's slots), and only then signals the server, which then exits at
-once: a stream running when the stop came finishes, and the client gets its last event.
+once: a stream running when the stop came finishes, and the client gets its last event. A
+stream still running when DRAIN ends is cut (a log line says so, and the client sees the
+connection drop: llama-server cannot end it with an error event). The supervisor's SIGKILL
+comes later still: its stop timeout is DRAIN + values.STOP_MARGIN (supervisors/base.py).
 After a start, once the server is ready, the provider puts back what it kept (`after_start`).
 
 On Linux the child gets its own process group, so supervisord's group SIGTERM reaches only
@@ -22,12 +25,9 @@ import sys
 import threading
 import time
 
-from .supervisors.control import STOP_WAIT_SECS
+from .values import drain_secs
 
-# The supervisor SIGKILLs STOP_WAIT_SECS after its SIGTERM: the drain takes at most this much,
-# leaving the rest for saving the slots and the server's own exit.
-DRAIN_SECS = STOP_WAIT_SECS - 10
-EXIT_SECS = 8.0
+EXIT_SECS = 8.0  # after the drain: within values.STOP_MARGIN, with the slots' save
 _LINUX = sys.platform.startswith("linux")
 _PR_SET_PDEATHSIG = 1
 
@@ -70,15 +70,17 @@ def run(name: str, provider, profile, argv: list[str], variables: dict[str, str]
 
 def _stop(provider, profile, argv, child: subprocess.Popen, log) -> None:
     t0 = time.monotonic()
-    deadline = t0 + DRAIN_SECS
+    drain = drain_secs(profile.drain)
+    deadline = t0 + drain
     n = provider.busy(profile)
     if n:
-        log(f"stop: waiting for {n} generation(s) in flight (up to {DRAIN_SECS}s)")
+        log(f"stop: waiting for {n} generation(s) in flight (up to DRAIN={drain:g}s)")
         while n and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.2)
             n = provider.busy(profile)
         log(
-            f"stop: {n} generation(s) still running after {DRAIN_SECS}s: cut"
+            f"stop: {n} generation(s) still running after DRAIN={drain:g}s: cut (a longer "
+            f"one needs a larger DRAIN: macserve set {profile.name} -- DRAIN=...)"
             if n
             else f"stop: generations finished after {time.monotonic() - t0:.1f}s"
         )

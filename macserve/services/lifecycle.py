@@ -74,7 +74,8 @@ def stop(name: str) -> None:
     backend = get_backend()
     journal.recover(name, backend)
     store().load(name)
-    if not backend.installed(name):
+    # not installed and not loaded (a launchd job whose plist is gone is stopped all the same)
+    if not backend.installed(name) and backend.status(name).state == "not installed":
         raise MacserveError(f"service {name} is not installed")
     backend.stop(name)
 

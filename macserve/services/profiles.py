@@ -30,6 +30,8 @@ Keys:
   ALIASES     more model names the router sends to this profile, `a,b,...` (letters, digits,
               `.`, `_`, `-`, `:`, `/`)
   PROMPT_CACHE_DISK  macserve: its prompt cache's disk bound (`20GB` default, `0` off)
+  DRAIN       how long a planned stop waits for generations in flight (`60`, `90s`, `5m`;
+              default 60 s); the supervisor's SIGKILL comes only STOP_MARGIN after it
 
 Secrets (`set NAME -- API_KEY=...`, `HF_TOKEN=...`) live in `profiles/NAME.secrets`, mode 0600,
 the same KEY=VALUE format; never in the profile, a unit file, argv or a log.
@@ -60,7 +62,12 @@ from .. import env
 from ..errors import MacserveError
 from ..fileio import atomic_write
 from ..sizing.budget import parse_size
-from .values import SECRET_KEYS, check_secret, parse_duration  # noqa: F401  (their home before values.py)
+from .values import (  # noqa: F401  (their home before values.py)
+    MAX_DRAIN,
+    SECRET_KEYS,
+    check_secret,
+    parse_duration,
+)
 
 # Provider names a profile may name. The registry in services.providers maps each to a module;
 # the list lives here so profiles never import providers (data flows one way).
@@ -86,6 +93,7 @@ KEYS = (
     "ALIASES",
     "SYSTEM",
     "PROMPT_CACHE_DISK",
+    "DRAIN",
 )
 # Read by the router only: changing them restarts nothing.
 ROUTER_KEYS = ("TTL", "ALIASES")
@@ -163,6 +171,7 @@ class Profile:
     aliases: tuple[str, ...] = field(init=False)  # more names the router routes here
     system: bool = field(init=False)  # SYSTEM=1: a LaunchDaemon (boot, no login), on macOS
     prompt_cache_disk: str | None = field(init=False)  # as typed; None: the engine's default
+    drain: float | None = field(init=False)  # DRAIN seconds; None: values.DEFAULT_DRAIN
 
     def __post_init__(self):
         v = {k: ("" if x is None else str(x)) for k, x in dict(self.values).items()}
@@ -255,6 +264,11 @@ class Profile:
             raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
         _ = pcd in ("", "0") or parse_size(pcd)  # a bad size: one line naming it
         set_(self, "prompt_cache_disk", pcd or None)
+        drain = v.get("DRAIN", "").strip()
+        drain_s = parse_duration(drain, "DRAIN") if drain else None
+        if drain_s is not None and drain_s > MAX_DRAIN:
+            raise MacserveError(f"DRAIN {drain}: at most {MAX_DRAIN:.0f}s (an hour)")
+        set_(self, "drain", drain_s)
 
     @property
     def multi_host(self) -> bool:

@@ -3,11 +3,33 @@ secrets (API_KEY, HF_TOKEN), each checked once where it enters."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import MacserveError
 
 SECRET_KEYS = ("API_KEY", "HF_TOKEN")
+# DRAIN: how long a planned stop waits for the generations in flight (`macserve run`'s drain
+# of llama-server, graceful.py). A minute: most answers finish within it on a Mac, and a
+# `set` or `restart` of a busy service is not held for longer than that.
+DEFAULT_DRAIN = 60.0
+MAX_DRAIN = 3600.0
+# After the drain: saving llama-server's slots and its exit (graceful.EXIT_SECS, 8 s), or the
+# engine's disk-tier flush (up to 5 s after its own 10 s grace). The supervisor's SIGKILL
+# comes only after drain + this (supervisord's stopwaitsecs, launchd's ExitTimeOut).
+STOP_MARGIN = 20
+
+
+def drain_secs(drain: float | None) -> float:
+    return DEFAULT_DRAIN if drain is None else drain
+
+
+def stop_wait(drain: float | None) -> int:
+    """Seconds from the supervisor's SIGTERM to its SIGKILL for a profile with this DRAIN:
+    one figure for both supervisors, so neither kills before `macserve run`'s drain ends."""
+    return math.ceil(drain_secs(drain)) + STOP_MARGIN
+
+
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(s|m|h)?")
 
 

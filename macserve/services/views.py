@@ -45,16 +45,22 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     r["journal"] = _settle(name, backend)
     s: Status = backend.status(name)
     state, detail = s.state, s.detail
-    # supervisord calls a respawn "running" between two crashes: the log says better
-    if (
+    # A supervisor calls a respawn "starting", then "running", while `macserve run` backs off
+    # between two crashes (the run's own record, run/NAME.json); launchd's print says
+    # crash-loop itself (launchd.py). Either way the server's last error line says why.
+    looping = state == "crash-loop" or (
         p is not None
-        and state == "running"
+        and state in ("running", "starting")
         and run.backing_off(name) >= 2 * run.BACKOFF_FIRST
         and not providers.for_profile(p).ready(p, timeout=2.0)
-    ):
+    )
+    if looping:
         tail = logs.tail(log_path(name), 40)
-        line = providers.for_profile(p).error_line(tail) or (tail[-1] if tail else "")
-        state, detail = "crash-loop", line.strip() or "it keeps exiting"
+        line = (providers.for_profile(p).error_line(tail) if p else None) or (
+            tail[-1] if tail else ""
+        )
+        why = line.strip() or "it keeps exiting"
+        state, detail = "crash-loop", why + (f" ({s.detail})" if s.state == "crash-loop" else "")
     r.update(state=state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=detail)
     r.update(_proc_info(s.pid if s.state in ("running", "starting", "orphaned") else None))
     if health:

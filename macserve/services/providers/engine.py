@@ -15,6 +15,7 @@ from ... import env
 from ...errors import MacserveError
 from .. import preflight
 from ..profiles import Profile, local_model_path
+from ..values import drain_secs
 from .base import BaseProvider, cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
@@ -33,6 +34,7 @@ class Engine(BaseProvider):
         "--port": "PORT",
         "--split": "SPLIT",
         "--prompt-cache-disk": "PROMPT_CACHE_DISK",
+        "--shutdown-grace": "DRAIN",
     }
     multi_host = True
     formats = ("mlx",)
@@ -60,6 +62,10 @@ class Engine(BaseProvider):
             str(prompt_cache_dir(profile)),
             "--prompt-cache-disk",
             profile.prompt_cache_disk or DEFAULT_PROMPT_CACHE_DISK,
+            # the profile's DRAIN: what a generation in flight gets on SIGTERM; the
+            # supervisor's SIGKILL comes STOP_MARGIN later (the disk tier's flush fits in it)
+            "--shutdown-grace",
+            f"{drain_secs(profile.drain):g}",
         ]
 
     def argv(self, profile: Profile) -> list[str]:

@@ -100,6 +100,7 @@ class Pool:
         self._admission: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
         self._published: str | None = None
+        self._held: set[str] = set()  # left running while a `set` changes them (logged once)
         self.prom = RouterMetrics(self)
         self.activity = Activity()
 
@@ -262,15 +263,16 @@ class Pool:
     # ---- the budget -----------------------------------------------------------------------------
 
     def _evictable(self, o: Model) -> bool:
-        return (
-            o.inflight == 0
-            and not o.admitted
-            and o.start_task is None
-            and o.stop_task is None
-            and not o.profile.always_on
+        if o.inflight or o.admitted or o.start_task or o.stop_task or o.profile.always_on:
+            return False
+        if manager.changing(o.name):
             # a `set` is changing it: stopping it now would read as its new settings failing
-            and not manager.changing(o.name)
-        )
+            if o.name not in self._held:
+                self._held.add(o.name)
+                log.info("%s: left running: a change to it is in progress (macserve set)", o.name)
+            return False
+        self._held.discard(o.name)
+        return True
 
     async def _holders(self, exclude: Model) -> list[tuple[Model, int]]:
         """The other profiles holding memory now (or about to), with their footprints."""

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from ... import env
 from ..profiles import Profile, check_name
+from ..values import stop_wait
 
 # launchd hands agents a minimal PATH; spell out the usual places (Homebrew first, like
 # Homebrew's own std_service_path_env), plus the directory of the Python running macserve.
@@ -47,6 +48,9 @@ class ServiceSpec:
     log: Path
     workdir: Path
     system: bool = False  # the profile's SYSTEM=1: launchd installs a LaunchDaemon
+    # SIGTERM -> SIGKILL, seconds: supervisord's stopwaitsecs, launchd's ExitTimeOut, both
+    # from the profile's DRAIN (values.stop_wait)
+    stop_wait: int = field(default_factory=lambda: stop_wait(None))
 
 
 @dataclass
@@ -138,4 +142,5 @@ def spec_for(profile: Profile, provider_env: dict[str, str]) -> ServiceSpec:
         log_path(profile.name),
         env.home(),
         profile.system,
+        stop_wait(profile.drain),
     )

@@ -17,15 +17,12 @@ from supervisor.xmlrpc import SupervisorTransport, UnixStreamHTTPConnection
 
 from ...errors import MacserveError
 
-# stopwaitsecs: SIGTERM, then SIGKILL after this. Long enough for a planned stop to keep its
-# work: the engine's --shutdown-grace (10 s) and its disk tier's flush (up to 5 s), and
-# llama-server's drain under `macserve run` (graceful.DRAIN_SECS) and its slot save.
-STOP_WAIT_SECS = 30
 # The control channel's deadlines: a status question answers in milliseconds; a stop waits up
-# to stopwaitsecs for the process to exit. A supervisord stopped (SIGSTOP) or hung answers
+# to the program's stopwaitsecs (its profile's DRAIN + values.STOP_MARGIN) for the process to
+# exit, and supervisord's SIGKILL after it. A supervisord stopped (SIGSTOP) or hung answers
 # neither: past these, one line naming it, never a command that waits for ever.
 RPC_TIMEOUT = 10.0
-RPC_STOP_TIMEOUT = STOP_WAIT_SECS + 30.0
+RPC_STOP_SLACK = 30.0  # beyond the longest stopwaitsecs a stop call may wait out
 
 
 class _TimedConnection(UnixStreamHTTPConnection):

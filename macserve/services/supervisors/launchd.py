@@ -27,8 +27,10 @@ Verbs, and why:
   restart    graceful stop, bootout, write the plist, enable + bootstrap: always a fresh job, so
              launchd runs the plist as it is now (kickstart never rereads it) and its run
              record ("last exit code", "last terminating signal") belongs to the new process
-  graceful   kill SIGTERM, wait up to ExitTimeOut for the process to go, then kill SIGKILL (not
-             `kickstart -k`, which SIGKILLs at once and drops in-flight requests)
+  graceful   kill SIGTERM, wait up to the plist's ExitTimeOut for the process to go, then kill
+             SIGKILL (not `kickstart -k`, which SIGKILLs at once and drops in-flight requests).
+             ExitTimeOut is the profile's DRAIN + values.STOP_MARGIN, as supervisord's
+             stopwaitsecs: `macserve run`'s drain always ends before anyone's SIGKILL
   stop       graceful stop, bootout, wait until gone, disable (disable keeps it from coming back
              at login)
   uninstall  graceful stop, bootout, remove the plist
@@ -55,13 +57,13 @@ from pathlib import Path
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
+from ..values import stop_wait
 from .base import ServiceSpec, Status
 
 LABEL_PREFIX = "dev.macserve."
 THROTTLE_INTERVAL = (
     30  # seconds between spawns: a crash loop must not remap a huge model every 10 s
 )
-EXIT_TIMEOUT = 20  # SIGTERM -> SIGKILL: launchd's on bootout, ours on a graceful stop
 NOT_FOUND = 113  # launchctl print: "could not find service"
 EINPROGRESS = 36  # bootout while the job is still exiting
 CONSOLE = "/dev/console"
@@ -209,7 +211,8 @@ def plist_dict(spec: ServiceSpec, dom: str, user: pwd.struct_passwd | None = Non
         # restart after a crash or a non-zero exit, not after a clean stop
         "KeepAlive": {"SuccessfulExit": False, "Crashed": True},
         "ThrottleInterval": THROTTLE_INTERVAL,
-        "ExitTimeOut": EXIT_TIMEOUT,
+        # SIGTERM -> SIGKILL: launchd's on bootout, ours on a graceful stop (`grace`)
+        "ExitTimeOut": spec.stop_wait,
         "ProcessType": "Interactive",  # unset means CPU and I/O throttling
         "SoftResourceLimits": {"NumberOfFiles": 4096},
         "StandardOutPath": log,
@@ -238,7 +241,16 @@ def parse_print(text: str) -> dict[str, str]:
 
 class LaunchdBackend:
     name = "launchd"
-    grace = EXIT_TIMEOUT  # seconds from SIGTERM to SIGKILL on a graceful stop
+
+    def grace(self, name: str) -> int:
+        """Seconds from SIGTERM to SIGKILL on a graceful stop: the installed plist's
+        ExitTimeOut (what launchd itself gives on a bootout)."""
+        try:
+            with open(self.plist_path(name), "rb") as f:
+                t = plistlib.load(f).get("ExitTimeOut")
+        except (OSError, plistlib.InvalidFileException, AttributeError):
+            t = None
+        return t if isinstance(t, int) and t > 0 else stop_wait(None)
 
     def agent_path(self, name: str) -> Path:
         return agents_dir() / f"{label(name)}.plist"
@@ -323,13 +335,13 @@ class LaunchdBackend:
         if r.returncode != 0 and self._print(target) is None:
             raise MacserveError(f"launchctl bootstrap {dom} {label(name)} failed: {_msg(r)}")
 
-    def _graceful_stop(self, target: str, printed: dict[str, str]) -> None:
+    def _graceful_stop(self, target: str, printed: dict[str, str], grace: int) -> None:
         """SIGTERM, up to `grace` seconds for the process to go, then SIGKILL."""
         pid = _pid(printed)
         if pid is None:
             return
         _launchctl("kill", "SIGTERM", target)
-        if self._gone(target, pid, self.grace):
+        if self._gone(target, pid, grace):
             return
         _launchctl("kill", "SIGKILL", target)
         self._gone(target, pid, 5.0)
@@ -344,7 +356,7 @@ class LaunchdBackend:
                 return False
             time.sleep(0.2)
 
-    def _bootout(self, target: str, timeout: float = EXIT_TIMEOUT + 10) -> None:
+    def _bootout(self, target: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         r = _launchctl("bootout", target)
         while r.returncode == EINPROGRESS and time.monotonic() < deadline:
@@ -360,10 +372,11 @@ class LaunchdBackend:
 
     def _unload(self, name: str, keep: str | None = None, found: dict | None = None) -> None:
         """Graceful stop, then bootout, of every loaded copy (any domain) but `keep`."""
+        grace = self.grace(name)
         for target, printed in (self.copies(name) if found is None else found).items():
             if target != keep:
-                self._graceful_stop(target, printed)
-                self._bootout(target)
+                self._graceful_stop(target, printed, grace)
+                self._bootout(target, grace + 10)
 
     def apply(self, spec: ServiceSpec) -> None:
         """(Re)start as a fresh job from the current plist: graceful stop and bootout of every
@@ -385,10 +398,12 @@ class LaunchdBackend:
                 raise MacserveError(f"launchctl kickstart {label(name)} failed: {_msg(r)}")
 
     def stop(self, name: str) -> None:
-        self._need(name)
-        target = self.target(name)
-        self._unload(name)
-        _launchctl("disable", target)
+        found = self.copies(name)
+        if not found:
+            self._need(name)
+        self._unload(name, found=found)  # a copy whose plist is gone too (status shows it)
+        if self.installed(name):
+            _launchctl("disable", self.target(name))
 
     def restart(self, name: str) -> None:
         self._need(name)
@@ -403,44 +418,68 @@ class LaunchdBackend:
         self.agent_path(name).unlink(missing_ok=True)
 
     def status(self, name: str) -> Status:
+        """What `launchctl print` says of the job, nothing of our own: its state, pid, runs,
+        last exit code and terminating signal. A job loaded although its plist is gone
+        (removed by hand) is reported as launchd runs it, not as `not installed`."""
         if not self.installed(name):
+            for target, p in self.copies(name).items():
+                st = _from_print(name, p, installed=False)
+                st.detail = (
+                    f"loaded in {target.rsplit('/', 1)[0]} although its plist is gone "
+                    f"({st.detail}): macserve stop {name} unloads it"
+                )
+                return st
             return Status(name, False, "not installed")
         p = self._print(self.target(name))
         if p is None:
             return Status(name, True, "stopped", detail="not loaded")
-        pid = _pid(p)
-        m = re.match(r"-?\d+", p.get("last exit code", ""))  # "(never exited)" has none
-        exit_code = int(m.group()) if m else None
-        sig = p.get("last terminating signal") or None
-        runs = int(p["runs"]) if p.get("runs", "").isdigit() else None
-        st = p.get("state", "unknown")
-        running = st == "running" and pid is not None
-        died = not running and (exit_code is not None or sig is not None)
-        if running:
-            state = "running"
-        elif died:  # loaded, not running, its last run ended: launchd may respawn it
-            state = "exited"
-        elif st in ("spawn scheduled", "waiting"):
-            state = "starting"
-        elif st == "not running":
-            state = "stopped"
-        else:
-            state = st
-        return Status(
-            name,
-            True,
-            state,
-            pid=pid,
-            exit_code=exit_code,
-            runs=runs,
-            died=died,
-            signal=sig,
-            detail=f"launchd state {st}",
-        )
+        return _from_print(name, p, installed=True)
 
     def _need(self, name: str) -> None:
         if not self.installed(name):
             raise MacserveError(f"service {name} is not installed")
+
+
+def _from_print(name: str, p: dict[str, str], installed: bool) -> Status:
+    """`launchctl print`'s fields as a Status. `crash-loop`: loaded, not running, its last
+    run failed (a non-zero exit code or a terminating signal) and launchd has already
+    respawned it at least once (`runs` counts the spawns of this job: every macserve (re)start
+    is a fresh bootstrap, at 1), so KeepAlive will spawn it again after ThrottleInterval."""
+    pid = _pid(p)
+    m = re.match(r"-?\d+", p.get("last exit code", ""))  # "(never exited)" has none
+    exit_code = int(m.group()) if m else None
+    sig = p.get("last terminating signal") or None
+    runs = int(p["runs"]) if p.get("runs", "").isdigit() else None
+    st = p.get("state", "unknown")
+    running = st == "running" and pid is not None
+    died = not running and (exit_code is not None or sig is not None)
+    failed = bool(sig) or (exit_code is not None and exit_code != 0)
+    if running:
+        state = "running"
+    elif died and failed and (runs or 0) >= 2:
+        state = "crash-loop"
+    elif died:  # loaded, not running, its last run ended: launchd may respawn it
+        state = "exited"
+    elif st in ("spawn scheduled", "waiting"):
+        state = "starting"
+    elif st == "not running":
+        state = "stopped"
+    else:
+        state = st
+    return Status(
+        name,
+        installed,
+        state,
+        pid=pid,
+        exit_code=exit_code,
+        runs=runs,
+        died=died,
+        signal=sig,
+        detail=f"launchd state {st}"
+        + (f", runs {runs}" if runs else "")
+        + (f", last exit code {exit_code}" if exit_code is not None else "")
+        + (f", last terminating signal {sig}" if sig else ""),
+    )
 
 
 def _pid(p: dict[str, str]) -> int | None:

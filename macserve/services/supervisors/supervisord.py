@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -36,9 +37,10 @@ import psutil
 from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
+from ..values import stop_wait
 from . import logs
 from .base import ServiceSpec, Status, service_path
-from .control import RPC_STOP_TIMEOUT, RPC_TIMEOUT, STOP_WAIT_SECS, Rpc
+from .control import RPC_STOP_SLACK, RPC_TIMEOUT, Rpc
 
 PREFIX = "macserve-"
 START_SECS = 2
@@ -101,7 +103,8 @@ class SupervisorBackend:
                 f"startsecs={START_SECS}",
                 f"startretries={START_RETRIES}",
                 "stopsignal=TERM",
-                f"stopwaitsecs={STOP_WAIT_SECS}",
+                # SIGKILL only after `macserve run`'s drain (the profile's DRAIN) and the rest
+                f"stopwaitsecs={spec.stop_wait}",
                 # the server may spawn helpers; stop and kill the whole process group
                 "stopasgroup=true",
                 "killasgroup=true",
@@ -159,8 +162,22 @@ class SupervisorBackend:
 
     # ---- the daemon --------------------------------------------------------------------------
 
-    def rpc(self, deadline: float = RPC_STOP_TIMEOUT):
+    def rpc(self, deadline: float | None = None, at_least: int = 0):
+        """The control channel; by default with a deadline a stop of any program fits in
+        (`at_least`: a stopwaitsecs supervisord still holds that is no longer on file)."""
+        if deadline is None:
+            waits = [stop_wait(None), at_least, *map(self.stop_wait, self._names())]
+            deadline = max(waits) + RPC_STOP_SLACK
         return Rpc(self.sock, deadline, self.hung)
+
+    def stop_wait(self, name: str) -> int:
+        """The program's stopwaitsecs as its file says (what supervisord was given)."""
+        try:
+            text = self._program_path(name).read_text()
+        except OSError:
+            return stop_wait(None)
+        m = re.search(r"^stopwaitsecs=(\d+)$", text, re.M)
+        return int(m.group(1)) if m else stop_wait(None)
 
     def hung(self, deadline: float) -> str:
         pid = self._daemon_pid()
@@ -230,7 +247,7 @@ class SupervisorBackend:
             # would start every program again beside them (never binding, crash-looping).
             for name in self._names():
                 for proc in self.orphans(name):
-                    _stop_group(proc)
+                    _stop_group(proc, self.stop_wait(name))
             # supervisord forks into the background and setsid()s; the parent returns at once.
             r = subprocess.run(
                 [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
@@ -285,8 +302,10 @@ class SupervisorBackend:
     # ---- service operations ------------------------------------------------------------------
 
     def apply(self, spec: ServiceSpec) -> None:
+        before = self.stop_wait(spec.name)  # a lower DRAIN: the old process stops with the old
         self.install(spec)
-        rpc = self.ensure_running()
+        self.ensure_running()
+        rpc = self.rpc(at_least=before)
         added, changed, _ = self._update(rpc)
         group = PREFIX + spec.name
         if group in added or group in changed:
@@ -430,13 +449,13 @@ def daemon_env() -> dict[str, str]:
     return out
 
 
-def _stop_group(proc: psutil.Process) -> None:
+def _stop_group(proc: psutil.Process, grace: int) -> None:
     """SIGTERM the orphan's process group (supervisord gave each program its own), then SIGKILL
     after the same grace supervisord gives."""
     try:
         pgid = os.getpgid(proc.pid)
         os.killpg(pgid, 15)
-        proc.wait(STOP_WAIT_SECS)
+        proc.wait(grace)
     except psutil.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(pgid, 9)
