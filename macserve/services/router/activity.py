@@ -14,8 +14,12 @@ tick (the clock goes on as before), so a hung server is still stopped after its 
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from .. import providers
 
 # Counters that move with every request's work, and gauges that are non-zero while one runs.
 WORK = (
@@ -57,6 +61,17 @@ class Activity:
 
     def __init__(self):
         self.last: dict[str, float] = {}
+
+    async def moved(self, up: list, models) -> list[bool]:
+        """For each running Model in `up`: used past the router since the last tick? Every
+        other one is forgotten (a server started again counts from zero)."""
+        for m in models:
+            if m not in up:
+                self.forget(m.name)
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(
+                *(self.used(client, m.name, providers.base_url(m.profile), m.api_key) for m in up)
+            )
 
     def forget(self, name: str) -> None:
         """A stopped server starts its counters from zero: the next reading is a baseline."""

@@ -34,8 +34,6 @@ import contextlib
 import logging
 import time
 
-import httpx
-
 from ...errors import MacserveError
 from ...sizing.budget import machine_budget
 from ...web.errors import HttpError
@@ -378,14 +376,7 @@ class Pool:
         now = time.monotonic()
         stops = []
         up = [m for m in self.models.values() if (st := sts.get(m.name)) and st.state in IN_MEMORY]
-        for m in self.models.values():
-            if m not in up:
-                self.activity.forget(m.name)
-        async with httpx.AsyncClient() as client:  # clients at its port: its own counters
-            moved = await asyncio.gather(
-                *(self.activity.used(client, m.name, providers.base_url(m.profile), m.api_key)
-                  for m in up)
-            )  # fmt: skip
+        moved = await self.activity.moved(up, self.models.values())  # clients at their ports
         for m, worked in zip(up, moved):
             if not m.last_used or worked:
                 m.last_used = now  # never served by this router, or used past it: from now
