@@ -111,6 +111,8 @@ def test_generate_with_int2_and_mtp():
             "8",
             "--kv",
             "int2",
+            "--mtp",
+            "on",
             "--mtp-k",
             "1",
         ],

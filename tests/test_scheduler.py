@@ -34,6 +34,7 @@ class Job:
     top_k: int = 0
     constraint: object = None
     top_logprobs: int | None = None
+    mtp: str | None = None
     cached_tokens: int = 0
     disconnected: bool = False
     ended_by: str | None = None

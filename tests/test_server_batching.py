@@ -221,10 +221,10 @@ def test_a_chat_follow_up_reuses_the_history_openai_and_anthropic(cached):
 
 
 def test_int2_and_drafting_with_the_prompt_cache(tmp_path):
-    """--kv int2 --mtp-k 1: a lone request drafts and reuses the previous prompt's entry with
+    """--kv int2 --mtp on: a lone request drafts and reuses the previous prompt's entry with
     its MTP rows (one token less: re-fed); a rollback past the INT2 window gives nothing;
     concurrent requests are all answered."""
-    with serve(tmp_path, "--ctx", "1024", "--kv", "int2", "--mtp-k", "1") as s:
+    with serve(tmp_path, "--ctx", "1024", "--kv", "int2", "--mtp", "on", "--mtp-k", "1") as s:
         p, q, r = _ids(0, 400), _ids(3, 20), _ids(5, 30)
         assert _complete(s, p)["prompt_tokens_details"]["cached_tokens"] == 0
         c = _client(s)

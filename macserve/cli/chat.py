@@ -87,6 +87,13 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
 )
 @click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
 @click.option(
+    "--mtp",
+    type=click.Choice(["auto", "on", "off"]),
+    help="MTP drafting for these answers, asked of a macserve serve (auto: while it measures "
+    "that drafting pays) [default: the server's --mtp, auto unless set]; the stats line says "
+    "whether it drafted and why.",
+)
+@click.option(
     "--api-key",
     envvar=env.API_KEY,
     show_envvar=True,
@@ -99,7 +106,7 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     show_default=True,
     help="Seconds to wait for the server between bytes.",
 )
-def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
+def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, timeout):
     """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
     one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
     print one answer and a stats line on stderr, then exit. A profile that is not running is
@@ -117,7 +124,7 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
         used = target or manager.store().names()[0]
     progress = _Progress()
     client = c.Client(url, api_key or profile_key, timeout=timeout, on_note=progress)
-    session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)
+    session = c.Session(client, model or client.model_id(), system, max_tokens, temperature, mtp)
 
     def write(text):
         progress.clear()

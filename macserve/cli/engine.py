@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..chat import mtp_text
 from ..dev.tiny import data as tiny_data
 from ..engine import gate
 from ..engine import generate as gen
@@ -22,6 +23,7 @@ from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.calibration import calibration_windows, collect, fit
 from ..engine.mla_attention import mla_attentions
 from ..engine.model import Bundle, load
+from ..engine.mtp_auto import load_note
 from ..errors import MacserveError
 from ..int2_format import INT2
 
@@ -139,11 +141,15 @@ def gate_report_lines(rep: dict) -> list[str]:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
-@click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True)
-def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
+@click.option("--mtp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option("--mtp-k", type=click.IntRange(0, 3), default=1, show_default=True)
+def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp, mtp_k):
     """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""
-    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
+    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
     bundle = load(model)
+    note = load_note(bundle, options)
+    if note is not None:
+        click.echo(note, err=True)
     ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)
     last = None
     for step in gen.stream(bundle, ids, max_tokens, temperature=temperature, options=options):
@@ -158,5 +164,7 @@ def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
             else ""
         )
         click.echo(
-            f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}", err=True
+            f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}, "
+            + mtp_text(s["mtp"]),
+            err=True,
         )

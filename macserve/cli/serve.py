@@ -44,11 +44,19 @@ from ..sizing.budget import machine_budget, parse_size
     help="Fitted rotations for --kv int2.",
 )
 @click.option(
+    "--mtp",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Draft with the model's MTP layer: auto measures acceptance and the draft, verify "
+    "and plain step costs on the requests served and drafts only while that pays (>= 1.0x).",
+)
+@click.option(
     "--mtp-k",
     type=click.IntRange(0, 3),
-    default=0,
+    default=1,
     show_default=True,
-    help="Tokens to draft per step with the model's MTP layer (0: off).",
+    help="Tokens drafted per round when drafting (0: never draft).",
 )
 @click.option(
     "--default-max-tokens",
@@ -138,6 +146,7 @@ def serve(
     ctx,
     kv,
     rotation,
+    mtp,
     mtp_k,
     default_max_tokens,
     max_queue,
@@ -163,7 +172,7 @@ def serve(
     disk_bytes = 0 if prompt_cache_disk.strip() == "0" else parse_size(prompt_cache_disk)
     disk_dir = Path(prompt_cache_dir) if prompt_cache_dir else env.home() / "prompt-cache"
     read_config(model)  # a missing folder or config.json is the first thing to say
-    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
+    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
     run(
         Settings(
             model,
