@@ -132,6 +132,18 @@ def test_the_demo_model_decides_by_its_own_measured_figures(bundle, k):
     print(auto.status())
 
 
+@pytest.mark.parametrize("drafting", [False, True])
+def test_each_decided_path_gives_the_models_greedy_text(bundle, drafting):
+    """A decision already taken and no probe due: the pipelined plain loop (off) or draft
+    rounds (on) for the whole generation; a probe due at its end takes over from either."""
+    auto = AutoMTP(k=1, probe_every=50)
+    auto.drafting = drafting
+    dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, auto=auto)
+    ids = bundle.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    assert list(dec.generate(ids, 80, caches=bundle.caches())) == _plain(bundle, ids, 80)
+    assert (dec.stats.rounds > PROBE_STEPS) == drafting and auto.decisions == 1
+
+
 def test_sampled_generation_under_auto(bundle):
     auto = AutoMTP(k=1, probe_every=16)
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, auto=auto)

@@ -280,52 +280,82 @@ class MTPDecoder:
 
     def _auto(self, t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng):
         """`--mtp auto`: plain steps or draft rounds as `self.auto` decides, probing (timed
-        plain steps, then timed rounds) whenever it asks. Plain steps keep their trunk hiddens
-        pending, so the MTP layer catches up on them when drafting resumes."""
+        plain steps and rounds, alternated, so a change in the machine's load weighs on both
+        figures alike) whenever it asks. Plain steps keep their trunk hiddens pending (a list,
+        joined once), so the MTP layer catches up on them when drafting resumes."""
         auto = self.auto
+        self._produced = 0
+        pend = [pend_h]
+        pend_tok = list(pend_tok)
+        ended = self._emit([t], max_tokens, eos)
         yield t
-        produced = 1
-        auto.tokens(1)
-        if produced >= max_tokens or t in eos:
+        if ended:
             return
         while True:
             probe = auto.probe_due()
-            # A probe alternates plain steps and rounds, so a change in the machine's load
-            # weighs on both figures alike.
-            phases = (
-                [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(bool(auto.drafting), None)]
-            )
+            if not probe and not auto.drafting and temperature <= 0:
+                state = yield from self._plain_greedy(t, caches, pend, pend_tok, max_tokens, eos)
+                if state is None:
+                    return
+                t = state
+                continue
+            phases = [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(True, None)]
             for drafting, steps in phases:
                 done = 0
                 while (done < steps) if steps is not None else not auto.probe_due():
                     done += 1
                     if drafting:
-                        timed = auto if probe else None
+                        pend_h = pend[0] if len(pend) == 1 else mx.concatenate(pend, axis=1)
                         a, drafts, bonus, h = self._round(
-                            t, pend_h, pend_tok, caches, mtp_cache, temperature, rng, timed
-                        )
+                            t, pend_h, pend_tok, caches, mtp_cache, temperature, rng,
+                            auto if probe else None,
+                        )  # fmt: skip
                         auto.round(a)
-                        emitted, pend_h, pend_tok = self._settle(
-                            a, drafts, bonus, h, caches, mtp_cache
-                        )
-                        out, t = emitted, emitted[-1]
+                        out, pend_h, pend_tok = self._settle(a, drafts, bonus, h, caches, mtp_cache)
+                        pend = [pend_h]
                     else:
                         t0 = time.perf_counter()
                         h = self.model.model(mx.array([[t]]), caches)
-                        nxt = self._pick(self.model.lm_head(h[:, -1])[0], temperature, rng)
+                        out = [self._pick(self.model.lm_head(h[:, -1])[0], temperature, rng)]
                         if probe:
                             auto.plain(time.perf_counter() - t0)
-                        pend_h = mx.concatenate([pend_h, h], axis=1)
-                        pend_tok = list(pend_tok) + [nxt]
-                        out, t = [nxt], nxt
-                    for tok in out:  # the last of them, t, is the next one to feed
+                        pend.append(h)
+                        pend_tok.append(out[0])
+                    t = out[-1]  # the next token to feed
+                    for tok in out:
+                        ended = self._emit([tok], max_tokens, eos)
                         yield tok
-                        produced += 1
-                        auto.tokens(1)
-                        if produced >= max_tokens or tok in eos:
+                        if ended:
                             return
             if probe:
                 auto.decide()
+
+    def _emit(self, toks, max_tokens, eos) -> bool:
+        """Count tokens about to be yielded; True when the generation ends with the last."""
+        self._produced += len(toks)
+        self.auto.tokens(len(toks))
+        return self._produced >= max_tokens or toks[-1] in eos
+
+    def _plain_greedy(self, t, caches, pend, pend_tok, max_tokens, eos):
+        """Greedy plain decoding until a probe is due, pipelined as mlx-lm's loop is (step
+        n+1 is built before step n is read). Returns the next token to feed, or None when
+        the generation ended; the step built ahead is trimmed from the caches."""
+        h = self.model.model(mx.array([[t]]), caches)
+        y = mx.argmax(self.model.lm_head(h[:, -1])[0])
+        mx.async_eval(y)
+        while True:
+            h2 = self.model.model(y.reshape(1, 1), caches)
+            y2 = mx.argmax(self.model.lm_head(h2[:, -1])[0])
+            mx.async_eval(y2)
+            tok = int(y.item())
+            pend.append(h)
+            pend_tok.append(tok)
+            ended = self._emit([tok], max_tokens, eos)
+            yield tok
+            if ended or self.auto.probe_due():
+                trim_all(caches, 1)  # the step built ahead
+                return None if ended else tok
+            h, y = h2, y2
 
     @staticmethod
     def _pick(logits_row, temperature, rng) -> int:
