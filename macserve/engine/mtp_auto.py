@@ -9,7 +9,8 @@ Drafting pays when the tokens a round yields are worth more plain steps than the
 with `draft_s` one MTP-layer step, `verify_s` one trunk forward over k + 1 tokens and
 `plain_s` one plain decode step, all timed the same way (each evaluated on its own) on the
 engine's own requests. `speedup` is a pure function of those figures (tested with figures);
-`AutoMTP` keeps them: every PROBE_EVERY tokens a generation runs PROBE_STEPS timed plain steps
+`AutoMTP` keeps them: every PROBE_EVERY tokens (doubling while the decision holds, up to
+PROBE_EVERY_MAX) a generation runs PROBE_STEPS timed plain steps
 and as many timed draft rounds, alternated, then drafting is on while the median figures give a
 speedup of at least 1.0 and off below. Acceptance is counted on every drafted round. A switch
 is logged once, with its figures; `status()` says what the engine does and why.
@@ -26,6 +27,7 @@ log = logging.getLogger("macserve.engine")
 
 MODES = ("auto", "on", "off")
 PROBE_EVERY = 256  # tokens between probes (the figures drift with context and machine load)
+PROBE_EVERY_MAX = 4096  # ... doubled after each probe that confirms the decision, up to this
 PROBE_STEPS = 8  # timed plain steps, and as many timed draft rounds, per probe (alternated)
 WINDOW = 48  # timings kept per figure (their median is used)
 ROUNDS_KEPT = 256  # draft rounds whose acceptance is kept
@@ -64,7 +66,7 @@ class AutoMTP:
 
     def __init__(self, k: int = 1, probe_every: int = PROBE_EVERY):
         self.k = k
-        self.probe_every = probe_every
+        self.probe_base = self.probe_every = probe_every
         self.plain_s: deque[float] = deque(maxlen=WINDOW)
         self.draft_s: deque[float] = deque(maxlen=WINDOW)
         self.verify_s: deque[float] = deque(maxlen=WINDOW)
@@ -130,6 +132,9 @@ class AutoMTP:
         self.last = fig
         if on != self.drafting:
             log.info("MTP auto: drafting %s, %s", "on" if on else "off", describe(fig))
+            self.probe_every = self.probe_base
+        else:  # a settled decision is probed less often: a probe costs its slower steps
+            self.probe_every = min(2 * self.probe_every, max(PROBE_EVERY_MAX, self.probe_base))
         self.drafting = on
         return on
 
