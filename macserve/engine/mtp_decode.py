@@ -299,7 +299,9 @@ class MTPDecoder:
                     return
                 t = state
                 continue
-            phases = [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(True, None)]
+            phases = (
+                [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(bool(auto.drafting), None)]
+            )
             for drafting, steps in phases:
                 done = 0
                 while (done < steps) if steps is not None else not auto.probe_due():
