@@ -61,6 +61,7 @@ class TurnStats:
     tps_source: str = "client"  # "server" when taken from timings.predicted_per_second
     draft_n: int | None = None
     draft_accepted: int | None = None
+    mtp: dict | None = None  # macserve serve's timings.mtp: drafting or not, and why
     finish_reason: str | None = None
 
     def line(self) -> str:
@@ -77,9 +78,23 @@ class TurnStats:
                 f"draft acceptance {self.draft_accepted / self.draft_n:.0%} "
                 f"({self.draft_accepted}/{self.draft_n})"
             )
+        if self.mtp:
+            parts.append(mtp_text(self.mtp))
         if self.finish_reason == "length":
             parts.append("cut at max_tokens")
         return ", ".join(parts)
+
+
+def mtp_text(st: dict) -> str:
+    """`MTP on|off (why[: figures])` from a macserve serve's `timings.mtp`."""
+    out = f"MTP {'on' if st.get('drafting') else 'off'} ({st.get('why', '?')}"
+    if "speedup" in st:
+        acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance") or [])
+        out += (
+            f": acceptance {acc}, draft {st['draft_ms']:.1f} ms, verify {st['verify_ms']:.1f} "
+            f"ms, plain step {st['plain_ms']:.1f} ms"
+        )
+    return out + ")"
 
 
 def _error_text(r: httpx.Response) -> str:
@@ -252,6 +267,8 @@ def _take_stats(st: TurnStats, ev: dict) -> None:
             st.tokens_per_s, st.tps_source = float(t["predicted_per_second"]), "server"
         if "draft_n" in t:
             st.draft_n, st.draft_accepted = t.get("draft_n") or 0, t.get("draft_n_accepted") or 0
+        if isinstance(t.get("mtp"), dict):
+            st.mtp = t["mtp"]
 
 
 _ROOM = re.compile(
@@ -270,13 +287,14 @@ class Session:
         system: str | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        mtp: str | None = None,
     ):
         self.client = client
         self.model = model
         self.system = system
         self.params = {
             k: v
-            for k, v in (("max_tokens", max_tokens), ("temperature", temperature))
+            for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("mtp", mtp))
             if v is not None
         }
         self.messages: list[dict] = []

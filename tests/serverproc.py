@@ -33,8 +33,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(log_dir: Path, *extra: str, timeout: float = 120.0, preexec_fn=None):
-    """`preexec_fn`: run in the child before exec (e.g. a resource limit)."""
+def serve(log_dir: Path, *extra: str, timeout: float = 120.0, preexec_fn=None, model=TINY_MODEL):
+    """`preexec_fn`: run in the child before exec (e.g. a resource limit); `model`: the
+    folder served (the demo model unless a test built another)."""
     port = free_port()
     log = log_dir / f"serve-{port}.log"
     if "--prompt-cache-dir" not in extra:
@@ -49,7 +50,7 @@ def serve(log_dir: Path, *extra: str, timeout: float = 120.0, preexec_fn=None):
                 "-m",
                 "macserve",
                 "serve",
-                str(TINY_MODEL),
+                str(model),
                 "--port",
                 str(port),
                 *extra,

@@ -6,6 +6,7 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 from macserve.engine.calibration import METHODS, Calibration
+from macserve.engine.mtp_auto import should_draft
 
 from .conftest import TINY_MODEL
 
@@ -88,7 +89,7 @@ def test_bench_mtp_json():
             "--prompts",
             "1",
             "--tokens",
-            "8",
+            "40",  # past one --mtp auto probe (8 plain steps, 8 rounds)
             "--json",
         ],
     )
@@ -98,6 +99,13 @@ def test_bench_mtp_json():
     assert all(set(row) >= MTP_KEYS for row in rows)
     assert all(row["greedy_identical"] for row in rows)
     assert len(rows[1]["acceptance_per_position"]) == 2
+    # --mtp auto beside them: the figures it measured and the decision they give
+    for row in rows:
+        a = row["auto"]
+        assert a["speedup"] > 0 and a["greedy_identical_prompts"] == 1
+        fig = a["figures"]
+        args = (fig["acceptance"], fig["draft_ms"], fig["verify_ms"], fig["plain_ms"])
+        assert a["drafting"] == should_draft(*args)
 
 
 def test_generate_with_int2_and_mtp():
@@ -111,6 +119,8 @@ def test_generate_with_int2_and_mtp():
             "8",
             "--kv",
             "int2",
+            "--mtp",
+            "on",
             "--mtp-k",
             "1",
         ],

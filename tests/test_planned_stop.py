@@ -125,6 +125,8 @@ def test_engine_prompt_cache_survives_restart_and_set(services, macserve_home):
     r = cli(
         "new", str(TINY_MODEL), "--provider", "macserve", "--name", "eng",
         "--port", str(port), "--timeout", "300",
+        # the plain path's counts: --mtp auto's choice (timed) would move them by a token
+        "--extra-args", "--mtp off",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     services.append(status("eng")["pid"])

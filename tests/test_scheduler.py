@@ -34,6 +34,7 @@ class Job:
     top_k: int = 0
     constraint: object = None
     top_logprobs: int | None = None
+    mtp: str | None = None
     cached_tokens: int = 0
     disconnected: bool = False
     ended_by: str | None = None
@@ -157,3 +158,30 @@ def test_a_stopped_sequence_leaves_and_the_others_go_on(bundle):
     follow = Job(prompts[1] + jobs[1].tokens, 4)
     _run(sched, [follow])
     assert follow.cached_tokens == len(prompts[1]) + len(jobs[1].tokens) - 1
+
+
+def test_auto_measures_on_a_cold_prompt_but_keeps_a_cached_prefix_plain(bundle):
+    """--mtp auto wants a first measurement, yet a prompt whose prefix the cache holds without
+    the MTP layer's rows decodes plainly (a drafting request would prefill it again); a cold
+    prompt then drafts to measure. Greedy tokens are the plain ones either way."""
+    prompts = _prompts(bundle)
+    plain = EngineOptions(CacheSpec.for_model(TINY_MODEL, "bf16"))
+    alone = []
+    for p in (prompts[0] + prompts[1][:5], prompts[2]):
+        j = Job(p, 30)
+        _run(_scheduler(bundle, plain), [j])
+        alone.append(j.tokens)
+    sched = _scheduler(bundle, EngineOptions(plain.cache, mtp_k=1, mtp="auto"), 2**30)
+    first = Job(prompts[0], 1, mtp="off")  # leaves prompts[0] in the cache, no MTP rows
+    _run(sched, [first])
+    assert first.steps[-1].stats["mtp"]["why"] == "the request asked for mtp off"
+    warm = Job(prompts[0] + prompts[1][:5], 30)
+    _run(sched, [warm])
+    st = warm.steps[-1].stats
+    assert warm.tokens == alone[0] and warm.cached_tokens == len(prompts[0])
+    assert st["draft_tokens"] == 0 and st["mtp"]["drafting"] is False
+    assert st["mtp"]["why"] == "auto: the prompt cache holds this prefix without MTP rows"
+    cold = Job(prompts[2], 30)
+    _run(sched, [cold])
+    assert cold.tokens == alone[1] and cold.steps[-1].stats["draft_tokens"] > 0
+    assert sched.auto.decisions == 1 and cold.steps[-1].stats["mtp"]["mode"] == "auto"

@@ -84,7 +84,8 @@ def test_chat_streaming_matches_non_streaming_and_greedy_is_deterministic(client
     t = a.model_extra["timings"]
     assert t["prompt_n"] == a.usage.prompt_tokens > 0
     assert t["predicted_n"] == a.usage.completion_tokens <= 6
-    assert t["predicted_per_second"] > 0 and t["draft_n"] == 0 and t["draft_n_accepted"] == 0
+    assert t["predicted_per_second"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    assert t["mtp"]["mode"] == "auto"  # serve's default: the first request measures drafting
 
     chunks = list(
         client.chat.completions.create(

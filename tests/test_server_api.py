@@ -505,9 +505,9 @@ def test_models_list_for_both_clients(client, claude):
 
 
 def test_constrained_requests_decode_plainly_with_mtp_drafting(tmp_path):
-    """--mtp-k 1: drafts are neither masked nor scored, so a constrained or logprobs request
+    """--mtp on: drafts are neither masked nor scored, so a constrained or logprobs request
     decodes plainly (no drafts) and stays valid; an unconstrained one drafts."""
-    with serve(tmp_path, "--ctx", str(CTX), "--mtp-k", "1") as s:
+    with serve(tmp_path, "--ctx", str(CTX), "--mtp", "on", "--mtp-k", "1") as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
         free = c.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0)
         assert free.model_extra["timings"]["draft_n"] > 0

@@ -168,7 +168,8 @@ def test_a_client_leaving_or_a_stop_string_ends_only_its_own_sequence(plain):
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("pcache"), "--ctx", "1024") as s:
+    # --mtp off: the exact counts of the plain path (drafting re-feeds one token; below).
+    with serve(tmp_path_factory.mktemp("pcache"), "--ctx", "1024", "--mtp", "off") as s:
         yield s
 
 
@@ -221,10 +222,10 @@ def test_a_chat_follow_up_reuses_the_history_openai_and_anthropic(cached):
 
 
 def test_int2_and_drafting_with_the_prompt_cache(tmp_path):
-    """--kv int2 --mtp-k 1: a lone request drafts and reuses the previous prompt's entry with
+    """--kv int2 --mtp on: a lone request drafts and reuses the previous prompt's entry with
     its MTP rows (one token less: re-fed); a rollback past the INT2 window gives nothing;
     concurrent requests are all answered."""
-    with serve(tmp_path, "--ctx", "1024", "--kv", "int2", "--mtp-k", "1") as s:
+    with serve(tmp_path, "--ctx", "1024", "--kv", "int2", "--mtp", "on", "--mtp-k", "1") as s:
         p, q, r = _ids(0, 400), _ids(3, 20), _ids(5, 30)
         assert _complete(s, p)["prompt_tokens_details"]["cached_tokens"] == 0
         c = _client(s)

@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import TINY_MODEL
 from .serverproc import serve
 
-INT2 = ("--kv", "int2")
+# Plain decoding: the counts below are the plain path's (a drafting request, which --mtp auto
+# may start, re-feeds one token and keeps no end-of-generation snapshot: test_mtp_auto.py).
+INT2 = ("--kv", "int2", "--mtp", "off")
 SYSTEM = (
     "You are the prompter of a company of players. When an actor forgets his line you give "
     "him the next words of the play, no more, and you keep the book open at the scene. "

@@ -21,6 +21,7 @@ from ..engine.bench import serve as serve_bench
 from ..engine.caches import CacheSpec, shipped_rotation
 from ..engine.calibration import collect, fit
 from ..engine.model import load
+from ..engine.mtp_auto import describe
 from ..errors import MacserveError
 from ..int2_format import INT2
 from .engine import held_out_prompts, load_mla, progress_bar, text_windows
@@ -114,6 +115,12 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
             f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
             f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}"
         )
+        a = r["auto"]
+        if a["figures"]:
+            click.echo(
+                f"  --mtp auto: {describe(a['figures'])} -> drafting "
+                f"{'on' if a['drafting'] else 'off'}; it ran at {a['speedup']:.2f}x plain"
+            )
     if llama_url:
         ref = rows[0]["llama_server"]
         click.echo(

@@ -73,7 +73,7 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     return url, key, None
 
 
-def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
+def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, timeout):
     c.check_key(api_key)  # before a stopped profile is started for it
     url = c.url_of(target) if target else None
     profile_key = used = routed_model = None
@@ -88,7 +88,7 @@ def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeou
     client = c.Client(
         url, api_key or profile_key, timeout=timeout, on_note=progress, routed=routed_model
     )
-    session = c.Session(client, model or client.model_id(), system, max_tokens, temperature)
+    session = c.Session(client, model or client.model_id(), system, max_tokens, temperature, mtp)
 
     def write(text):
         progress.clear()

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ..chat import mtp_text
 from ..dev.tiny import data as tiny_data
 from ..engine import gate
 from ..engine import generate as gen
@@ -23,6 +24,7 @@ from ..engine.caches import CacheSpec, EngineOptions
 from ..engine.calibration import calibration_windows, collect, fit
 from ..engine.mla_attention import mla_attentions
 from ..engine.model import Bundle, load
+from ..engine.mtp_auto import load_note
 from ..errors import MacserveError
 from ..int2_format import INT2
 
@@ -111,9 +113,12 @@ def gate_report_lines(rep: dict) -> list[str]:
     return lines
 
 
-def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
-    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
+def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp, mtp_k):
+    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
     bundle = load(model)
+    note = load_note(bundle, options)
+    if note is not None:
+        click.echo(note, err=True)
     ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)
     last = None
     for step in gen.stream(bundle, ids, max_tokens, temperature=temperature, options=options):
@@ -128,5 +133,7 @@ def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
             else ""
         )
         click.echo(
-            f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}", err=True
+            f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}, "
+            + mtp_text(s["mtp"]),
+            err=True,
         )

@@ -20,6 +20,7 @@ def serve(
     ctx,
     kv,
     rotation,
+    mtp,
     mtp_k,
     default_max_tokens,
     max_queue,
@@ -42,7 +43,7 @@ def serve(
     disk_bytes = 0 if prompt_cache_disk.strip() == "0" else parse_size(prompt_cache_disk)
     disk_dir = Path(prompt_cache_dir) if prompt_cache_dir else env.home() / "prompt-cache"
     read_config(model)  # a missing folder or config.json is the first thing to say
-    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k)
+    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
     run(
         Settings(
             model,

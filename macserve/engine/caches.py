@@ -66,14 +66,23 @@ def shipped_rotation(model_dir: str | Path) -> Path | None:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How a model is run: its cache, and MTP draft tokens per step (0: off)."""
+    """How a model is run: its cache, MTP draft tokens per round (0: no drafting) and when
+    to draft (`mtp`: on, off, or auto: while measured to pay, mtp_auto.py)."""
 
     cache: CacheSpec = CacheSpec()
     mtp_k: int = 0
+    mtp: str = "on"
 
     def __post_init__(self):
         if not 0 <= self.mtp_k <= 3:
             raise MacserveError("--mtp-k must be 0..3")
+        if self.mtp not in ("auto", "on", "off"):
+            raise MacserveError(f"--mtp must be auto, on or off, not {self.mtp!r}")
+
+    @property
+    def drafts(self) -> bool:
+        """Drafting may happen (the model's MTP layer is then needed)."""
+        return self.mtp_k > 0 and self.mtp != "off"
 
 
 def make_caches(

@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .caches import EngineOptions
 from .model import Bundle
+from .mtp_auto import AutoMTP, drafting_mode, mtp_status
 from .mtp_decode import MTPDecoder
 
 
@@ -44,6 +45,7 @@ class Counters:
 
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    mtp: dict = field(default_factory=dict)  # drafting or not, and why (mtp_auto.status)
 
 
 class _Cancelled(Exception):
@@ -89,13 +91,23 @@ def _top(logprobs: mx.array, token: int, n: int) -> tuple[float, tuple[tuple[int
 
 
 def _mtp_tokens(
-    bundle: Bundle, prompt_ids, max_tokens, temperature, counters, options, cache, seed, progress
+    bundle: Bundle,
+    prompt_ids,
+    max_tokens,
+    temperature,
+    counters,
+    options,
+    cache,
+    seed,
+    progress,
+    auto=None,
 ) -> Iterator[int]:
     dec = MTPDecoder(
         bundle.model,
         bundle.mtp(),
         k=options.mtp_k,
         mtp_cache=bundle.mtp_cache_factory(options.cache),
+        auto=auto,
     )
     for token in dec.generate(
         list(prompt_ids),
@@ -108,6 +120,8 @@ def _mtp_tokens(
     ):
         counters.draft_tokens = dec.stats.draft_tokens
         counters.accepted_tokens = dec.stats.accepted_tokens
+        if auto is not None:
+            counters.mtp = auto.status()
         yield token
 
 
@@ -122,6 +136,7 @@ def stream(
     seed: int = 0,
     logits_processors: list | None = None,
     top_logprobs: int | None = None,
+    auto: AutoMTP | None = None,
 ) -> Iterator[Step]:
     """Stream one generation with `options`: its cache (bf16, or the rotated INT2 latent
     cache) and MTP drafting (mtp_k > 0; top_p < 1 is not supported with drafting, so it
@@ -130,7 +145,11 @@ def stream(
     `logits_processors` (mlx-lm's: f(tokens, logits) -> logits, e.g. a grammar's token mask)
     and `top_logprobs` (n >= 0: each Step carries its logprob and the n most likely tokens)
     also decode plainly: MTP drafts are neither masked nor scored, so a constrained request
-    stays exactly as correct with --mtp-k as without."""
+    stays exactly as correct with --mtp-k as without.
+
+    `options.mtp` auto drafts while `auto` (an AutoMTP kept by the caller across requests;
+    a fresh one when None) measures that it pays. Under mlx.launch auto drafts as on: every
+    rank must take the same path, and each would time its own share differently."""
     if max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
     if not prompt_ids:
@@ -164,14 +183,33 @@ def stream(
             "generation_seconds": gen_s,
             "draft_tokens": counters.draft_tokens,
             "accepted_tokens": counters.accepted_tokens,
+            "mtp": counters.mtp,
         }
 
     cache = bundle.caches(options.cache)
     plain_only = bool(logits_processors) or top_logprobs is not None
     logprobs_out = [] if top_logprobs is not None else None
-    if options.mtp_k > 0 and (top_p >= 1.0 or top_p <= 0) and not plain_only:
+    may_draft = (top_p >= 1.0 or top_p <= 0) and not plain_only
+    mode = drafting_mode(bundle, options)
+    counters.mtp = mtp_status(mode, may_draft)
+    if mode[0] != "off" and may_draft:
+        if mode[0] == "auto" and mx.distributed.init().size() > 1:
+            mode = ("on", "--mtp auto drafts as on under mlx.launch")
+            counters.mtp = mtp_status(mode, may_draft)
+        if mode[0] == "auto":
+            auto = auto or AutoMTP(options.mtp_k)
+            counters.mtp = auto.status()
         tokens = _mtp_tokens(
-            bundle, prompt_ids, max_tokens, temperature, counters, options, cache, seed, progress
+            bundle,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            counters,
+            options,
+            cache,
+            seed,
+            progress,
+            auto if mode[0] == "auto" else None,
         )
     else:
         tokens = _plain_tokens(

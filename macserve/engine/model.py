@@ -26,7 +26,7 @@ from . import mla_attention
 from .caches import CacheSpec
 from .calibration import Calibration, caches_for
 from .latent_cache import RotatedLatentCache
-from .mtp_layer import load_mtp_layers
+from .mtp_layer import MissingMTPWeights, load_mtp_layers, mtp_layer_count
 from .pipeline import use_split
 
 
@@ -37,12 +37,16 @@ class Bundle:
     config: dict
     path: Path
     _mtp: Any = None
+    _mtp_checked: dict = field(default_factory=dict)  # mtp_problem's answer, found once
     _calibrations: dict = field(default_factory=dict)
 
     def mtp(self):
         """The MTP layer, loaded on first use (mlx-lm's loader drops it)."""
         if self._mtp is None:
-            layers = load_mtp_layers(self.path, trunk=self.model)
+            try:
+                layers = load_mtp_layers(self.path, trunk=self.model)
+            except MissingMTPWeights as e:
+                raise MacserveError(str(e)) from None
             if not layers:
                 raise MacserveError(f"{self.path}: the model has no MTP layer (--mtp-k needs one)")
             self._mtp = layers[0]
@@ -50,6 +54,23 @@ class Bundle:
             mla_attention.install(self.model, extra=[self._mtp.self_attn])
             mx.eval(self._mtp.parameters())
         return self._mtp
+
+    def mtp_problem(self) -> str | None:
+        """Why this model cannot draft (no MTP layer, or its weights missing), or None once
+        its MTP layer is loaded. Called at load, so a missing layer is said once, there."""
+        if self._mtp is not None:
+            return None
+        if "problem" not in self._mtp_checked:
+            problem = None
+            if not mtp_layer_count(self.config):
+                problem = f"{self.path.name}: the model has no MTP layer"
+            else:
+                try:
+                    self.mtp()
+                except MacserveError as e:
+                    problem = str(e)
+            self._mtp_checked["problem"] = problem
+        return self._mtp_checked["problem"]
 
     def calibration(self, path: Path) -> Calibration:
         """A calibration file, read once per Bundle."""

@@ -14,7 +14,9 @@ One round, with t the last emitted token (at position n) and the MTP cache fille
      trunk ones); the trunk hiddens of the accepted positions become the next pending rows.
 
 Drafting switches itself off for the rest of a generation when, after `probe_rounds`, the
-accepted drafts per round fall below `min_accept_per_round` (break-even; see docs).
+accepted drafts per round fall below `min_accept_per_round` (break-even; see docs). With an
+`auto` (mtp_auto.AutoMTP, `--mtp auto`) it is instead on or off as the measured speedup says,
+re-measured every few hundred tokens, across generations.
 
 The prompt is prefilled in chunks (PREFILL_STEP tokens, as mlx-lm's generate_step does), the
 trunk and the MTP layer chunk by chunk, each chunk evaluated before the next, with the
@@ -32,6 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .mtp_auto import PROBE_STEPS
 
 PREFILL_STEP = 2048  # prompt tokens per chunk (mlx-lm's generate_step default)
 
@@ -133,9 +137,12 @@ class MTPDecoder:
         probe_rounds: int = 16,
         mtp_cache=KVCache,
         prefill_step: int = PREFILL_STEP,
+        auto=None,
     ):
         """`mtp_cache`: makes the MTP layer's cache (mlx-lm's KVCache; with --kv int2 a
-        RotatedLatentCache, so the layer's cache is in the same format as the trunk's)."""
+        RotatedLatentCache, so the layer's cache is in the same format as the trunk's).
+        `auto`: an AutoMTP (mtp_auto.py): drafting only while it is measured to pay, instead
+        of the break-even rule below."""
         if not 1 <= k <= 3:
             raise ValueError(f"draft length k must be 1..3, not {k}")
         self.model, self.mtp, self.k = model, mtp, k
@@ -143,6 +150,7 @@ class MTPDecoder:
         self.prefill_step = prefill_step
         self.min_accept, self.probe_rounds = min_accept_per_round, probe_rounds
         self.pipeline = True  # greedy k = 1: build the next round before reading this one
+        self.auto = auto
 
     def _trunk(self, tokens: list[int], cache):
         h = self.model.model(mx.array([tokens]), cache)
@@ -207,6 +215,156 @@ class MTPDecoder:
                     if produced >= max_tokens or nxt_t in eos:
                         self.timings["decode_s"] = time.perf_counter() - t0
                         return
+
+    def _round(self, t, pend_h, pend_tok, caches, mtp_cache, temperature, rng, timed=None):
+        """One draft round from last token t: (drafts accepted, drafts, the trunk's token,
+        trunk hiddens of [t, drafts]). The caches are not trimmed here. `timed`, an AutoMTP:
+        the drafting and the verification are evaluated and timed apart (a probe)."""
+        t0 = time.perf_counter()
+        drafts, q_rows = [], []
+        m_logits, z = self._mtp(pend_h, pend_tok, mtp_cache)
+        m_logits, z = m_logits[:, -1:], z[:, -1:]
+        if temperature <= 0:
+            # Drafts stay lazy arrays: drafting and verification evaluate together, one
+            # synchronization per round instead of one per draft plus one to verify.
+            d_arr = []
+            for j in range(self.k):
+                d_arr.append(mx.argmax(m_logits[0, -1:], axis=-1))
+                if j + 1 < self.k:
+                    m_logits, z = self._mtp(z, d_arr[-1][None], mtp_cache)
+            if timed is not None:
+                mx.eval(d_arr)
+                t1 = time.perf_counter()
+            seq = mx.concatenate([mx.array([t])] + d_arr)[None]
+            h = self.model.model(seq, caches)
+            logits = self.model.lm_head(h)
+            both = np.array(mx.concatenate([seq[0, 1:], mx.argmax(logits[0], axis=-1)]))
+            drafts = [int(x) for x in both[: self.k]]
+            target = [int(x) for x in both[self.k :]]
+            a = 0
+            while a < self.k and drafts[a] == target[a]:
+                a += 1
+            bonus = target[a]
+        else:
+            for j in range(self.k):
+                q = _probs(m_logits[0, -1], temperature)
+                d = int(rng.choice(len(q), p=q))
+                q_rows.append(q)
+                drafts.append(d)
+                if j + 1 < self.k:
+                    m_logits, z = self._mtp(z, [d], mtp_cache)
+            t1 = time.perf_counter()
+            h, logits = self._trunk([t] + drafts, caches)
+            p_all = _probs(logits[0], temperature)
+            a, bonus = verify_sampled(list(p_all[: self.k]), q_rows, drafts, p_all[self.k], rng)
+        if timed is not None:
+            # A first round after plain steps catches up on their rows: not a draft's cost.
+            if pend_h.shape[1] <= self.k + 1:
+                timed.draft((t1 - t0) / self.k)
+            timed.verify(time.perf_counter() - t1)
+        return a, drafts, bonus, h
+
+    def _settle(self, a, drafts, bonus, h, caches, mtp_cache):
+        """A round's counts and rollbacks: (tokens emitted, pending MTP rows, their tokens)."""
+        stats = self.stats
+        stats.rounds += 1
+        for j in range(min(a + 1, self.k)):
+            stats.proposed[j] += 1
+        for j in range(a):
+            stats.accepted[j] += 1
+        trim_all(caches, self.k - a)
+        if self.k > 1:
+            trim_all([mtp_cache], self.k - 1)
+        emitted = drafts[:a] + [bonus]
+        return emitted, h[:, : a + 1], emitted
+
+    def _auto(self, t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng):
+        """`--mtp auto`: plain steps or draft rounds as `self.auto` decides, probing (timed
+        plain steps and rounds, alternated, so a change in the machine's load weighs on both
+        figures alike) whenever it asks. Plain steps keep their trunk hiddens pending (a list,
+        joined once), so the MTP layer catches up on them when drafting resumes."""
+        auto = self.auto
+        self._produced = 0
+        pend = [pend_h]
+        pend_tok = list(pend_tok)
+        ended = self._emit([t], max_tokens, eos)
+        yield t
+        if ended:
+            return
+        while True:
+            probe = auto.probe_due()
+            if not probe and not auto.drafting and temperature <= 0:
+                state = yield from self._plain_greedy(t, caches, pend, pend_tok, max_tokens, eos)
+                if state is None:
+                    return
+                t = state
+                continue
+            phases = (
+                [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(bool(auto.drafting), None)]
+            )
+            for drafting, steps in phases:
+                done = 0
+                while (done < steps) if steps is not None else not auto.probe_due():
+                    done += 1
+                    if drafting:
+                        pend_h = pend[0] if len(pend) == 1 else mx.concatenate(pend, axis=1)
+                        a, drafts, bonus, h = self._round(
+                            t, pend_h, pend_tok, caches, mtp_cache, temperature, rng,
+                            auto if probe else None,
+                        )  # fmt: skip
+                        auto.round(a)
+                        out, pend_h, pend_tok = self._settle(a, drafts, bonus, h, caches, mtp_cache)
+                        pend = [pend_h]
+                    else:
+                        t0 = time.perf_counter()
+                        h = self.model.model(mx.array([[t]]), caches)
+                        out = [self._pick(self.model.lm_head(h[:, -1])[0], temperature, rng)]
+                        if probe:
+                            auto.plain(time.perf_counter() - t0)
+                        pend.append(h)
+                        pend_tok.append(out[0])
+                    t = out[-1]  # the next token to feed
+                    for tok in out:
+                        ended = self._emit([tok], max_tokens, eos)
+                        yield tok
+                        if ended:
+                            return
+            if probe:
+                auto.decide()
+
+    def _emit(self, toks, max_tokens, eos) -> bool:
+        """Count tokens about to be yielded; True when the generation ends with the last."""
+        self._produced += len(toks)
+        self.auto.tokens(len(toks))
+        return self._produced >= max_tokens or toks[-1] in eos
+
+    def _plain_greedy(self, t, caches, pend, pend_tok, max_tokens, eos):
+        """Greedy plain decoding until a probe is due, pipelined as mlx-lm's loop is (step
+        n+1 is built before step n is read). Returns the next token to feed, or None when
+        the generation ended; the step built ahead is trimmed from the caches."""
+        h = self.model.model(mx.array([[t]]), caches)
+        y = mx.argmax(self.model.lm_head(h[:, -1])[0])
+        mx.async_eval(y)
+        while True:
+            h2 = self.model.model(y.reshape(1, 1), caches)
+            y2 = mx.argmax(self.model.lm_head(h2[:, -1])[0])
+            mx.async_eval(y2)
+            tok = int(y.item())
+            pend.append(h)
+            pend_tok.append(tok)
+            ended = self._emit([tok], max_tokens, eos)
+            yield tok
+            if ended or self.auto.probe_due():
+                trim_all(caches, 1)  # the step built ahead
+                return None if ended else tok
+            h, y = h2, y2
+
+    @staticmethod
+    def _pick(logits_row, temperature, rng) -> int:
+        if temperature <= 0:
+            return int(mx.argmax(logits_row).item())
+        p = _probs(logits_row, temperature)
+        return int(rng.choice(len(p), p=p))
 
     def prefill(
         self, prompt: list[int], caches, mtp_cache, step: int = PREFILL_STEP, progress=None
@@ -275,6 +433,12 @@ class MTPDecoder:
         self.timings["prompt_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pend_h, pend_tok = h_last, [t]
+        if self.auto is not None and draft:
+            yield from self._auto(
+                t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng
+            )
+            self.timings["decode_s"] = time.perf_counter() - t0
+            return
         if greedy and self.k == 1 and draft and self.pipeline:
             yield from self._greedy_k1(t, pend_h, caches, mtp_cache, max_tokens, eos, t0)
             return
@@ -289,48 +453,10 @@ class MTPDecoder:
                 _, logits = self._trunk([t], caches)
                 t = pick(logits[0, -1])
                 continue
-            drafts, q_rows = [], []
-            m_logits, z = self._mtp(pend_h, pend_tok, mtp_cache)
-            m_logits, z = m_logits[:, -1:], z[:, -1:]
-            if greedy:
-                # Drafts stay lazy arrays: drafting and verification evaluate together, one
-                # synchronization per round instead of one per draft plus one to verify.
-                d_arr = []
-                for j in range(self.k):
-                    d_arr.append(mx.argmax(m_logits[0, -1:], axis=-1))
-                    if j + 1 < self.k:
-                        m_logits, z = self._mtp(z, d_arr[-1][None], mtp_cache)
-                seq = mx.concatenate([mx.array([t])] + d_arr)[None]
-                h = self.model.model(seq, caches)
-                logits = self.model.lm_head(h)
-                both = np.array(mx.concatenate([seq[0, 1:], mx.argmax(logits[0], axis=-1)]))
-                drafts = [int(x) for x in both[: self.k]]
-                target = [int(x) for x in both[self.k :]]
-                a = 0
-                while a < self.k and drafts[a] == target[a]:
-                    a += 1
-                bonus = target[a]
-            else:
-                for j in range(self.k):
-                    q = _probs(m_logits[0, -1], temperature)
-                    d = int(rng.choice(len(q), p=q))
-                    q_rows.append(q)
-                    drafts.append(d)
-                    if j + 1 < self.k:
-                        m_logits, z = self._mtp(z, [d], mtp_cache)
-                h, logits = self._trunk([t] + drafts, caches)
-                p_all = _probs(logits[0], temperature)
-                a, bonus = verify_sampled(list(p_all[: self.k]), q_rows, drafts, p_all[self.k], rng)
-            stats.rounds += 1
-            for j in range(min(a + 1, self.k)):
-                stats.proposed[j] += 1
-            for j in range(a):
-                stats.accepted[j] += 1
-            trim_all(caches, self.k - a)
-            if self.k > 1:
-                trim_all([mtp_cache], self.k - 1)
-            emitted = drafts[:a] + [bonus]
-            pend_h, pend_tok = h[:, : a + 1], emitted
+            a, drafts, bonus, h = self._round(
+                t, pend_h, pend_tok, caches, mtp_cache, temperature, rng
+            )
+            emitted, pend_h, pend_tok = self._settle(a, drafts, bonus, h, caches, mtp_cache)
             for d in emitted[:-1]:
                 yield d
                 produced += 1

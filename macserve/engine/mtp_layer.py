@@ -49,6 +49,10 @@ class MTPLayer(DeepseekV3DecoderLayer):
         return self.shared_head.head(out), out
 
 
+class MissingMTPWeights(ValueError):
+    """The config declares MTP layers the checkpoint's files do not hold."""
+
+
 def mtp_layer_count(config: dict) -> int:
     return int(config.get("num_nextn_predict_layers") or 0)
 
@@ -97,6 +101,8 @@ def load_mtp_layers(model_dir: str | Path, trunk=None) -> list[MTPLayer]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
+        if not f.exists():  # an index naming a file a conversion left out (mtp.safetensors)
+            continue
         for k, v in mx.load(str(f)).items():
             if k.startswith("model.layers.") and int(k.split(".")[2]) >= args.num_hidden_layers:
                 weights[k] = v
@@ -105,9 +111,10 @@ def load_mtp_layers(model_dir: str | Path, trunk=None) -> list[MTPLayer]:
         prefix = mtp_prefix(config, k)
         w = sanitize_mtp_weights(weights, args, prefix)
         if not w:
-            raise ValueError(
-                f"config says num_nextn_predict_layers={n} but no tensors named {prefix}* "
-                f"are in {model_dir}"
+            raise MissingMTPWeights(
+                f"{model_dir.name}: config.json declares {n} MTP layer(s) "
+                f"(num_nextn_predict_layers) but its safetensors hold no {prefix}* tensors "
+                "(a conversion that dropped them?)"
             )
         layer = MTPLayer(args, args.num_hidden_layers + k)
         if trunk is not None:

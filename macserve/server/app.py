@@ -201,6 +201,7 @@ async def _generate(request: Request, kind: str, api=OPENAI) -> Response:
             top_k=req.top_k,
             constraint=spec,
             top_logprobs=req.top_logprobs if req.logprobs else None,
+            mtp=req.mtp,
         )
         eng.worker.submit(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))

@@ -133,6 +133,17 @@ class _EngineState:
         yield CounterMetricFamily(
             "macserve_mtp_accepted_tokens", "MTP drafts the model accepted", w.accepted_tokens
         )
+        auto = w.mtp_status()
+        if auto is not None:
+            yield GaugeMetricFamily(
+                "macserve_mtp_drafting", "--mtp auto: 1 while drafting is on", int(auto["drafting"])
+            )
+            if "speedup" in auto:
+                yield GaugeMetricFamily(
+                    "macserve_mtp_measured_speedup",
+                    "--mtp auto: drafting's measured speed over plain decoding",
+                    auto["speedup"],
+                )
 
 
 class CountRequests:

@@ -131,11 +131,8 @@ class PromptCache:
                 },
             }
 
-    def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:
-        """Caches holding the longest prefix of `prompt` that an entry can give back exactly
-        (never the whole prompt), or None. The disk tier is asked when it holds a longer
-        prefix than memory does; its entry is loaded into memory and served from there."""
-        ids = np.asarray(prompt, dtype=np.int64)
+    def _best(self, ids: np.ndarray, mtp: bool) -> tuple[int | None, int]:
+        """The memory entry giving the longest prefix of `ids`, and that prefix's length."""
         best, best_keep = None, 0
         for key, e in self.entries.items():
             if mtp and e.mtp is None:
@@ -145,6 +142,23 @@ class PromptCache:
                 keep -= 1  # the last shared token is prefilled again (its hidden state)
             if keep > best_keep and e.rollback_ok(keep, mtp):
                 best, best_keep = key, keep
+        return best, best_keep
+
+    def reusable(self, prompt: list[int], mtp: bool = False) -> int:
+        """Prompt tokens `fetch` would give, looked up without taking anything (no counts)."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        keep = self._best(ids, mtp)[1]
+        if self.disk is not None and self.max_bytes > 0:
+            found = self.disk.best(ids, mtp, keep)
+            keep = found[1] if found else keep
+        return keep
+
+    def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:
+        """Caches holding the longest prefix of `prompt` that an entry can give back exactly
+        (never the whole prompt), or None. The disk tier is asked when it holds a longer
+        prefix than memory does; its entry is loaded into memory and served from there."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        best, best_keep = self._best(ids, mtp)
         tier = "memory"
         if self.disk is not None and self.max_bytes > 0:
             found = self.disk.best(ids, mtp, best_keep)

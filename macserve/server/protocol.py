@@ -66,6 +66,7 @@ class GenRequest:
     json_schema: dict | None = None  # response_format: {"type": "object"} for json_object
     logprobs: bool = False
     top_logprobs: int = 0
+    mtp: str | None = None  # ours: auto | on | off for this request (None: the server's --mtp)
 
     @property
     def uses_tools(self) -> bool:
@@ -220,6 +221,7 @@ def sampling(body: dict, temperature_max: float = 2) -> dict:
     out["top_k"] = _opt(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0)
     out["seed"] = _opt(body, "seed", _is_int, "an integer")
     out["stream"] = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    out["mtp"] = _opt(body, "mtp", lambda v: v in ("auto", "on", "off"), '"auto", "on" or "off"')
     return out
 
 

@@ -28,7 +28,7 @@ def usage(stats: dict) -> dict:
 def timings(stats: dict) -> dict:
     """llama-server's names, so clients written for it (and `macserve chat`) read ours too."""
     p_s, g_s = stats.get("prompt_seconds", 0.0), stats.get("generation_seconds", 0.0)
-    return {
+    out = {
         "prompt_n": stats.get("prompt_tokens", 0),
         "cache_n": stats.get("cached_tokens", 0),
         "prompt_ms": round(p_s * 1000, 3),
@@ -39,6 +39,9 @@ def timings(stats: dict) -> dict:
         "draft_n": stats.get("draft_tokens", 0),
         "draft_n_accepted": stats.get("accepted_tokens", 0),
     }
+    if stats.get("mtp"):
+        out["mtp"] = stats["mtp"]  # ours: drafting or not, why, --mtp auto's figures
+    return out
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ step n has had its last token fed by step n+1 (its caches hold every token it pr
 its caches then go to the prompt cache as its end-of-generation snapshot.
 
 MTP drafting runs one sequence (`MTPDecoder`). A request drafts only if it could (mtp_k > 0,
+--mtp on, or auto while its AutoMTP measures that drafting pays or wants a new measurement;
 top_p off, no logits processors, no logprobs) and it is alone: nothing else decoding,
-prefilling or queued. It keeps drafting to its end, one token per step, while requests that
+prefilling or queued. Each request's stats say whether it drafted and why (`mtp`). It keeps drafting to its end, one token per step, while requests that
 arrive meanwhile are prefilled and decoded in the batch beside it without drafting:
 drafting steps aside whenever more than one sequence is decoding when a request starts. A
 drafting request reuses only prompt-cache entries that hold the MTP layer's cache and leaves
@@ -51,6 +52,7 @@ from mlx_lm.sample_utils import apply_top_p
 from ..engine.batch import SequenceBatch
 from ..engine.caches import EngineOptions, cache_bytes, clone
 from ..engine.generate import Step
+from ..engine.mtp_auto import AutoMTP, drafting_mode, mtp_status
 from ..engine.mtp_decode import MTPDecoder
 from .prompt_cache import PromptCache, offset
 
@@ -86,6 +88,7 @@ class Seq:
     t_first: float | None = None
     gen: Any = None  # drafting: MTPDecoder.generate's iterator
     dec: Any = None  # drafting: the MTPDecoder
+    mtp: dict = field(default_factory=dict)  # drafting or not, and why (mtp_auto.mtp_status)
 
     def stats(self) -> dict:
         now = time.perf_counter()
@@ -103,6 +106,7 @@ class Seq:
             "generation_seconds": gen_s,
             "draft_tokens": st.draft_tokens if st else 0,
             "accepted_tokens": st.accepted_tokens if st else 0,
+            "mtp": self.dec.auto.status() if self.dec and self.dec.auto else self.mtp,
         }
 
 
@@ -137,6 +141,9 @@ class Scheduler:
         self.prefilling: deque[Seq] = deque()
         self.active: list[Seq] = []
         self.drafter: Seq | None = None
+        self.mode = drafting_mode(bundle, options)  # (on | auto | off, why)
+        # Kept for --mtp auto, and for requests that ask for auto on an --mtp on server.
+        self.auto = AutoMTP(options.mtp_k) if self.mode[0] != "off" else None
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -152,13 +159,28 @@ class Scheduler:
         seqs = list(self.prefilling) + self.active + ([self.drafter] if self.drafter else [])
         return sum(cache_bytes(c) for s in seqs if s.caches for c in s.caches)
 
-    def _may_draft(self, job, procs) -> bool:
-        return (
-            self.options.mtp_k > 0
-            and (job.top_p >= 1.0 or job.top_p <= 0)
-            and not procs
-            and job.top_logprobs is None
-        )
+    def _mtp_for(self, job, procs, alone: bool) -> dict:
+        """Whether `job` drafts, and why: mtp_auto.mtp_status's answer, or AutoMTP's."""
+        draftable = (job.top_p >= 1.0 or job.top_p <= 0) and not procs and job.top_logprobs is None
+        mode = self.mode
+        if job.mtp is not None and mode[0] != "off" and job.mtp != mode[0]:
+            mode = (job.mtp, f"the request asked for mtp {job.mtp}")
+        st = mtp_status(mode, draftable)
+        if mode[0] == "off" or not draftable:
+            return st
+        if not (alone and self.idle()):
+            return {**st, "drafting": False, "why": "drafting runs alone; others were in flight"}
+        if mode[0] == "auto" and self.auto is not None:
+            st = self.auto.status()
+            if not (self.auto.drafting or self.auto.probe_due()):
+                return st
+            # A drafting request reuses only cache entries that hold MTP rows: auto does not
+            # trade a prefix the plain path would reuse for a draft that may not pay.
+            if self.pc.reusable(job.prompt_ids, mtp=True) + 1 < self.pc.reusable(job.prompt_ids):
+                why = "auto: the prompt cache holds this prefix without MTP rows"
+                return {**st, "drafting": False, "why": why}
+            return {**st, "drafting": True}
+        return st
 
     def admit(self, job, stop: Callable[[], bool], alone: bool) -> None:
         """Start `job`. `alone`: nothing else is queued (a lone request may draft)."""
@@ -168,7 +190,8 @@ class Scheduler:
             s.processors = self.processors(job)
             if job.temperature > 0:
                 s.key = mx.random.key(job.seed)
-            if alone and self.idle() and self._may_draft(job, s.processors):
+            s.mtp = self._mtp_for(job, s.processors, alone)
+            if s.mtp["drafting"]:
                 self._start_drafting(s)
                 return
             hit = self.pc.fetch(s.prompt)
@@ -185,7 +208,11 @@ class Scheduler:
     def _start_drafting(self, s: Seq) -> None:
         b, opts = self.bundle, self.options
         s.dec = MTPDecoder(
-            b.model, b.mtp(), k=opts.mtp_k, mtp_cache=b.mtp_cache_factory(opts.cache)
+            b.model,
+            b.mtp(),
+            k=opts.mtp_k,
+            mtp_cache=b.mtp_cache_factory(opts.cache),
+            auto=self.auto if s.mtp.get("mode") == "auto" else None,
         )
         hit = self.pc.fetch(s.prompt, mtp=True)
         caches, mtp_cache = (hit.caches, hit.mtp) if hit else (b.caches(opts.cache), None)
@@ -381,6 +408,8 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - a cache not kept costs speed, never an answer
                 log.warning("prompt cache: snapshot not kept\n%s", traceback.format_exc())
         s.caches = None
+        if self.auto is not None and s.dec is None:
+            self.auto.tokens(s.n)  # plain tokens count towards the next probe
         s.job.stats = s.stats()
         self.on_done(s.job, "disconnected" if s.job.disconnected else "served")
 

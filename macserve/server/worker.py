@@ -34,6 +34,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from ..engine import generate
 from ..engine.caches import EngineOptions
 from ..engine.model import load
+from ..engine.mtp_auto import load_note
 from . import grammar, ranks
 from .capacity import Capacity, size_batch
 from .disk_cache import DiskTier, identity
@@ -61,6 +62,7 @@ class Job:
     top_k: int = 0
     constraint: Any = None  # grammar.ConstraintSpec
     top_logprobs: int | None = None  # None: no logprobs
+    mtp: str | None = None  # auto | on | off asked by the request; None: the server's --mtp
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -192,6 +194,7 @@ class Worker(threading.Thread):
             log.info("loading %s", self.model)
             bundle = load(self.model, self.split)
             self.vocab = grammar.Vocab(bundle)
+            self._check_mtp(bundle)
             if self._size_batch:
                 self._set_max_batch(bundle)
             self._open_disk_tier(bundle)
@@ -219,8 +222,23 @@ class Worker(threading.Thread):
             self.disk_bytes,
             identity(bundle, spec),
             lambda: bundle.caches(spec),
-            bundle.mtp_cache_factory(spec) if self.options.mtp_k > 0 else None,
+            bundle.mtp_cache_factory(spec) if self.mtp_usable(bundle) else None,
         )
+
+    def mtp_usable(self, bundle) -> bool:
+        return self.options.drafts and bundle.mtp_problem() is None
+
+    def _check_mtp(self, bundle) -> None:
+        note = load_note(bundle, self.options)  # loads the MTP layer when there is one
+        if note is not None:
+            log.warning("%s", note)
+
+    def mtp_status(self) -> dict | None:
+        """--mtp auto's current decision and figures (None: not auto, or no scheduler)."""
+        sched = self.scheduler
+        if sched is None or sched.auto is None or sched.mode[0] != "auto":
+            return None
+        return sched.auto.status()
 
     def _set_max_batch(self, bundle) -> None:
         if self.memory_budget is None:

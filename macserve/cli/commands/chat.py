@@ -27,6 +27,13 @@ DEFAULT_MAX_TOKENS = 512
 )
 @click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
 @click.option(
+    "--mtp",
+    type=click.Choice(["auto", "on", "off"]),
+    help="MTP drafting for these answers, asked of a macserve serve (auto: while it measures "
+    "that drafting pays) [default: the server's --mtp, auto unless set]; the stats line says "
+    "whether it drafted and why.",
+)
+@click.option(
     "--api-key",
     envvar=env.API_KEY,
     show_envvar=True,
@@ -40,7 +47,7 @@ DEFAULT_MAX_TOKENS = 512
     help="Seconds to wait for the server between bytes.",
 )
 @runs(_BODY + "chat")
-def chat(target, prompt, system, model, max_tokens, temperature, api_key, timeout):
+def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, timeout):
     """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT; with
     one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
     print one answer and a stats line on stderr, then exit. A profile that is not running is

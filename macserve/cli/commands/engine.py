@@ -44,7 +44,8 @@ def calibrate(model, out, data, windows, seq_len, target, report, as_json):
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
-@click.option("--mtp-k", type=click.IntRange(0, 3), default=0, show_default=True)
+@click.option("--mtp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option("--mtp-k", type=click.IntRange(0, 3), default=1, show_default=True)
 @runs(_BODY + "generate")
-def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp_k):
+def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp, mtp_k):
     """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""

@@ -43,11 +43,19 @@ _BODY = "macserve.cli.serve:"
     help="Fitted rotations for --kv int2.",
 )
 @click.option(
+    "--mtp",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Draft with the model's MTP layer: auto measures acceptance and the draft, verify "
+    "and plain step costs on the requests served and drafts only while that pays (>= 1.0x).",
+)
+@click.option(
     "--mtp-k",
     type=click.IntRange(0, 3),
-    default=0,
+    default=1,
     show_default=True,
-    help="Tokens to draft per step with the model's MTP layer (0: off).",
+    help="Tokens drafted per round when drafting (0: never draft).",
 )
 @click.option(
     "--default-max-tokens",
@@ -138,6 +146,7 @@ def serve(
     ctx,
     kv,
     rotation,
+    mtp,
     mtp_k,
     default_max_tokens,
     max_queue,

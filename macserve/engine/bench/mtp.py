@@ -15,6 +15,7 @@ import httpx
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from ..mtp_auto import AutoMTP
 from ..mtp_decode import MTPDecoder
 
 
@@ -43,16 +44,22 @@ def _drafted(dec, ids, n, make_cache):
 
 def run(model, mtp, prompts: list[list[int]], k: int, n_tokens: int, make_cache) -> dict:
     dec = MTPDecoder(model, mtp, k=k, probe_rounds=10**9)  # measure drafting, never switch off
+    # --mtp auto on the same prompts: its own figures, its decision, and the speed it got.
+    auto = AutoMTP(k)
+    adec = MTPDecoder(model, mtp, k=k, auto=auto)
     proposed, accepted = [0] * k, [0] * k
-    t_plain = t_mtp = 0.0
-    identical = 0
+    t_plain = t_mtp = t_auto = 0.0
+    identical = identical_auto = 0
     for ids in prompts:
         ref, tps1 = _plain(model, ids, n_tokens, make_cache)
         out, tps_m, st = _drafted(dec, ids, n_tokens, make_cache)
+        out_a, tps_a, _ = _drafted(adec, ids, n_tokens, make_cache)
         _, tps2 = _plain(model, ids, n_tokens, make_cache)
         identical += out == ref
+        identical_auto += out_a == ref
         t_plain += (len(ref) - 1) / max(tps1, tps2)
         t_mtp += (len(out) - 1) / tps_m
+        t_auto += (len(out_a) - 1) / tps_a
         for j in range(k):
             proposed[j] += st.proposed[j]
             accepted[j] += st.accepted[j]
@@ -69,6 +76,12 @@ def run(model, mtp, prompts: list[list[int]], k: int, n_tokens: int, make_cache)
         "speedup": drafted / plain,
         "greedy_identical": identical == len(prompts),
         "greedy_identical_prompts": identical,
+        "auto": {
+            "drafting": auto.drafting,
+            "figures": auto.last,  # what it decided on (its "speedup" is the estimate)
+            "speedup": toks / t_auto / plain,  # what it got, against plain decoding
+            "greedy_identical_prompts": identical_auto,
+        },
     }
 
 

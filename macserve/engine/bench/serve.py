@@ -1,7 +1,7 @@
 """`macserve bench serve`: macserve's engine server against mlx_lm.server on the same model,
 measured from outside, over HTTP, in one run.
 
-The three servers (mlx_lm.server; macserve; macserve --kv int2 --mtp-k 1) are started as
+The three servers (mlx_lm.server; macserve; macserve --kv int2 --mtp on --mtp-k 1) are started as
 real subprocesses on loopback and warmed up with one request each; then, round after round,
 each is measured in turn (the idle ones wait on a socket), with the same messages:
 
@@ -87,8 +87,13 @@ def targets(model: Path) -> list[Target]:
     serve = (py, "-m", "macserve", "serve", str(model))
     return [
         Target("mlx_lm.server", (py, "-m", "mlx_lm.server", "--model", str(model)), "mlx_lm"),
-        Target("macserve", serve, "macserve"),
-        Target("macserve int2 mtp1", serve + ("--kv", "int2", "--mtp-k", "1"), "macserve"),
+        # Drafting pinned on and off (serve's default, --mtp auto, decides by its own timings).
+        Target("macserve", serve + ("--mtp", "off"), "macserve"),
+        Target(
+            "macserve int2 mtp1",
+            serve + ("--kv", "int2", "--mtp", "on", "--mtp-k", "1"),
+            "macserve",
+        ),
     ]
 
 
