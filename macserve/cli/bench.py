@@ -13,12 +13,14 @@ from pathlib import Path
 import click
 
 from ..dev.tiny import data as tiny_data
+from ..engine import gate
 from ..engine.bench import dsa as dsa_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
 from ..engine.bench import serve as serve_bench
 from ..engine.caches import CacheSpec, shipped_rotation
 from ..engine.calibration import collect, fit
+from ..engine.mla_attention import mla_attentions
 from ..engine.model import load
 from ..errors import MacserveError
 from ..int2_format import INT2
@@ -42,30 +44,50 @@ from .engine import held_out_prompts, load_mla, progress_bar, text_windows
 @click.option("--seq-len", type=int, default=1024, show_default=True)
 @click.option("--gen-tokens", type=int, default=256, show_default=True)
 @click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option(
+    "--variants",
+    "which",
+    type=click.Choice(kv_bench.SETS),
+    default="all",
+    show_default=True,
+    help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
+    "calibration's per-layer plan",
+)
 @click.option("--json", "as_json", is_flag=True)
-def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, which, as_json):
     """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
     rotation = rotation or shipped_rotation(model)
     if rotation is not None:
         cal = b.calibration(rotation)
+        if which == "gate" and cal.default_method != "gate":
+            raise MacserveError(
+                f"{rotation}: no gate plan in this calibration (make one with macserve calibrate)"
+            )
     else:  # no calibration given or shipped: fit one now on the training plays
-        cal = fit(
-            collect(
-                m,
-                text_windows(tok, None, 8, seq_len, held_out=False),
-                progress=progress_bar("calibrating"),
-            ),
-            INT2,
+        stats = collect(
+            m,
+            text_windows(tok, None, 8, seq_len, held_out=False),
+            progress=progress_bar("calibrating"),
         )
+        cal = fit(stats, INT2)
+        if which == "gate":
+            rope = mla_attentions(m)[0].qk_rope_head_dim
+            gate.attach(cal, gate.gate(stats, rope), gate.DEFAULT_TARGET)
     ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
     try:
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
         raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
     table = kv_bench.rows(
-        m, cal, ws, contexts=ctxs, gen_tokens=gen_tokens, progress=progress_bar("evaluating")
+        m,
+        cal,
+        ws,
+        contexts=ctxs,
+        gen_tokens=gen_tokens,
+        progress=progress_bar("evaluating"),
+        which=which,
     )
     if as_json:
         click.echo(json.dumps(table, indent=1))
@@ -73,14 +95,22 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_j
     longest = max(ctxs)
     click.echo(
         f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
-        f"{'greedy':>6} {'speed@' + str(longest // 1024) + 'K':>9}"
+        f"{'greedy':>6} {'err max':>8} {'speed@' + str(longest // 1024) + 'K':>9}"
     )
     for r in table:
         mark = " *" if r["default"] else ""
+        ok = {True: " ok", False: " >", None: ""}[r["within_target"]]
         click.echo(
             f"{r['variant'] + mark:<36} {r['bytes_per_token_per_layer']:>11.1f} "
             f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
-            f"{r['greedy_agreement']:>6.3f} {r['decode_speed_ratio']:>8.2f}x"
+            f"{r['greedy_agreement']:>6.3f} {r['max_layer_error']:>8.4f}{ok:<3} "
+            f"{r['decode_speed_ratio']:>5.2f}x"
+        )
+    if table[0]["target"] is not None:
+        click.echo(
+            f"err max: the worst layer's functional error on the held-out text, from the real "
+            f"caches (engine/gate.py); ok / > : within / over the gate's target "
+            f"{table[0]['target']:g}"
         )
     bf = table[0]["decode_tokens_per_s"]
     click.echo(
