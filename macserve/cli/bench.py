@@ -93,9 +93,10 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, whic
         click.echo(json.dumps(table, indent=1))
         return
     longest = max(ctxs)
+    at = f"{longest // 1024}K" if longest % 1024 == 0 else str(longest)
     click.echo(
         f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
-        f"{'greedy':>6} {'err max':>8} {'speed@' + str(longest // 1024) + 'K':>9}"
+        f"{'greedy':>6} {'err max':>8} {'speed@' + at:>9}"
     )
     for r in table:
         mark = " *" if r["default"] else ""
