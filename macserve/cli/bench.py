@@ -113,6 +113,10 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, whic
             f"caches (engine/gate.py); ok / > : within / over the gate's target "
             f"{table[0]['target']:g}"
         )
+    if which == "gate":
+        for r in table[1:]:
+            errs = ", ".join(f"{e:.4f}" for e in r["layer_errors"])
+            click.echo(f"  {r['variant'].split(' (')[0]:<12} per layer: {errs}")
     bf = table[0]["decode_tokens_per_s"]
     click.echo(
         "bf16 latent decode tok/s: "
