@@ -7,6 +7,7 @@ and the hard case (`macserve dev hard-mla`, random weights, near-full-rank laten
 
 import json
 
+import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -203,7 +204,10 @@ def test_serve_logs_and_reports_each_layers_format(demo, tmp_path):
     rot = str(demo / SHIPPED_ROTATION)
     with serve(tmp_path, "--kv", "int2", "--rotation", rot, "--max-batch", "1") as srv:
         kv = srv.health()["kv_cache"]
+        body = {"prompt": "ROMEO.", "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         log = srv.log.read_text()
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
     assert kv["kind"] == "int2" and kv["calibration"] == rot
     assert [r["format"] for r in kv["layers"]] == [lp.format for lp in plan.layers]
     assert kv["summary"] == plan.summary()
