@@ -65,12 +65,14 @@ def gate_variants(calibration: Calibration) -> list[Variant]:
 
 
 def variants(default_method: str = DEFAULT_METHOD, gated: bool = False) -> list[Variant]:
-    out = [Variant(GATED, INT2, "gate")] if gated else []
+    # With a plan, the plan is what --kv int2 serves: it is the default row.
+    out = [Variant(GATED, INT2, "gate", default=True)] if gated else []
     for windows in (True, False):
         q = INT2 if windows else replace(INT2, **NO_WINDOWS)
         tag = "" if windows else " no-windows"
         for m in METHODS:
-            out.append(Variant(f"int2 {m}{tag}", q, m, default=(windows and m == default_method)))
+            default = windows and m == default_method and not gated
+            out.append(Variant(f"int2 {m}{tag}", q, m, default=default))
         out.append(
             Variant(
                 f"int2 {default_method} row-quantile{tag}",
