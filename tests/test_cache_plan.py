@@ -15,8 +15,10 @@ from click.testing import CliRunner
 
 from macserve.cli import main
 from macserve.engine.caches import CacheSpec, cache_bytes, formats, latent_caches
+from macserve.engine.calibration import Calibration
 from macserve.engine.latent_cache import RotatedLatentCache, dequantize, unpack
 from macserve.engine.model import load
+from macserve.errors import MacserveError
 from macserve.int2_format import INT2, SHIPPED_ROTATION, format_quant, read_plan
 
 from .conftest import TINY_MODEL
@@ -167,8 +169,6 @@ def test_inspect_labels_a_folder_without_a_calibration_uncalibrated(demo, tmp_pa
 def test_a_bf16_layer_in_a_plan_is_bf16_in_the_cache_and_in_inspect(demo, tmp_path):
     """A plan naming bf16 on a layer (the gate's fallback): that layer's cache holds every
     token in bf16 with no codes, and inspect counts it so, without bf16 windows."""
-    from macserve.engine.calibration import Calibration
-
     cal = Calibration.load(demo / SHIPPED_ROTATION)
     cal.meta["gate"]["layers"][2]["choice"] = "bf16"
     cal.meta["gate"]["layers"][2]["rotation"] = "plain"
@@ -245,3 +245,19 @@ def test_bench_kv_gate_rows_on_the_hard_case(hard):
     want = sum(q.row_bytes(128, 32) for q in plan.quants()) / 4
     assert gated["bytes_per_token_per_layer"] == want
     assert int2["bytes_per_token_per_layer"] < want <= rows["int4"]["bytes_per_token_per_layer"]
+
+
+def test_a_plan_naming_an_unknown_format_is_one_clear_error(demo, tmp_path):
+    cal = Calibration.load(demo / SHIPPED_ROTATION)
+    cal.meta["gate"]["layers"][1]["choice"] = "int5-g64"
+    folder = tmp_path / "typo"
+    folder.mkdir()
+    for f in demo.iterdir():
+        if f.name != SHIPPED_ROTATION:
+            (folder / f.name).symlink_to(f.resolve())
+    cal.save(folder / SHIPPED_ROTATION)
+    with pytest.raises(MacserveError, match="unknown latent format 'int5-g64'"):
+        load(folder).caches(CacheSpec.for_model(folder, "int2"))
+    rep = _inspect(folder)
+    assert rep["int2_plan"].startswith("uncalibrated")
+    assert any("int5-g64" in n for n in rep["notes"])
