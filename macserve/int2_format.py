@@ -12,8 +12,10 @@ cache class with quantization off).
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 
 BF16 = 2  # bytes
 
@@ -74,3 +76,104 @@ class LatentQuant:
 
 INT2 = LatentQuant()  # the shipped format: 2-bit latent, 8-bit rope, 64 sink + 256 recent
 BF16_LATENT = LatentQuant(bits=None)  # the baseline it is measured against
+
+
+# -- formats per layer, and the plan a calibration file holds -----------------------------------
+#
+# `macserve calibrate` measures each MLA layer in every format below and writes, per layer, the
+# one its gate chose (engine/gate.py) into the calibration file's metadata. The engine builds
+# each layer's cache in that format; `inspect` reads the same metadata (the safetensors header,
+# JSON, without mlx) to count the same bytes.
+
+SHIPPED_ROTATION = "latent-rotation.safetensors"  # the calibration a model folder ships
+FORMATS = {  # name -> (bits, group size); bits None: bf16, stored as is
+    "int2-g128": (2, 128),
+    "int2-g64": (2, 64),
+    "int3-g64": (3, 64),
+    "int4-g64": (4, 64),
+    "bf16": (None, 64),
+}
+
+
+def format_quant(name: str, base: LatentQuant = INT2) -> LatentQuant:
+    """`base` (its windows, rotary-key bits) with the latent stored in format `name`."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown latent format {name!r} (known: {', '.join(FORMATS)})")
+    bits, group = FORMATS[name]
+    return replace(base, bits=bits, group_size=group)
+
+
+def format_name(q: LatentQuant) -> str:
+    """The name of `q`'s latent format ("int2-g64", "bf16"); "int{b}-g{g}" if not listed."""
+    return "bf16" if q.bits is None else f"int{q.bits}-g{q.group_size}"
+
+
+def format_label(name: str) -> str:
+    """How a plan names a format to a user: INT2 g64, INT4 g64, bf16."""
+    return name if name == "bf16" else name.upper().replace("-G", " g")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a calibration file says one MLA layer's cache stores."""
+
+    format: str  # a FORMATS name
+    rotation: str  # the calibration method whose rotation it uses ("plain": none)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Per MLA layer (of the whole model), the format and rotation. `gated`: chosen per layer
+    by calibrate's gate; else the file's one method with the format it was fitted for."""
+
+    layers: tuple[LayerPlan, ...]
+    gated: bool
+    target: float | None = None
+
+    def quants(self, base: LatentQuant = INT2) -> list[LatentQuant]:
+        return [format_quant(lp.format, base) for lp in self.layers]
+
+    def summary(self) -> str:
+        """ "61 MLA layers: 52 INT2 g64, 9 INT4 g64" (formats in the order of FORMATS)."""
+        counts = {f: 0 for f in FORMATS}
+        for lp in self.layers:
+            counts[lp.format] = counts.get(lp.format, 0) + 1
+        parts = ", ".join(f"{n} {format_label(f)}" for f, n in counts.items() if n)
+        how = f"gated at {self.target:g}" if self.gated else "no gate: one format throughout"
+        return f"{len(self.layers)} MLA layers: {parts} ({how})"
+
+
+def plan_from_meta(meta: dict) -> CachePlan:
+    """The plan in a calibration file's metadata (its "macserve" JSON): the gate's choices
+    when calibrate wrote them, else the file's default method in the format it was fitted
+    for on every layer. ValueError if the metadata does not say."""
+    try:
+        gate = meta.get("gate")
+        if gate:
+            layers = tuple(LayerPlan(r["choice"], r["rotation"]) for r in gate["layers"])
+            for lp in layers:
+                format_quant(lp.format)  # an unknown name is refused here, not at serve time
+            return CachePlan(layers, True, gate.get("target"))
+        fmt = format_name(LatentQuant(meta.get("bits", 2), meta.get("group_size", 64)))
+        method = meta.get("default", "upproj")
+        return CachePlan(tuple(LayerPlan(fmt, method) for _ in range(meta["layers"])), False)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"calibration metadata without a plan ({e!r})") from None
+
+
+def read_plan(path) -> CachePlan:
+    """The plan of calibration file `path`, from its safetensors header alone (no mlx):
+    8 bytes of header length, then the header's JSON, whose __metadata__ holds ours."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                raise ValueError(f"a header of {n} bytes")
+            header = json.loads(f.read(n))
+        meta = json.loads(header["__metadata__"]["macserve"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ValueError(f"{path}: not a macserve calibration file ({e})") from None
+    try:
+        return plan_from_meta(meta)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -170,8 +170,9 @@ def test_declared_defaults_agree_with_their_wings():
     """The few defaults a declaration cannot import without loading a wing are written there
     again; these are the wings' own."""
     from macserve import chat as chat_client
-    from macserve.cli.commands import chat, engine, router
+    from macserve.cli.commands import bench, chat, engine, router
     from macserve.engine import gate
+    from macserve.engine.bench import kv
     from macserve.services.providers.router import DEFAULT_PORT
     from macserve.services.router.model import DEFAULT_START_TIMEOUT
 
@@ -179,6 +180,7 @@ def test_declared_defaults_agree_with_their_wings():
     assert engine.DEFAULT_TARGET == gate.DEFAULT_TARGET
     assert router.ROUTER_PORT == DEFAULT_PORT
     assert router.DEFAULT_START_TIMEOUT == DEFAULT_START_TIMEOUT
+    assert bench.KV_SETS == kv.SETS
 
 
 def test_profile_names_complete_without_loading_a_wing(tmp_path):

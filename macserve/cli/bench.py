@@ -14,12 +14,14 @@ from pathlib import Path
 import click
 
 from ..dev.tiny import data as tiny_data
+from ..engine import gate
 from ..engine.bench import dsa as dsa_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
 from ..engine.bench import serve as serve_bench
 from ..engine.caches import CacheSpec, shipped_rotation
 from ..engine.calibration import collect, fit
+from ..engine.mla_attention import mla_attentions
 from ..engine.model import load
 from ..engine.mtp_auto import describe
 from ..errors import MacserveError
@@ -27,44 +29,68 @@ from ..int2_format import INT2
 from .engine import held_out_prompts, load_mla, progress_bar, text_windows
 
 
-def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, which, as_json):
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
     rotation = rotation or shipped_rotation(model)
     if rotation is not None:
         cal = b.calibration(rotation)
+        if which == "gate" and cal.default_method != "gate":
+            raise MacserveError(
+                f"{rotation}: no gate plan in this calibration (make one with macserve calibrate)"
+            )
     else:  # no calibration given or shipped: fit one now on the training plays
-        cal = fit(
-            collect(
-                m,
-                text_windows(tok, None, 8, seq_len, held_out=False),
-                progress=progress_bar("calibrating"),
-            ),
-            INT2,
+        stats = collect(
+            m,
+            text_windows(tok, None, 8, seq_len, held_out=False),
+            progress=progress_bar("calibrating"),
         )
+        cal = fit(stats, INT2)
+        if which == "gate":
+            rope = mla_attentions(m)[0].qk_rope_head_dim
+            gate.attach(cal, gate.gate(stats, rope), gate.DEFAULT_TARGET)
     ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
     try:
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
         raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
     table = kv_bench.rows(
-        m, cal, ws, contexts=ctxs, gen_tokens=gen_tokens, progress=progress_bar("evaluating")
+        m,
+        cal,
+        ws,
+        contexts=ctxs,
+        gen_tokens=gen_tokens,
+        progress=progress_bar("evaluating"),
+        which=which,
     )
     if as_json:
         click.echo(json.dumps(table, indent=1))
         return
     longest = max(ctxs)
+    at = f"{longest // 1024}K" if longest % 1024 == 0 else str(longest)
     click.echo(
         f"{'variant':<36} {'B/tok/layer':>11} {'dPPL%':>7} {'KL':>8} {'top1':>6} "
-        f"{'greedy':>6} {'speed@' + str(longest // 1024) + 'K':>9}"
+        f"{'greedy':>6} {'err max':>8} {'speed@' + at:>9}"
     )
     for r in table:
         mark = " *" if r["default"] else ""
+        ok = {True: " ok", False: " >", None: ""}[r["within_target"]]
         click.echo(
             f"{r['variant'] + mark:<36} {r['bytes_per_token_per_layer']:>11.1f} "
             f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
-            f"{r['greedy_agreement']:>6.3f} {r['decode_speed_ratio']:>8.2f}x"
+            f"{r['greedy_agreement']:>6.3f} {r['max_layer_error']:>8.4f}{ok:<3} "
+            f"{r['decode_speed_ratio']:>5.2f}x"
         )
+    if table[0]["target"] is not None:
+        click.echo(
+            f"err max: the worst layer's functional error on the held-out text, from the real "
+            f"caches (engine/gate.py); ok / > : within / over the gate's target "
+            f"{table[0]['target']:g}"
+        )
+    if which == "gate":
+        for r in table[1:]:
+            errs = ", ".join(f"{e:.4f}" for e in r["layer_errors"])
+            click.echo(f"  {r['variant'].split(' (')[0]:<12} per layer: {errs}")
     bf = table[0]["decode_tokens_per_s"]
     click.echo(
         "bf16 latent decode tok/s: "

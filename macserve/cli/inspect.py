@@ -75,6 +75,8 @@ def _print(r):
             for c in cols
         )
         row += f" {_gib(at[str(mc)]):>9}  {origin}"
+        if k == "macserve/int2" and r["int2_plan"]:
+            row += ", " + ("uncalibrated" if r["int2_plan"].startswith("uncal") else "calibrated")
         click.echo(row)
     click.echo(
         f"(@N: weights + caches of {seqs} of N tokens; max ctx is capped at the "
@@ -96,6 +98,8 @@ def _print(r):
             f"MTP: {mtp['layers']} layer(s), not counted above; drafting with them adds "
             f"B/token: {extra or 'n/a'}"
         )
+    if r["int2_plan"]:
+        click.echo(f"macserve/int2: {r['int2_plan']}")
     for n in r["notes"]:
         click.echo(f"note: {n}")
     if r["ctx"] and r["model_max_context"] and r["ctx"] > r["model_max_context"]:

@@ -6,6 +6,8 @@
 
 A model folder may ship its calibration as `latent-rotation.safetensors`; `--kv int2` then
 needs no `--rotation`. That default is decided in `CacheSpec.for_model` and nowhere else.
+A calibration whose gate chose a format per layer (engine/gate.py) gets a cache per layer in
+that format: `quant` is then a list, one LatentQuant per layer of the whole model.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..errors import MacserveError
-from ..int2_format import INT2, LatentQuant
+from ..int2_format import INT2, SHIPPED_ROTATION, LatentQuant, format_name
 from . import mla_attention
 from .dsa_indexer import IndexerKeyCache
 from .latent_cache import RotatedLatentCache
 
-SHIPPED_ROTATION = "latent-rotation.safetensors"
 KINDS = ("bf16", "int2")
 
 
@@ -86,30 +87,52 @@ class EngineOptions:
 
 
 def make_caches(
-    model, quant: LatentQuant, rotations: list | None = None, clips: list | None = None
+    model,
+    quant: LatentQuant | list[LatentQuant],
+    rotations: list | None = None,
+    clips: list | None = None,
 ) -> list:
-    """One cache per trunk layer. `rotations`/`clips`: per layer of the whole model (from a
-    calibration), None for the unrotated cache. DSA models get mlx-lm's layout,
+    """One cache per trunk layer. `quant`: one format for every layer, or one per layer of
+    the whole model (a gated calibration's plan). `rotations`/`clips`: per layer of the whole
+    model (from a calibration), None for the unrotated cache. DSA models get mlx-lm's layout,
     CacheList(latent, indexer key), with our two caches."""
     attns = mla_attention.mla_attentions(model)
     n = len(attns)
-    if rotations is None:
-        latents = [RotatedLatentCache(quant) for _ in range(n)]
+    # A pipeline rank holds layers [start, start + n) of the whole model.
+    start = getattr(getattr(model, "model", None), "start_idx", 0) or 0
+    total = getattr(getattr(model, "args", None), "num_hidden_layers", None) or n
+    if isinstance(quant, LatentQuant):
+        quants = [quant] * n
+    elif len(quant) != total:
+        raise ValueError(f"the cache plan has {len(quant)} layers, the model {total}")
     else:
-        # A pipeline rank holds layers [start, start + n) of the whole model.
-        start = getattr(getattr(model, "model", None), "start_idx", 0) or 0
-        total = getattr(getattr(model, "args", None), "num_hidden_layers", None) or n
+        quants = list(quant[start : start + n])
+    if rotations is None:
+        latents = [RotatedLatentCache(q) for q in quants]
+    else:
         if len(rotations) != total:
             raise ValueError(f"calibration has {len(rotations)} layers, the model {total}")
         clips = clips if clips is not None else [None] * total
         latents = [
-            RotatedLatentCache(quant, r, c)
-            for r, c in zip(rotations[start : start + n], clips[start : start + n])
+            RotatedLatentCache(q, r, c)
+            for q, r, c in zip(quants, rotations[start : start + n], clips[start : start + n])
         ]
     if not hasattr(attns[0], "indexer"):
         return latents
-    bits = quant.index_bits if quant.quantized else None
-    return [CacheList(c, IndexerKeyCache(bits, quant.group_size)) for c in latents]
+    return [
+        CacheList(c, IndexerKeyCache(q.index_bits if q.quantized else None, q.group_size))
+        for c, q in zip(latents, quants)
+    ]
+
+
+def formats(caches) -> list[str]:
+    """Per layer, the format its cache actually stores the latent in ("int2-g64", "bf16"),
+    read from the cache objects; mlx-lm's own caches by their class ("mlx-lm KVCache")."""
+    out = []
+    for c in latent_caches(caches):
+        is_ours = isinstance(c, RotatedLatentCache)
+        out.append(format_name(c.quant) if is_ours else f"mlx-lm {type(c).__name__}")
+    return out
 
 
 def clone(cache):

@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..int2_format import BF16_LATENT, LatentQuant
+from ..int2_format import BF16_LATENT, CachePlan, LatentQuant, plan_from_meta
 from . import mla_attention
 from .caches import make_caches, model_dtype
 
@@ -59,7 +59,19 @@ class Calibration:
 
     @property
     def default_method(self) -> str:
+        """ "gate" (a format and rotation per layer) when calibrate's gate wrote a plan, else
+        the file's one method."""
+        if "gate" in self.rotations and self.meta.get("gate"):
+            return "gate"
         return self.meta.get("default", DEFAULT_METHOD)
+
+    def plan(self) -> CachePlan:
+        """What the file says each layer stores (int2_format.plan_from_meta)."""
+        return plan_from_meta(self.meta)
+
+    def quants(self, method: str, base: LatentQuant) -> LatentQuant | list[LatentQuant]:
+        """The format(s) `method`'s caches use: the gate's per layer, else `base` for all."""
+        return self.plan().quants(base) if method == "gate" else base
 
     def for_method(
         self, method: str, dtype=mx.float32
@@ -73,9 +85,14 @@ class Calibration:
             )
         key = (method, dtype)
         if key not in self._arrays:
+            # No rotation where the method's is the identity: plain, and the gate's layers
+            # whose chosen rotation is plain (bf16 among them).
+            plain = [method == "plain"] * len(self.rotations[method])
+            if method == "gate":
+                plain = [lp.rotation == "plain" for lp in self.plan().layers]
             rots = [
-                None if method == "plain" else mx.array(r).astype(dtype)
-                for r in self.rotations[method]
+                None if p else mx.array(r).astype(dtype)
+                for r, p in zip(self.rotations[method], plain)
             ]
             clips = [None if c is None else mx.array(c).astype(dtype) for c in self.clips[method]]
             mx.eval([a for a in rots + clips if a is not None])
@@ -116,14 +133,16 @@ def caches_for(
     model, quant: LatentQuant, calibration: Calibration | None = None, method: str | None = None
 ) -> list:
     """Caches in `quant`'s format with `calibration`'s rotations for `method` (None or plain:
-    unrotated; a bf16 quant ignores the calibration)."""
+    unrotated; a bf16 quant ignores the calibration). Method "gate": per layer the format
+    and rotation the file's gate chose (`quant` gives the windows and the rotary key's bits)."""
     if not quant.quantized or method in (None, "plain"):
         return make_caches(model, quant)
     if calibration is None:
         raise ValueError(
             f"--kv with rotation {method!r} needs a calibration file (macserve calibrate)"
         )
-    return make_caches(model, quant, *calibration.for_method(method, model_dtype(model)))
+    rots, clips = calibration.for_method(method, model_dtype(model))
+    return make_caches(model, calibration.quants(method, quant), rots, clips)
 
 
 def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -> list[LayerStats]:

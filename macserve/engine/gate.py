@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from .. import int2_format
 from ..int2_format import INT2, LatentQuant
 from .calibration import Calibration, LayerStats, fit_clip, rotation
 
@@ -43,13 +44,7 @@ class Format:
         return self.quant().row_bytes(latent_dims, rope_dims)
 
 
-FORMATS = (
-    Format("int2-g128", 2, 128),
-    Format("int2-g64", 2, 64),
-    Format("int3-g64", 3, 64),
-    Format("int4-g64", 4, 64),
-    Format("bf16", None),
-)
+FORMATS = tuple(Format(n, b, g) for n, (b, g) in int2_format.FORMATS.items())
 BY_NAME = {f.name: f for f in FORMATS}
 # Chosen from the two measured models (docs/int2-latent-cache.md, "The gate"): the demo's
 # worst layer under the shipped INT2 g64 upproj measures 0.015 (bench kv: KL 0.0015, ΔPPL

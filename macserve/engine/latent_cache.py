@@ -156,12 +156,28 @@ def dequantize(
     unpacked with vector ops)."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    per = 32 // bits
-    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-    v = (w[..., None] >> shifts) & ((1 << bits) - 1)
-    dims = w.shape[-1] * per
+    v = unpack(w, bits)
+    dims = v.shape[-1]
     v = v.reshape(*w.shape[:-1], dims // group_size, group_size).astype(scales.dtype)
     return (v * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], dims)
+
+
+def unpack(w: mx.array, bits: int) -> mx.array:
+    """The codes mx.quantize packed into uint32 words, one per value (uint32). MLX packs them
+    as one little-endian bit stream: for 2, 4 and 8 bits each word holds 32 / bits whole
+    codes; for 3, 5 and 6 a code can straddle two words, but 8 codes always fill `bits`
+    bytes, so those bytes are read as one wider word and cut there."""
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        return ((w[..., None] >> shifts) & mask).reshape(*w.shape[:-1], -1)
+    wide = mx.uint32 if bits <= 4 else mx.uint64
+    b = mx.view(w, mx.uint8).reshape(*w.shape[:-1], -1, bits).astype(wide)
+    word = b[..., 0]
+    for k in range(1, bits):
+        word = word | (b[..., k] << (8 * k))
+    shifts = mx.arange(0, 8 * bits, bits, dtype=wide)
+    return ((word[..., None] >> shifts) & mask).astype(mx.uint32).reshape(*w.shape[:-1], -1)
 
 
 class RotatedLatentCache(_BaseCache):

@@ -22,8 +22,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import sharded_load
 
 from ..errors import MacserveError
+from ..int2_format import CachePlan, LayerPlan
 from . import mla_attention
-from .caches import CacheSpec
+from .caches import CacheSpec, formats, latent_caches
 from .calibration import Calibration, caches_for
 from .latent_cache import RotatedLatentCache
 from .mtp_layer import MissingMTPWeights, load_mtp_layers, mtp_layer_count
@@ -91,6 +92,38 @@ class Bundle:
             return caches_for(self.model, spec.quant, cal, spec.method or cal.default_method)
         except ValueError as e:
             raise MacserveError(str(e)) from None
+
+    def kv_plan(self, spec: CacheSpec = CacheSpec()) -> dict:
+        """What `spec`'s caches store per layer, read from freshly built cache objects (so a
+        setting that resolves to something else than meant shows): `summary` ("4 MLA layers:
+        2 INT3 g64, 2 INT4 g64 (gated at 0.02)") and per layer its format and rotation."""
+        caches = self.caches(spec)
+        fmts = formats(caches)
+        start = getattr(getattr(self.model, "model", None), "start_idx", 0) or 0
+        if spec.kind == "bf16":
+            rows = [dict(layer=start + i, format=f, rotation="plain") for i, f in enumerate(fmts)]
+            return dict(
+                kind="bf16",
+                calibration=None,
+                summary=f"{len(fmts)} layers: mlx-lm's own caches, bf16 (--kv bf16)",
+                layers=rows,
+            )
+        cal = self.calibration(spec.rotation)
+        method = spec.method or cal.default_method
+        names = [lp.rotation for lp in cal.plan().layers] if method == "gate" else None
+        rows = []
+        for i, (f, c) in enumerate(zip(fmts, latent_caches(caches))):
+            # "plain": stored unrotated (the method whose rotation is the identity)
+            rot = "plain" if c.rotation is None else (names[start + i] if names else method)
+            rows.append(dict(layer=start + i, format=f, rotation=rot))
+        plan = CachePlan(
+            tuple(LayerPlan(r["format"], r["rotation"]) for r in rows),
+            gated=method == "gate",
+            target=cal.meta.get("gate", {}).get("target"),
+        )
+        return dict(
+            kind="int2", calibration=str(spec.rotation), summary=plan.summary(), layers=rows
+        )
 
     def mtp_cache_factory(self, spec: CacheSpec = CacheSpec()):
         """What makes the MTP layer's cache: mlx-lm's KVCache, or with int2 the same INT2

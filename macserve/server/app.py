@@ -311,6 +311,7 @@ async def health(request: Request) -> Response:
             "failed": w.failed,
             "max_batch": w.max_batch,
             "prompt_cache": w.prompt_cache.stats(),
+            "kv_cache": w.kv_plan,
         }
     )
 

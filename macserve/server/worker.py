@@ -93,6 +93,10 @@ class Job:
             self.cancel()
 
 
+def _per_layer(plan: dict) -> str:
+    return ", ".join(f"{r['layer']} {r['format']}/{r['rotation']}" for r in plan["layers"])
+
+
 class Worker(threading.Thread):
     def __init__(
         self,
@@ -139,6 +143,7 @@ class Worker(threading.Thread):
         self.accepted_tokens = 0
         self._kv_bytes = 0  # the in-flight sequences' cache bytes, refreshed every KV_EVERY s
         self.metrics = Metrics(self)
+        self.kv_plan: dict | None = None  # what each layer's cache stores (Bundle.kv_plan)
 
     def kv_bytes_in_use(self) -> int:
         return self._kv_bytes if self.in_flight() else 0
@@ -195,6 +200,11 @@ class Worker(threading.Thread):
             bundle = load(self.model, self.split)
             self.vocab = grammar.Vocab(bundle)
             self._check_mtp(bundle)
+            # Read from built caches: a setting that resolves to other than what was meant
+            # (bf16 for int2, INT2 where the calibration says INT4) shows here and in /health.
+            self.kv_plan = bundle.kv_plan(self.options.cache)
+            log.info("kv cache: %s", self.kv_plan["summary"])
+            log.info("kv cache per layer: %s", _per_layer(self.kv_plan))
             if self._size_batch:
                 self._set_max_batch(bundle)
             self._open_disk_tier(bundle)

@@ -37,7 +37,8 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   zero-filled values array as large. This is the modelled row; where mlx-lm has the model type,
   inspect shows what it measures instead (mlx_measure.py, `measured_layout`).
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
-  (L/4 + L/64 x 4 B), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
+  (L/4 + L/64 x 4 B), or per layer the format a calibration's plan names (int2_format.py:
+  INT2 g128, INT3, INT4, bf16 with no bf16 windows), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
   and last 256 tokens of a sequence, and 16 rows of slack for an exact trim, also kept in
   bf16 (a fixed per-sequence cost); a DSA
   indexer key as 8-bit groups of 64 (D + ceil(D/64) x 4 B); every other cache as in mlx/bf16.
@@ -51,7 +52,7 @@ from fractions import Fraction
 from functools import cache
 
 from ..errors import MacserveError
-from ..int2_format import BF16_LATENT, INT2
+from ..int2_format import BF16_LATENT, INT2, LatentQuant, format_name
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
 from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
@@ -293,7 +294,8 @@ def _siblings(src: str):
 _HELPERS = {"cache", "base", "activations", "rope_utils", "switch_layers", "pipeline", "mla"}
 
 
-def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
+def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> list[Buffer]:
+    """`q`: the latent's format on this layer with int2 (a calibration's plan, else INT2)."""
     bf16 = 2
     if isinstance(l, NoCache):
         return []
@@ -329,18 +331,15 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
         ]
     if isinstance(l, MLA):
         if int2:
-            out = [
-                Buffer(i, "latent + rope (int2/int8)", INT2.row_bytes(l.latent, l.rope), "token"),
-                Buffer(
-                    i,
-                    "bf16 sink + recent + slack rows",
-                    BF16_LATENT.row_bytes(l.latent, l.rope),
-                    "fixed",
-                    # what the engine holds after a prefill (the allocator's figure, bench
-                    # engine): 64 + 256 tokens and the 16 rows kept for an exact trim
-                    rows=INT2.bf16_rows(),
-                ),
-            ]
+            what = f"latent + rope ({format_name(q)}/{'bf16' if q.bits is None else 'int8'})"
+            out = [Buffer(i, what, q.row_bytes(l.latent, l.rope), "token")]
+            # what the engine holds after a prefill (the allocator's figure, bench engine):
+            # 64 + 256 tokens and the 16 rows kept for an exact trim (none for a bf16 layer)
+            bf = BF16_LATENT.row_bytes(l.latent, l.rope)
+            if q.bf16_rows():
+                out.append(
+                    Buffer(i, "bf16 sink + recent + slack rows", bf, "fixed", rows=q.bf16_rows())
+                )
         elif mod.name in MLX_MLA_EXPANDED:
             out = [
                 Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token"),
@@ -356,7 +355,8 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
         if l.indexer and int2:
             # macserve's engine (engine/dsa_indexer.py): the same key on every layer, 8-bit
             # groups of 64 with a bf16 scale and bias, and no zero-filled values array.
-            out.append(Buffer(i, "indexer key (int8)", INT2.index_row_bytes(l.indexer), "token"))
+            bits = "bf16" if q.bits is None else f"int{q.index_bits}"
+            out.append(Buffer(i, f"indexer key ({bits})", q.index_row_bytes(l.indexer), "token"))
         elif l.indexer:
             # deepseek_v32's Indexer caches every token's key on every layer (it ignores
             # indexer_types and pools nothing) with update_and_fetch(k, k), then sets
@@ -396,11 +396,22 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool) -> list[Buffer]:
     raise TypeError(l)
 
 
-def _mlx_layout(layers: list, key: str, mod: MlxModule, int2: bool) -> Layout:
-    if int2 and not any(isinstance(l, MLA) for l in layers):
+def _mlx_layout(layers: list, key: str, mod: MlxModule, int2: bool, plan=None) -> Layout:
+    """`plan`: with int2, one LatentQuant per MLA layer (a calibration's), else INT2 on all."""
+    mla = [i for i, l in enumerate(layers) if isinstance(l, MLA)]
+    if int2 and not mla:
         return _unsupported(key, "no MLA layers: the INT2 latent cache does not apply")
+    if plan is not None and len(plan) != len(mla):
+        return _unsupported(
+            key, f"the calibration's plan has {len(plan)} layers, the model {len(mla)} MLA layers"
+        )
+    per_layer = dict(zip(mla, plan or [INT2] * len(mla)))
     try:
-        bufs = [b for i, l in enumerate(layers) for b in _mlx_layer(i, l, mod, int2)]
+        bufs = [
+            b
+            for i, l in enumerate(layers)
+            for b in _mlx_layer(i, l, mod, int2, per_layer.get(i, INT2))
+        ]
     except _Unsupported as e:
         return _unsupported(key, str(e))
     return Layout(key, bufs)
@@ -415,8 +426,10 @@ def layout(
     ubatch: int = LLAMA_UBATCH,
     swa_full: bool = False,
     mtp: bool = False,
+    plan: list[LatentQuant] | None = None,
 ) -> Layout:
-    """The buffers engine `key` keeps for `shape`'s trunk layers (or its MTP layers)."""
+    """The buffers engine `key` keeps for `shape`'s trunk layers (or its MTP layers).
+    `plan`: for macserve/int2, the format of each MLA layer (a calibration file's plan)."""
     layers = shape.mtp_layers if mtp else shape.layers
     engine, _, t = key.partition("/")
     if engine == "llama.cpp" and t in ("f16", "q8_0", "q4_0"):
@@ -426,7 +439,7 @@ def layout(
     if key == "mlx/bf16":
         return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=False)
     if key == "macserve/int2":
-        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True)
+        return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True, plan=plan)
     raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
 
 

@@ -16,9 +16,11 @@ plain dict `inspect --json` prints.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import MacserveError
 from ..hf_config import text_config
+from ..int2_format import SHIPPED_ROTATION, read_plan
 from .arch import ModelShape
 from .arch_config import shape_from_config
 from .arch_gguf import shape_from_gguf
@@ -38,6 +40,7 @@ class Report:
     layouts: dict  # cache key -> Layout (trunk layers)
     mtp_layouts: dict  # cache key -> Layout (MTP layers alone; not in the trunk figures)
     notes: list = field(default_factory=list)
+    int2_plan: str | None = None  # what the macserve/int2 row counts: a calibration's plan
 
     @property
     def weights_bytes(self) -> int | None:
@@ -84,7 +87,31 @@ def inspect_source(source: str, quant: str | None = None, measure: bool = True) 
             f"--quant {quant} ignored: it picks among GGUF files, and this source is a "
             "config (for MLX weights of another size, --weights 4bit or a size)"
         )
-    return Report(src, shape, lays, mtp, notes)
+    plan = _int2_plan(src, shape, lays, notes) if "macserve/int2" in lays else None
+    return Report(src, shape, lays, mtp, notes, plan)
+
+
+def _int2_plan(src: ModelSource, shape: ModelShape, lays: dict, notes: list) -> str | None:
+    """A model folder that holds a calibration file: the macserve/int2 row counts the formats
+    its plan names per layer (what the engine will store); without one, INT2 g64 on every
+    MLA layer, labelled uncalibrated (calibrate may choose wider formats)."""
+    if not lays["macserve/int2"].supported:
+        return None
+    folder = Path(src.local_path) if src.local_path else None
+    cal = folder / SHIPPED_ROTATION if folder and folder.is_dir() else None
+    if cal is None or not cal.is_file():
+        return "uncalibrated: INT2 g64 on every MLA layer (macserve calibrate measures a plan)"
+    try:
+        plan = read_plan(cal)
+    except ValueError as e:
+        notes.append(f"macserve/int2 uncalibrated: {e}")
+        return "uncalibrated: the calibration file is unreadable"
+    lay = layout(shape, "macserve/int2", plan=plan.quants())
+    if not lay.supported:
+        notes.append(f"macserve/int2 uncalibrated: {SHIPPED_ROTATION}: {lay.reason}")
+        return "uncalibrated: the calibration does not fit this model"
+    lays["macserve/int2"] = lay
+    return f"{SHIPPED_ROTATION}: {plan.summary()}"
 
 
 def _measured_only(src: ModelSource, why: MacserveError) -> Report:
@@ -214,6 +241,7 @@ def report_of(
         },
         "over_budget": p.over_budget,
         "notes": rep.notes,
+        "int2_plan": rep.int2_plan,
         "files": rep.source.files,
         "gguf_header_bytes_read": rep.source.header_bytes_read or None,
     }

@@ -7,6 +7,7 @@ import click
 from ..lazy import runs
 
 _BODY = "macserve.cli.bench:"
+KV_SETS = ("all", "gate")  # engine/bench/kv.py's SETS, not imported: it loads mlx
 
 
 @click.command("kv")
@@ -26,9 +27,18 @@ _BODY = "macserve.cli.bench:"
 @click.option("--seq-len", type=int, default=1024, show_default=True)
 @click.option("--gen-tokens", type=int, default=256, show_default=True)
 @click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option(
+    "--variants",
+    "which",
+    type=click.Choice(KV_SETS),
+    default="all",
+    show_default=True,
+    help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
+    "calibration's per-layer plan",
+)
 @click.option("--json", "as_json", is_flag=True)
 @runs(_BODY + "bench_kv")
-def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, as_json):
+def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, which, as_json):
     """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
 
 

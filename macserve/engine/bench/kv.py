@@ -2,7 +2,9 @@
 
 Quality is teacher-forced: each window goes through the cache in chunks, so every token is
 scored by queries attending through the quantized cache (not a bf16 prefill quantized
-afterwards). Speed is decode tokens/s with the cache pre-filled to each context length,
+afterwards). With a calibration whose gate chose a format per layer, the "gated" variant is
+that plan as serve builds it; every variant's per-layer functional error on the held-out text
+is measured from its real caches (stored_error.py) and set against the gate's target. Speed is decode tokens/s with the cache pre-filled to each context length,
 as a ratio to the bf16 latent cache (the same class with quantization off) timed in the
 same process, variant and baseline interleaved.
 """
@@ -20,6 +22,7 @@ from mlx_lm.models.cache import CacheList
 from ...int2_format import BF16_LATENT as BF16
 from ...int2_format import INT2, LatentQuant
 from ..calibration import DEFAULT_METHOD, METHODS, Calibration, caches_for
+from .stored_error import StoredError
 
 NO_WINDOWS = dict(sink=0, recent=0)
 
@@ -35,14 +38,41 @@ class Variant:
     def windows(self) -> bool:
         return self.quant.bits is not None and (self.quant.sink > 0 or self.quant.recent > 0)
 
+    def bytes_per_token_per_layer(self, rank: int, rope: int, calibration) -> float:
+        if self.method != "gate":
+            return self.quant.bytes_per_token(rank, rope)
+        qs = calibration.quants("gate", self.quant)
+        return sum(q.row_bytes(rank, rope) for q in qs) / len(qs)
 
-def variants(default_method: str = DEFAULT_METHOD) -> list[Variant]:
-    out = []
+    @property
+    def speed_key(self) -> str:
+        """Which decode-speed measurement stands for this variant."""
+        return "gated" if self.method == "gate" else "int4" if self.quant.bits == 4 else "int2"
+
+
+GATED = "gated (the calibration's plan)"
+SETS = ("all", "gate")  # `bench kv --variants`
+
+
+def gate_variants(calibration: Calibration) -> list[Variant]:
+    """The gate's comparison: uniform INT2 and INT4 with the file's one method, and the plan."""
+    m = calibration.meta.get("default", DEFAULT_METHOD)
+    return [
+        Variant(f"int2 {m} (uniform)", INT2, m),
+        Variant(f"int4 {m} (uniform)", replace(INT2, bits=4), m),
+        Variant(GATED, INT2, "gate", default=True),
+    ]
+
+
+def variants(default_method: str = DEFAULT_METHOD, gated: bool = False) -> list[Variant]:
+    # With a plan, the plan is what --kv int2 serves: it is the default row.
+    out = [Variant(GATED, INT2, "gate", default=True)] if gated else []
     for windows in (True, False):
         q = INT2 if windows else replace(INT2, **NO_WINDOWS)
         tag = "" if windows else " no-windows"
         for m in METHODS:
-            out.append(Variant(f"int2 {m}{tag}", q, m, default=(windows and m == default_method)))
+            default = windows and m == default_method and not gated
+            out.append(Variant(f"int2 {m}{tag}", q, m, default=default))
         out.append(
             Variant(
                 f"int2 {default_method} row-quantile{tag}",
@@ -101,6 +131,7 @@ def quality(
     res = {
         v.name: dict(nll=0.0, kl=0.0, top1=0.0, n=0, gen_agree=0.0, gen_n=0) for v in variant_list
     }
+    stored = {v.name: StoredError(model) for v in variant_list}
     ref_nll = 0.0
     ref_n = 0
     steps = len(windows) * (len(variant_list) + 1)
@@ -115,7 +146,10 @@ def quality(
         ref_gen = _greedy(model, caches_for(model, BF16), w[:prompt_tokens], gen_tokens, chunk)
         done += 1
         for v in variant_list:
-            lp = _logprobs(model, caches_for(model, v.quant, calibration, v.method), x, chunk)
+            caches = caches_for(model, v.quant, calibration, v.method)
+            with stored[v.name].watching():
+                lp = _logprobs(model, caches, x, chunk)
+            stored[v.name].add(caches)
             r = res[v.name]
             r["nll"] += -float(mx.take_along_axis(lp, y[:, None], axis=-1).sum())
             # In float64, each side renormalized: KL of two proper distributions is >= 0 up
@@ -144,6 +178,7 @@ def quality(
             "kl": r["kl"] / r["n"],
             "top1_agreement": r["top1"] / r["n"],
             "greedy_agreement": r["gen_agree"] / r["gen_n"],
+            "layer_errors": stored[name].errors(),
         }
     return out
 
@@ -166,14 +201,15 @@ def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0, index_dims: int
 
 def decode_speed(
     model,
-    quants: dict[str, LatentQuant],
+    quants: dict[str, LatentQuant | tuple[LatentQuant, str]],
     calibration,
     method,
     contexts,
     steps: int = 16,
     rounds: int = 3,
 ) -> dict[str, dict[int, float]]:
-    """Decode tokens/s per named quant and context; rounds interleave the variants."""
+    """Decode tokens/s per named quant and context (a (quant, method) pair: that method, not
+    `method`); rounds interleave the variants."""
     attn = model.layers[0].self_attn
     rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
     out = {name: {} for name in quants}
@@ -181,7 +217,8 @@ def decode_speed(
         best = {name: 0.0 for name in quants}
         caches = {}
         for name, q in quants.items():
-            caches[name] = caches_for(model, q, calibration, method if q.bits else None)
+            q, m = q if isinstance(q, tuple) else (q, method)
+            caches[name] = caches_for(model, q, calibration, m if q.bits else None)
             indexer = getattr(attn, "indexer", None)
             _fill(caches[name], ctx, rank, rope, index_dims=indexer.head_dim if indexer else 0)
         for _ in range(rounds):
@@ -211,17 +248,30 @@ def rows(
     gen_tokens=256,
     progress=None,
     speed_steps=16,
+    which: str = "all",
 ) -> list[dict]:
+    """The table: bf16 first, then the variants of set `which` ("all", or "gate": uniform
+    INT2 and INT4 against the calibration's plan), each with its measured per-layer error,
+    the worst layer's, and whether that is within the gate's target."""
     attn = model.layers[0].self_attn
     rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
     default = calibration.meta.get("default", DEFAULT_METHOD)
-    vs = variants(default)
+    gated = calibration.default_method == "gate"
+    if which == "gate":
+        if not gated:
+            raise ValueError("the calibration has no gate plan (make one with macserve calibrate)")
+        vs = gate_variants(calibration)
+    else:
+        vs = variants(default, gated)
     q = quality(
         model, vs, windows, calibration, chunk=chunk, gen_tokens=gen_tokens, progress=progress
     )
     speed_quants = {"bf16": BF16, "int2": INT2, "int4": replace(INT2, bits=4)}
+    if gated:
+        speed_quants["gated"] = (INT2, "gate")
     speed = decode_speed(model, speed_quants, calibration, default, contexts, steps=speed_steps)
     longest = max(contexts)
+    target = (calibration.meta.get("gate") or {}).get("target")
     table = [
         {
             "variant": "bf16 latent",
@@ -233,21 +283,28 @@ def rows(
             "kl": 0.0,
             "top1_agreement": 1.0,
             "greedy_agreement": 1.0,
+            "layer_errors": None,
+            "max_layer_error": 0.0,
+            "target": target,
+            "within_target": True,
             "decode_speed_ratio": 1.0,
             "decode_tokens_per_s": speed["bf16"],
         }
     ]
     for v in vs:
-        key = "int4" if v.quant.bits == 4 else "int2"
+        worst = max(q[v.name]["layer_errors"])
         table.append(
             {
                 "variant": v.name,
                 "default": v.default,
                 "windows": v.windows,
-                "bytes_per_token_per_layer": v.quant.bytes_per_token(rank, rope),
+                "bytes_per_token_per_layer": v.bytes_per_token_per_layer(rank, rope, calibration),
                 **q[v.name],
-                "decode_speed_ratio": speed[key][longest] / speed["bf16"][longest],
-                "decode_tokens_per_s": speed[key],
+                "max_layer_error": worst,
+                "target": target,
+                "within_target": None if target is None else worst <= target,
+                "decode_speed_ratio": speed[v.speed_key][longest] / speed["bf16"][longest],
+                "decode_tokens_per_s": speed[v.speed_key],
             }
         )
     return table
