@@ -315,6 +315,8 @@ def test_engine_provider_argv_flags_and_checks(macserve_home):
         str(macserve_home / "state" / "t" / "prompt-cache"),
         "--prompt-cache-disk",
         "20GB",
+        "--shutdown-grace",  # the profile's DRAIN (default 60 s): what a stream gets on a stop
+        "60",
         "--host",
         "127.0.0.1",
         "--port",
