@@ -134,7 +134,8 @@ class PromptCache:
     def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:
         """Caches holding the longest prefix of `prompt` that an entry can give back exactly
         (never the whole prompt), or None. The disk tier is asked when it holds a longer
-        prefix than memory does; its entry is loaded into memory and served from there."""
+        prefix than memory does (an entry, or whole prefix blocks: disk_cache.py); what it
+        loads becomes a memory entry and is served from there."""
         ids = np.asarray(prompt, dtype=np.int64)
         best, best_keep = None, 0
         for key, e in self.entries.items():
@@ -147,8 +148,8 @@ class PromptCache:
                 best, best_keep = key, keep
         tier = "memory"
         if self.disk is not None and self.max_bytes > 0:
-            found = self.disk.best(ids, mtp, best_keep)
-            loaded = self.disk.load(found[0]) if found else None
+            plan = self.disk.best(ids, mtp, best_keep)
+            loaded = self.disk.load(plan, mtp, best_keep) if plan else None
             if loaded is not None:
                 nbytes = sum(cache_bytes(c) for c in loaded.caches)
                 nbytes += 0 if loaded.mtp is None else cache_bytes(loaded.mtp)
@@ -158,7 +159,7 @@ class PromptCache:
                     self._next += 1
                     self.entries[best] = e
                     self.nbytes += nbytes
-                best_keep, tier = found[1], "disk"
+                best_keep, tier = loaded.keep, "disk"
         if best is None:
             with self._lock:
                 self.misses += 1
