@@ -147,7 +147,10 @@ class DiskTier:
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
         self._scan()
-        threading.Thread(target=self._writer, name="macserve-disk-cache", daemon=True).start()
+        self._thread = threading.Thread(
+            target=self._writer, name="macserve-disk-cache", daemon=True
+        )
+        self._thread.start()
 
     # -- the index --------------------------------------------------------------------------
 
@@ -372,9 +375,16 @@ class DiskTier:
         self._q.put(("flush", done))
         return done.wait(timeout)
 
+    def close(self) -> None:
+        """Finish the queued writes and end the writer thread (a tier made for a measurement)."""
+        self._q.put(("close",))
+        self._thread.join()
+
     def _writer(self) -> None:
         while True:
             item = self._q.get()
+            if item[0] == "close":
+                return
             try:
                 if item[0] == "flush":
                     item[1].set()
