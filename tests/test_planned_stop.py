@@ -194,7 +194,10 @@ def test_engine_prompt_cache_survives_a_router_ttl_stop(services, macserve_home)
         services.append(status("eng")["pid"])
         engine = httpx.get(router.url + "/metrics/eng", timeout=30).text  # starts nothing
     cached = r2.usage.prompt_tokens_details.cached_tokens
-    assert cached >= r1.usage.prompt_tokens > 0
+    # The demo profile drafts (MTP): its end-of-prompt snapshot is kept, less the last shared
+    # token, whose hidden state the MTP layer needs again (prompt_cache.py).
+    assert r2.model_extra["timings"]["draft_n"] > 0
+    assert cached >= r1.usage.prompt_tokens - 1 > 0
     disk = [x for x in engine.splitlines() if x.startswith("macserve_prompt_cache_tokens_reused")]
     assert any('tier="disk"' in x and float(x.split()[-1]) == cached for x in disk), disk
     # cold: the disk tier off and nothing in memory (a `set` restarts a running service)
