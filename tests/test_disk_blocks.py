@@ -4,6 +4,8 @@ a drafting request's MTP rows); two prompts that share a prefix share its block 
 corrupt middle block ends the chain there with one log line; the size bound holds."""
 
 import logging
+import resource
+import signal
 
 import mlx.core as mx
 import pytest
@@ -195,3 +197,39 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
     assert st["entries"] == 2 and st["writes"] == 6
     # What is left is whole: every entry's blocks are there.
     assert all(k in pc.disk.blocks for e in pc.disk.entries.values() for k in e.chain)
+
+
+def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, caplog):
+    """A write that meets a full disk (here the file size limit, RLIMIT_FSIZE: the same
+    EFBIG a full filesystem's ENOSPC takes) leaves no temp file and no entry, one log line;
+    the memory tier still serves, and after a restart the request simply prefills."""
+    spec = CacheSpec.for_model(TINY_MODEL, "int2")
+    ids = _ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 640)
+    more = ids + _ids(bundle, "MIRANDA.\nO brave new world! ", 30)
+    pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
+    cs = bundle.caches(spec)
+    bundle.model(mx.array([ids]), cache=cs)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    was = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
+    caplog.clear()
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))  # a tail is larger
+        with caplog.at_level(logging.WARNING, "macserve.server"):
+            pc.insert(ids, [clone(c) for c in cs])
+            assert pc.disk.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, was)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "full" in lines[0], lines
+    assert not [f for f in pc.disk.dir.iterdir() if f.name.startswith(".")]
+    on_disk = sum(f.stat().st_size for f in pc.disk.dir.glob("*.safetensors"))
+    assert pc.disk.stats()["entries"] == 0 and on_disk == pc.disk.stats()["bytes"]
+    hit = pc.fetch(more)  # memory
+    assert hit.cached == len(ids)
+    cold = _greedy(bundle, bundle.caches(spec), more)
+    assert _greedy(bundle, hit.caches, more[hit.cached :]) == cold
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "macserve.server"):
+        assert PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(more) is None
+    assert not caplog.records

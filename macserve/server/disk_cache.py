@@ -445,10 +445,10 @@ class DiskTier:
         bmeta = {k: v for k, v in meta.items() if k not in ("reach", "mtp_reach", "chain")}
         try:
             for k in chain:
-                if k in self.blocks:  # shared with an earlier entry: now used again
+                if (b := self.blocks.get(k)) is not None:  # an earlier entry's: used again
                     with contextlib.suppress(OSError):
-                        os.utime(self.blocks[k].path, (now, now))
-                    self.blocks[k].used = now
+                        os.utime(b.path, (now, now))
+                    b.used = now
             for k, b in new:
                 path = self.dir / f"b-{k}{SUFFIX}"
                 n = self._save(path, b, dict(bmeta, block=str(chain.index(k))))
