@@ -136,6 +136,7 @@ class DiskTier:
         self.dir = Path(root) / self.key
         self.max_bytes = max_bytes
         self.n = block_tokens
+        self.salt = f"{self.key}:{block_tokens}"  # blocks of another N are other blocks
         self.fresh, self.fresh_mtp = fresh, fresh_mtp
         self.entries: dict[str, DiskEntry] = {}
         self.blocks: dict[str, Block] = {}
@@ -180,21 +181,23 @@ class DiskTier:
                 meta = header(p)
                 self._check_identity(meta)
                 st = p.stat()
+                if int(meta["n"]) != self.n:
+                    raise ValueError(f"made with {meta['n']}-token blocks, not {self.n}")
                 if p.name.startswith("b-"):
                     cut = meta.get("cuttable") == "1"
                     self.blocks[p.stem[2:]] = Block(p, st.st_size, st.st_mtime, cut)
-                elif p.name.startswith("t-") and int(meta["n"]) == self.n:
+                elif p.name.startswith("t-"):
                     tokens = read_tokens(p, meta)
                     mtp_reach = int(meta["mtp_reach"])
                     chain = disk_blocks.chain_keys(
-                        tokens, self.n, int(meta["chain"]), mtp_reach >= 0, self.key
+                        tokens, self.n, int(meta["chain"]), mtp_reach >= 0, self.salt
                     )
                     reach = int(meta["reach"])
                     tails.append(
                         DiskEntry(p, tokens, st.st_size, reach, mtp_reach, st.st_mtime, chain)
                     )
                 else:
-                    raise ValueError("not a block or a tail of this block size")
+                    raise ValueError("not a block or a tail")
             except (OSError, ValueError, KeyError, TypeError) as err:
                 self._skip(p, str(err))
                 continue
@@ -260,7 +263,7 @@ class DiskTier:
             if keep > better_than and ok:
                 best, better_than = Plan(e, e.chain, e.tokens, keep), keep
         for m in (True,) if mtp else (False, True):
-            chain = disk_blocks.chain_keys(ids, self.n, len(ids) // self.n, m, self.key)
+            chain = disk_blocks.chain_keys(ids, self.n, len(ids) // self.n, m, self.salt)
             j = 0
             while j < len(chain) and chain[j] in blocks and blocks[chain[j]].cuttable:
                 j += 1
@@ -426,7 +429,7 @@ class DiskTier:
             return
         blocks, tail = parts
         reach, mtp_reach = int(meta["reach"]), int(meta["mtp_reach"])
-        chain = disk_blocks.chain_keys(tokens, self.n, len(blocks), mtp_reach >= 0, self.key)
+        chain = disk_blocks.chain_keys(tokens, self.n, len(blocks), mtp_reach >= 0, self.salt)
         new = [(k, b) for k, b in zip(chain, blocks) if k not in self.blocks]
         size = sum(a.nbytes for _, b in new for a in b.values())
         size += sum(a.nbytes for a in tail.values())
