@@ -6,13 +6,15 @@ corrupt middle block ends the chain there with one log line; the size bound hold
 import logging
 import resource
 import signal
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import pytest
 
-from macserve.engine.caches import CacheSpec, clone
+from macserve.engine.caches import CacheSpec, EngineOptions, clone
 from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder
+from macserve.server import scheduler
 from macserve.server.disk_cache import DiskTier, identity
 from macserve.server.prompt_cache import PromptCache
 
@@ -233,3 +235,57 @@ def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, ca
     with caplog.at_level(logging.WARNING, "macserve.server"):
         assert PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(more) is None
     assert not caplog.records
+
+
+def test_an_int2_chat_starts_from_another_chats_prefill_boundary(bundle, tmp_path, monkeypatch):
+    """The scheduler keeps an INT2 prefill's state at each whole chunk's end on disk (its bf16
+    window exists only there): after a restart, a chat that shares only the system prompt
+    with an earlier one starts from the last such boundary inside it and decodes greedily as
+    a cold run does."""
+    monkeypatch.setattr(scheduler, "PREFILL_CHUNK", 256)  # the demo's 1,024-token context
+    spec = CacheSpec.for_model(TINY_MODEL, "int2")
+    system = _ids(bundle, SYSTEM, 600)
+    a = system + _ids(bundle, "Who is Yorick? ", 50)
+    b = system + _ids(bundle, "Where is Elsinore? ", 60)
+
+    def serve(prompt, pc):
+        job = SchedJob(prompt, 16)
+        sched = scheduler.Scheduler(
+            bundle, EngineOptions(cache=spec), pc, lambda j: None, lambda j, o: None
+        )
+        sched.admit(job, lambda: False, alone=False)
+        while sched.prefilling or sched.active:
+            sched.step()
+        return job
+
+    pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
+    assert serve(a, pc).cached_tokens == 0
+    assert pc.disk.flush()
+    # Boundaries at 256 and 512 (a's prompt runs to 650); then its end-of-prompt and
+    # end-of-generation snapshots.
+    assert sorted(len(e.tokens) for e in pc.disk.entries.values())[:2] == [256, 512]
+    warm = serve(b, PromptCache(2**30, _tier(bundle, spec, tmp_path)))  # a restart
+    assert warm.cached_tokens == 512
+    cold = serve(b, PromptCache(0))
+    assert cold.cached_tokens == 0 and warm.tokens == cold.tokens and len(cold.tokens) == 16
+
+
+@dataclass
+class SchedJob:
+    """What the scheduler reads of the worker's Job, and what it hands back."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    top_logprobs: int | None = None
+    cached_tokens: int = 0
+    disconnected: bool = False
+    stats: dict | None = None
+    tokens: list = field(default_factory=list)
+
+    def deliver(self, item):
+        if isinstance(item, Exception):
+            raise item
+        self.tokens.append(item.token)

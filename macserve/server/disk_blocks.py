@@ -19,7 +19,8 @@ A chain can also end at a block boundary without a tail, where every layer is ma
 alone (`cuttable`: mlx-lm's KVCache, the bf16 cache): the state a cold prefill of those
 tokens leaves is those rows. The INT2 cache cannot: its state after P tokens holds tokens
 [P - recent, P) in bf16, which no later snapshot has (they are codes by then), so its chains
-are entered through a tail only.
+are entered through a tail only; the scheduler keeps one at each whole prefill chunk's end
+(PromptCache.keep_on_disk), where that window exists.
 """
 
 from __future__ import annotations

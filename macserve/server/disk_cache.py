@@ -12,7 +12,8 @@ two chats that share a long system prompt share its blocks on disk, and a follow
 writes only the blocks its predecessor had not. The tail holds the rest (the last partial
 block, the INT2 cache's bf16 window, the metadata). A request loads the longest match: an
 entry's blocks and tail (rolled back as the memory tier would), or, for caches made of rows
-alone (bf16), any prefix of whole blocks; it prefills only the rest. N (`BLOCK_TOKENS`) was
+alone (bf16), any prefix of whole blocks; it prefills only the rest. INT2 entries also come
+from whole prefill chunks' ends (PromptCache.keep_on_disk, disk only). N (`BLOCK_TOKENS`) was
 chosen by measurement (docs/server.md, `python3 -m macserve.server.disk_measure`).
 
 The stored form is the cache's own (engine/caches.py: `cache_to_arrays`): INT2 codes, scales
@@ -137,6 +138,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.n = block_tokens
         self.salt = f"{self.key}:{block_tokens}"  # blocks of another N are other blocks
+        self.cuttable: bool | None = None  # known from the first entry (disk_blocks.layout)
         self.fresh, self.fresh_mtp = fresh, fresh_mtp
         self.entries: dict[str, DiskEntry] = {}
         self.blocks: dict[str, Block] = {}
@@ -355,7 +357,8 @@ class DiskTier:
         if mtp is not None:
             cache_to_arrays(mtp, "mtp", arrays, meta)
         blocks, tail = disk_blocks.split(arrays, meta, self.n)
-        meta["cuttable"] = "1" if disk_blocks.layout(arrays, meta)[2] else "0"
+        self.cuttable = disk_blocks.layout(arrays, meta)[2]
+        meta["cuttable"] = "1" if self.cuttable else "0"
         meta["n"], meta["chain"] = str(self.n), str(len(blocks))
         mx.eval([list(b.values()) for b in blocks], list(tail.values()))
         return (blocks, tail), meta

@@ -193,6 +193,20 @@ class PromptCache:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
 
+    def keep_on_disk(self, tokens: list[int], caches: list) -> None:
+        """A prefill's state at a chunk's end, for the disk tier alone: the INT2 cache's state
+        after P tokens exists only there (its bf16 window of tokens [P - 256, P) is codes
+        later), so a chat that shares only those P tokens (a system prompt) can start from it.
+        Not for caches whose prefix blocks serve any boundary (bf16: disk_blocks.py)."""
+        if self.disk is None or self.max_bytes <= 0 or self.disk.cuttable:
+            return
+        if any(offset(c) != len(tokens) for c in caches):
+            return
+        ids = np.asarray(tokens, dtype=np.int64)
+        reach = min(trimmable(c) for c in caches)
+        parts, meta = self.disk.stored_form(ids, caches, None, reach, -1)
+        self.disk.put(ids, parts, meta, None)
+
     def insert(self, tokens: list[int], caches: list, mtp=None) -> None:
         """Keep `caches` (which hold exactly `tokens`; the entry owns them from now on: pass a
         clone of caches still in use) and the MTP cache, if any."""
