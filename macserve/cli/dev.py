@@ -168,9 +168,10 @@ def launchd_plists_cmd(check, repo):
 @click.option("--turn", type=click.IntRange(1), default=100, show_default=True)
 @click.option("--sizes", default="64,128,256,512", show_default=True, help="Block sizes N.")
 def disk_blocks_cmd(model_dir, kv, tokens, turn, sizes):
-    """The prompt cache's disk tier per block size N against whole prefixes (N = -), one
-    process: a TOKENS-token prompt's snapshot written, a follow-up TURN tokens longer written
-    after it, the follow-up read back after a restart."""
+    """The prompt cache's disk tier per block size N: write, follow-up and read times, files, bytes.
+
+    Against whole prefixes (N = -), in one process: a TOKENS-token prompt's snapshot written, a
+    follow-up TURN tokens longer written after it, the follow-up read back after a restart."""
     try:
         ns = [int(x) for x in sizes.split(",")]
     except ValueError:
