@@ -159,6 +159,10 @@ DEV = {
         _D + "mlx_check_cmd",
         "inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config.",
     ),
+    "disk-blocks": (
+        _D + "disk_blocks_cmd",
+        "The prompt cache's disk tier per block size N: write, follow-up and read times, files, bytes.",
+    ),
     "llama-truth": (
         _D + "llama_truth_cmd",
         "llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real llama-server) beside inspect's llama.cpp/f16 figure.",

@@ -14,7 +14,10 @@ from ..dev.hard_mla import build as build_hard_mla
 from ..dev.mlx_configs import configs_from_mlx_tests
 from ..dev.skeleton_tensors import write_header
 from ..dev.tiny.train import TrainSettings, train
+from ..engine.caches import CacheSpec
+from ..engine.model import load as load_model
 from ..errors import MacserveError
+from ..server import disk_measure
 from ..services.supervisors import launchd_files, package_root
 from ..sizing.mlx_measure import engine_name
 from ..sizing.report import llama_bytes_at, mlx_check
@@ -123,3 +126,24 @@ def launchd_plists_cmd(check, repo):
         raise SystemExit(1 if bad else 0)
     changed = launchd_files.write(repo)
     click.echo(f"launchd/: {', '.join(changed) if changed else 'up to date'}")
+
+
+def disk_blocks_cmd(model_dir, kv, tokens, turn, sizes):
+    try:
+        ns = [int(x) for x in sizes.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{sizes!r}: block sizes separated by commas") from None
+    bundle = load_model(Path(model_dir))
+    rows = disk_measure.measure(bundle, CacheSpec.for_model(model_dir, kv), tokens, turn, ns)
+    base = rows[0]
+    click.echo(
+        f"{'N':>6} {'files':>5} {'MB':>6} {'write s':>8} {'x':>5} {'turn MB':>8} "
+        f"{'turn s':>7} {'x':>5} {'read s':>7} {'x':>5}"
+    )
+    for r in rows:
+        click.echo(
+            f"{r.block or '-':>6} {r.files:>5} {r.bytes / 2**20:>6.2f} {r.write_s:>8.3f} "
+            f"{r.write_s / base.write_s:>5.2f} {r.followup_bytes / 2**20:>8.2f} "
+            f"{r.followup_write_s:>7.3f} {r.followup_write_s / base.followup_write_s:>5.2f} "
+            f"{r.load_s:>7.3f} {r.load_s / base.load_s:>5.2f}"
+        )

@@ -4,32 +4,39 @@ after `macserve set`, a router's idle stop or a reboot prefills only its new tok
 What is kept: every entry the memory tier keeps (a request's end-of-prompt and
 end-of-generation snapshots, prompt_cache.py), written by a background thread after the memory
 tier has it, so an answer never waits on the disk. An entry the memory tier folds into a
-longer one before it is written is not written; one already written is deleted. This first
-version stores whole prefixes, one file per entry, not N-token blocks: a follow-up turn shares
-its whole history with the previous turn's end-of-generation snapshot, which is the case
-this is for; two chats that share only a system prompt share a file only if one's
-end-of-prompt snapshot is that prompt.
+longer one before it is written is not written; one already written loses its tail.
+
+Each entry is a chain of N-token prefix blocks and a tail (disk_blocks.py): block i holds
+only the rows of tokens [iN, (i+1)N) and is named by a hash of every token up to its end, so
+two chats that share a long system prompt share its blocks on disk, and a follow-up turn
+writes only the blocks its predecessor had not. The tail holds the rest (the last partial
+block, the INT2 cache's bf16 window, the metadata). A request loads the longest match: an
+entry's blocks and tail (rolled back as the memory tier would), or, for caches made of rows
+alone (bf16), any prefix of whole blocks; it prefills only the rest. INT2 entries also come
+from whole prefill chunks' ends (PromptCache.keep_on_disk, disk only). N (`BLOCK_TOKENS`) was
+chosen by measurement (docs/server.md, `python3 -m macserve.server.disk_measure`).
 
 The stored form is the cache's own (engine/caches.py: `cache_to_arrays`): INT2 codes, scales
 and bf16 windows for the latent cache, mlx-lm's `state` / `meta_state` otherwise, plus the MTP
-layer's cache for entries made by drafting requests; one safetensors file with the tokens, the
-arrays, and in its metadata the format, the identity (model, calibration, cache kind) and a
-sha256 of every array's bytes.
+layer's cache for entries made by drafting requests (their blocks are their own: named with
+`:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
+format, the identity (model, calibration, cache kind) and a sha256 of every array's bytes.
 
-Where: `<dir>/<identity>/<hash of the tokens>.safetensors`, `dir` from `--prompt-cache-dir`.
-Bounded by `--prompt-cache-disk` bytes, least recently used (file mtime, touched on each hit)
-deleted first, and never written when the filesystem would be left with less than
-`MIN_FREE` free. Writes are atomic (temp file, fsync, rename, fsync of the folder). A file
-that is torn, truncated or corrupt (its checksum), made for another model, calibration or
-cache kind, or that cannot be written (a full disk) is skipped with one log line and
-deleted if it is ours to delete: never a crash, never a wrong cache.
+Where: `<dir>/<identity>/{b,t}-<hash>.safetensors`, `dir` from `--prompt-cache-dir`. Bounded
+by `--prompt-cache-disk` bytes over all files, least recently used (file mtime, touched on
+each hit and each write that reuses a block) deleted first, tails before their blocks, and
+never written when the filesystem would be left with less than `MIN_FREE` free. Writes are
+atomic (temp file, fsync, rename, fsync of the folder). A file that is torn, truncated or
+corrupt (its checksum), made for another model, calibration or cache kind, or that cannot be
+written (a full disk) is skipped with one log line and deleted if it is ours to delete:
+never a crash, never a wrong cache. A bad block ends its chain there: the blocks before it
+still serve where the cache allows (bf16), the entries that need it go.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -38,7 +45,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -46,28 +53,16 @@ import numpy as np
 
 from ..engine.caches import CacheSpec, cache_from_arrays, cache_to_arrays, model_dtype
 from ..fileio import atomic_path
+from . import disk_blocks
+from .disk_files import checksum, file_sha, header, read_tokens, sha
 from .prompt_cache import common_prefix
 
 log = logging.getLogger("macserve.server")
 
-FORMAT = "macserve-prompt-cache/1"
+FORMAT = "macserve-prompt-cache/2"
 MIN_FREE = 2 * 2**30  # bytes the filesystem keeps free whatever --prompt-cache-disk says
 SUFFIX = ".safetensors"
-
-
-def _sha(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+BLOCK_TOKENS = 256  # N: measured, docs/server.md ("Prefix blocks")
 
 
 def identity(bundle, spec: CacheSpec) -> dict[str, str]:
@@ -76,32 +71,44 @@ def identity(bundle, spec: CacheSpec) -> dict[str, str]:
     path = Path(bundle.path)
     weights = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
     weights = [w for w in weights if w[0] != "latent-rotation.safetensors"]
-    model = _sha((path / "config.json").read_bytes(), json.dumps(weights).encode())[:16]
+    model = sha((path / "config.json").read_bytes(), json.dumps(weights).encode())[:16]
     if spec.kind == "int2":
-        calibration = f"{spec.rotation.name}:{_file_sha(spec.rotation)[:16]}:{spec.method}"
+        calibration = f"{spec.rotation.name}:{file_sha(spec.rotation)[:16]}:{spec.method}"
     else:
         calibration = "none"
     cache = f"{FORMAT}:{spec.kind}:{spec.quant!r}:{model_dtype(bundle.model)}"
     return {"model": f"{path.name}:{model}", "calibration": calibration, "cache": cache}
 
 
-def _checksum(arrays: dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(arrays):
-        h.update(k.encode())
-        mv = memoryview(arrays[k])
-        h.update(mv if mv.c_contiguous else bytes(mv))
-    return h.hexdigest()
-
-
 @dataclass
 class DiskEntry:
+    """An entry's tail file; its blocks are `chain`."""
+
     path: Path
     tokens: np.ndarray
     nbytes: int
     reach: int  # tokens the trunk's caches can roll back exactly
     mtp_reach: int  # rows the MTP cache can roll back exactly; -1: no MTP cache
     used: float  # last use (the file's mtime)
+    chain: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Block:
+    path: Path
+    nbytes: int
+    used: float
+    cuttable: bool  # a chain may end here without a tail (disk_blocks.py)
+
+
+@dataclass
+class Plan:
+    """What `best` found: an entry (its blocks and tail) or whole blocks alone."""
+
+    tail: DiskEntry | None
+    chain: list[str]
+    tokens: np.ndarray  # the tokens the loaded caches hold
+    keep: int
 
 
 @dataclass
@@ -109,11 +116,12 @@ class Loaded:
     caches: list
     mtp: object
     tokens: np.ndarray
+    keep: int  # prompt tokens it gives back (rolled back to this many)
 
 
 class DiskTier:
-    """Used by the worker thread (best, load) and its own writer thread (writes, eviction);
-    `stats` may be read from any."""
+    """Used by the worker thread (best, load, stored_form) and its own writer thread (writes,
+    eviction); `stats` may be read from any."""
 
     def __init__(
         self,
@@ -122,13 +130,18 @@ class DiskTier:
         ident: dict[str, str],
         fresh: Callable[[], list],
         fresh_mtp: Callable[[], object] | None,
+        block_tokens: int = BLOCK_TOKENS,
     ):
         self.ident = ident
-        self.key = _sha(json.dumps(ident, sort_keys=True).encode())[:16]
+        self.key = sha(json.dumps(ident, sort_keys=True).encode())[:16]
         self.dir = Path(root) / self.key
         self.max_bytes = max_bytes
+        self.n = block_tokens
+        self.salt = f"{self.key}:{block_tokens}"  # blocks of another N are other blocks
+        self.cuttable: bool | None = None  # known from the first entry (disk_blocks.layout)
         self.fresh, self.fresh_mtp = fresh, fresh_mtp
         self.entries: dict[str, DiskEntry] = {}
+        self.blocks: dict[str, Block] = {}
         self.nbytes = 0
         self.hits = 0
         self.cached_tokens = 0
@@ -137,7 +150,10 @@ class DiskTier:
         self._lock = threading.Lock()
         self._q: queue.Queue = queue.Queue()
         self._scan()
-        threading.Thread(target=self._writer, name="macserve-disk-cache", daemon=True).start()
+        self._thread = threading.Thread(
+            target=self._writer, name="macserve-disk-cache", daemon=True
+        )
+        self._thread.start()
 
     # -- the index --------------------------------------------------------------------------
 
@@ -156,6 +172,7 @@ class DiskTier:
             log.warning("prompt cache: no disk tier at %s: %s", self.dir, e)
             self.max_bytes = 0
             return
+        tails = []
         for p in sorted(self.dir.iterdir()):
             if p.name.startswith("."):  # a write cut off before its rename
                 self._skip(p, "an unfinished write")
@@ -163,26 +180,42 @@ class DiskTier:
             if p.suffix != SUFFIX:
                 continue
             try:
-                meta = _header(p)
+                meta = header(p)
                 self._check_identity(meta)
-                tokens = _read_tokens(p, meta)
-                e = DiskEntry(
-                    p,
-                    tokens,
-                    p.stat().st_size,
-                    int(meta["reach"]),
-                    int(meta["mtp_reach"]),
-                    p.stat().st_mtime,
-                )
+                st = p.stat()
+                if int(meta["n"]) != self.n:
+                    raise ValueError(f"made with {meta['n']}-token blocks, not {self.n}")
+                if p.name.startswith("b-"):
+                    cut = meta.get("cuttable") == "1"
+                    self.blocks[p.stem[2:]] = Block(p, st.st_size, st.st_mtime, cut)
+                elif p.name.startswith("t-"):
+                    tokens = read_tokens(p, meta)
+                    mtp_reach = int(meta["mtp_reach"])
+                    chain = disk_blocks.chain_keys(
+                        tokens, self.n, int(meta["chain"]), mtp_reach >= 0, self.salt
+                    )
+                    reach = int(meta["reach"])
+                    tails.append(
+                        DiskEntry(p, tokens, st.st_size, reach, mtp_reach, st.st_mtime, chain)
+                    )
+                else:
+                    raise ValueError("not a block or a tail")
             except (OSError, ValueError, KeyError, TypeError) as err:
                 self._skip(p, str(err))
                 continue
-            self.entries[p.stem] = e
-            self.nbytes += e.nbytes
-        if self.entries:
+            self.nbytes += st.st_size
+        for e in tails:
+            gone = next((k for k in e.chain if k not in self.blocks), None)
+            if gone is not None:
+                self.nbytes -= e.nbytes
+                self._skip(e.path, f"its block {gone} is missing")
+                continue
+            self.entries[e.path.stem[2:]] = e
+        if self.entries or self.blocks:
             log.info(
-                "prompt cache: %d entries on disk (%.1f MB) in %s",
+                "prompt cache: %d entries in %d blocks on disk (%.1f MB) in %s",
                 len(self.entries),
+                len(self.blocks),
                 self.nbytes / 2**20,
                 self.dir,
             )
@@ -204,6 +237,8 @@ class DiskTier:
                 "cached_tokens": self.cached_tokens,
                 "bytes": self.nbytes,
                 "entries": len(self.entries),
+                "blocks": len(self.blocks),
+                "block_tokens": self.n,
                 "max_bytes": self.max_bytes,
                 "writes": self.writes,
                 "skipped": self.skipped,
@@ -212,12 +247,13 @@ class DiskTier:
 
     # -- reading (the worker thread) --------------------------------------------------------
 
-    def best(self, ids: np.ndarray, mtp: bool, better_than: int) -> tuple[DiskEntry, int] | None:
-        """The entry that gives back the longest prefix of `ids` (more than `better_than`
-        tokens), with that length; as PromptCache.fetch counts it."""
-        best, best_keep = None, better_than
+    def best(self, ids: np.ndarray, mtp: bool, better_than: int) -> Plan | None:
+        """What gives back the longest prefix of `ids` (more than `better_than` tokens), as
+        PromptCache.fetch counts it: an entry, or a chain of cuttable blocks alone."""
+        best = None
         with self._lock:
             entries = list(self.entries.values())
+            blocks = dict(self.blocks)
         for e in entries:
             if mtp and e.mtp_reach < 0:
                 continue
@@ -226,39 +262,81 @@ class DiskTier:
                 keep -= 1
             back = len(e.tokens) - keep
             ok = back <= e.reach and (not mtp or back - 1 <= e.mtp_reach)
-            if keep > best_keep and ok:
-                best, best_keep = e, keep
-        return (best, best_keep) if best is not None else None
+            if keep > better_than and ok:
+                best, better_than = Plan(e, e.chain, e.tokens, keep), keep
+        for m in (True,) if mtp else (False, True):
+            chain = disk_blocks.chain_keys(ids, self.n, len(ids) // self.n, m, self.salt)
+            j = 0
+            while j < len(chain) and chain[j] in blocks and blocks[chain[j]].cuttable:
+                j += 1
+            keep = min(j * self.n, len(ids) - 1) - (1 if mtp else 0)
+            if j and keep > better_than:
+                best, better_than = Plan(None, chain[:j], ids[: j * self.n], keep), keep
+        return best
 
-    def load(self, e: DiskEntry) -> Loaded | None:
-        """The entry's caches, or None (skipped with one log line) if its file is not what
-        it says."""
+    def _read(self, path: Path) -> tuple[dict, dict]:
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        self._check_identity(meta)
+        if meta.get("checksum") != checksum(arrays):
+            raise ValueError("checksum mismatch (a corrupt file)")
+        return arrays, meta
+
+    def load(self, plan: Plan, mtp: bool, better_than: int) -> Loaded | None:
+        """The caches `plan` names, or None (skipped with one log line) if a file is not what
+        it says. A bad block ends the chain there: the blocks before it serve if they can."""
+        parts, meta, tail = [], None, None
         try:
-            arrays, meta = mx.load(str(e.path), format="safetensors", return_metadata=True)
-            self._check_identity(meta)
-            if meta.get("checksum") != _checksum(arrays):
-                raise ValueError("checksum mismatch (a corrupt file)")
-            tokens = np.asarray(arrays["tokens"], dtype=np.int64)
-            if not np.array_equal(tokens, e.tokens):
-                raise ValueError("its tokens changed since it was indexed")
-            caches = [
-                cache_from_arrays(c, f"L{i}", arrays, meta) for i, c in enumerate(self.fresh())
-            ]
-            mtp = None
-            if "mtp.kind" in meta and self.fresh_mtp is not None:
-                mtp = cache_from_arrays(self.fresh_mtp(), "mtp", arrays, meta)
-            mx.eval([c.state for c in caches], [] if mtp is None else mtp.state)
+            for i, key in enumerate(plan.chain):
+                arrays, meta = self._read(self.dir / f"b-{key}{SUFFIX}")
+                want = plan.tokens[i * self.n : (i + 1) * self.n]
+                if not np.array_equal(np.asarray(arrays.pop("tokens")), want):
+                    raise ValueError("its tokens are not the ones its name says")
+                parts.append(arrays)
+            if plan.tail is not None:
+                tail, meta = self._read(plan.tail.path)
+                if not np.array_equal(np.asarray(tail.pop("tokens")), plan.tokens):
+                    raise ValueError("its tokens changed since it was indexed")
         except (OSError, ValueError, KeyError, RuntimeError) as err:
-            with self._lock:
-                if self.entries.pop(e.path.stem, None) is not None:
-                    self.nbytes -= e.nbytes
-            self._skip(e.path, str(err))
+            bad = plan.chain[len(parts)] if len(parts) < len(plan.chain) else None
+            self._skip(self.dir / f"b-{bad}{SUFFIX}" if bad else plan.tail.path, str(err), False)
+            self._drop_files(bad, None if bad else plan.tail)
+            # Whole blocks before the bad one that the prompt shares: enough where the cache
+            # is made of rows alone.
+            j = min(len(parts), (plan.keep + mtp) // self.n)
+            if (
+                not j
+                or meta is None
+                or meta.get("cuttable") != "1"
+                or j * self.n - mtp <= better_than
+            ):
+                return None
+            parts, tail = parts[:j], None
+            plan = Plan(None, plan.chain[:j], plan.tokens[: j * self.n], j * self.n - mtp)
+        try:
+            arrays = disk_blocks.join(parts, tail, meta, len(plan.tokens))
+            fresh = self.fresh()
+            caches = [cache_from_arrays(c, f"L{i}", arrays, meta) for i, c in enumerate(fresh)]
+            mc = None
+            if "mtp.kind" in meta and self.fresh_mtp is not None:
+                mc = cache_from_arrays(self.fresh_mtp(), "mtp", arrays, meta)
+            mx.eval([c.state for c in caches], [] if mc is None else mc.state)
+        except (ValueError, KeyError, RuntimeError) as err:  # files that do not fit together
+            self.skipped += 1
+            log.warning("prompt cache: skipped an entry on disk: %s", err)
+            self._drop_files(plan.chain[-1] if plan.chain else None, plan.tail)
             return None
         now = time.time()
-        with contextlib.suppress(OSError):
-            os.utime(e.path, (now, now))  # least recently used goes first: this one was used
-        e.used = now
-        return Loaded(caches, mtp, tokens)
+        paths = [self.dir / f"b-{k}{SUFFIX}" for k in plan.chain]
+        for p in paths + ([plan.tail.path] if plan.tail else []):
+            with contextlib.suppress(OSError):
+                os.utime(p, (now, now))  # least recently used goes first: these were used
+        with self._lock:
+            for k in plan.chain:
+                if k in self.blocks:
+                    self.blocks[k].used = now
+            if plan.tail is not None:
+                plan.tail.used = now
+        return Loaded(caches, mc, np.asarray(plan.tokens), plan.keep)
 
     def count_hit(self, tokens: int) -> None:
         with self._lock:
@@ -268,9 +346,9 @@ class DiskTier:
     # -- writing (the writer thread) --------------------------------------------------------
 
     def stored_form(self, tokens, caches: list, mtp, reach: int, mtp_reach: int):
-        """(arrays, metadata) of an entry, evaluated. On the worker thread: the slices it
-        takes are MLX work, which stays on the thread that owns the model; the writer thread
-        then only reads finished buffers."""
+        """(blocks, tail, metadata) of an entry, evaluated. On the worker thread: the slices
+        it takes are MLX work, which stays on the thread that owns the model; the writer
+        thread then only reads finished buffers."""
         arrays: dict = {"tokens": mx.array(np.asarray(tokens, dtype=np.int32))}
         meta = {"format": FORMAT, "reach": str(reach), "mtp_reach": str(mtp_reach)}
         meta.update({f"id.{k}": v for k, v in self.ident.items()})
@@ -278,17 +356,22 @@ class DiskTier:
             cache_to_arrays(c, f"L{i}", arrays, meta)
         if mtp is not None:
             cache_to_arrays(mtp, "mtp", arrays, meta)
-        mx.eval(list(arrays.values()))
-        return arrays, meta
+        blocks, tail = disk_blocks.split(arrays, meta, self.n)
+        self.cuttable = disk_blocks.layout(arrays, meta)[2]
+        meta["cuttable"] = "1" if self.cuttable else "0"
+        meta["n"], meta["chain"] = str(self.n), str(len(blocks))
+        mx.eval([list(b.values()) for b in blocks], list(tail.values()))
+        return (blocks, tail), meta
 
-    def put(self, tokens: np.ndarray, arrays: dict, meta: dict, entry) -> None:
+    def put(self, tokens: np.ndarray, arrays, meta: dict, entry) -> None:
         """Queue an entry for writing; `entry.gone` set by the memory tier before the write
         starts means it was folded into a longer one: not written."""
         if self.max_bytes > 0:
             self._q.put(("write", tokens, arrays, meta, entry))
 
     def drop(self, tokens: np.ndarray) -> None:
-        """The memory tier folded this entry into a longer one: its file only takes space."""
+        """The memory tier folded this entry into a longer one: its tail only takes space
+        (its blocks are the longer one's too)."""
         if self.max_bytes > 0:
             self._q.put(("drop", tokens))
 
@@ -298,37 +381,61 @@ class DiskTier:
         self._q.put(("flush", done))
         return done.wait(timeout)
 
+    def close(self) -> None:
+        """Finish the queued writes and end the writer thread (a tier made for a measurement)."""
+        self._q.put(("close",))
+        self._thread.join()
+
     def _writer(self) -> None:
         while True:
             item = self._q.get()
+            if item[0] == "close":
+                return
             try:
                 if item[0] == "flush":
                     item[1].set()
                 elif item[0] == "drop":
-                    self._remove(_key(item[1]))
+                    self._drop_files(None, self.entries.get(_key(item[1])))
                 else:
                     self._write(*item[1:])
             except Exception as e:  # noqa: BLE001 - a write that fails costs a hit, never the server
                 self.skipped += 1
                 log.warning("prompt cache: not written to disk: %s: %s", type(e).__name__, e)
 
-    def _remove(self, key: str) -> None:
+    def _drop_files(self, block: str | None, tail: DiskEntry | None) -> None:
+        """Forget and delete a block (and every entry whose chain holds it) or a tail."""
         with self._lock:
-            e = self.entries.pop(key, None)
-            if e is not None:
-                self.nbytes -= e.nbytes
-        if e is not None:
+            gone = []
+            if block is not None and (b := self.blocks.pop(block, None)) is not None:
+                self.nbytes -= b.nbytes
+                gone.append(b.path)
+            for k, e in list(self.entries.items()):
+                if e is tail or (block is not None and block in e.chain):
+                    del self.entries[k]
+                    self.nbytes -= e.nbytes
+                    gone.append(e.path)
+        for p in gone:
             with contextlib.suppress(OSError):
-                e.path.unlink()
+                p.unlink()
 
-    def _write(self, tokens, arrays: dict, meta: dict, entry) -> None:
+    def _save(self, path: Path, arrays: dict, meta: dict) -> int:
+        meta = dict(meta, checksum=checksum(arrays))
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            mx.save_safetensors(f, arrays, meta)
+        return path.stat().st_size
+
+    def _write(self, tokens, parts, meta: dict, entry) -> None:
         if getattr(entry, "gone", False):
             return
         key = _key(tokens)
         if key in self.entries:
             return
+        blocks, tail = parts
         reach, mtp_reach = int(meta["reach"]), int(meta["mtp_reach"])
-        size = sum(a.nbytes for a in arrays.values())
+        chain = disk_blocks.chain_keys(tokens, self.n, len(blocks), mtp_reach >= 0, self.salt)
+        new = [(k, b) for k, b in zip(chain, blocks) if k not in self.blocks]
+        size = sum(a.nbytes for _, b in new for a in b.values())
+        size += sum(a.nbytes for a in tail.values())
         if size > self.max_bytes:
             return
         free = shutil.disk_usage(self.dir).free
@@ -340,11 +447,22 @@ class DiskTier:
                 MIN_FREE // 2**30,
             )
             return
-        meta["checksum"] = _checksum(arrays)
-        path = self.dir / f"{key}{SUFFIX}"
+        now = time.time()
+        bmeta = {k: v for k, v in meta.items() if k not in ("reach", "mtp_reach", "chain")}
         try:
-            with atomic_path(path) as tmp, open(tmp, "wb") as f:
-                mx.save_safetensors(f, arrays, meta)
+            for k in chain:
+                if (b := self.blocks.get(k)) is not None:  # an earlier entry's: used again
+                    with contextlib.suppress(OSError):
+                        os.utime(b.path, (now, now))
+                    b.used = now
+            for k, b in new:
+                path = self.dir / f"b-{k}{SUFFIX}"
+                n = self._save(path, b, dict(bmeta, block=str(chain.index(k))))
+                with self._lock:
+                    self.blocks[k] = Block(path, n, time.time(), meta["cuttable"] == "1")
+                    self.nbytes += n
+            path = self.dir / f"t-{key}{SUFFIX}"
+            n = self._save(path, tail, meta)
         except OSError as e:
             self.skipped += 1
             full = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -353,60 +471,30 @@ class DiskTier:
                 " (the disk or a file size limit is full)" if full else "",
                 e,
             )
+            self._evict()
             return
-        st = path.stat()
         with self._lock:
-            self.entries[key] = DiskEntry(path, tokens, st.st_size, reach, mtp_reach, st.st_mtime)
-            self.nbytes += st.st_size
+            self.entries[key] = DiskEntry(path, tokens, n, reach, mtp_reach, time.time(), chain)
+            self.nbytes += n
             self.writes += 1
         if getattr(entry, "gone", False):  # folded while it was being written
-            self._remove(key)
+            self._drop_files(None, self.entries.get(key))
         self._evict()
 
     def _evict(self) -> None:
-        with self._lock:
-            order = sorted(self.entries.values(), key=lambda e: e.used)
-            victims = []
-            while self.nbytes > self.max_bytes and order:
-                e = order.pop(0)
-                self.entries.pop(e.path.stem, None)
-                self.nbytes -= e.nbytes
-                victims.append(e)
-        for e in victims:
-            with contextlib.suppress(OSError):
-                e.path.unlink()
+        """Least recently used first, an entry's tail before its blocks (a block is touched
+        whenever an entry that holds it is written or read)."""
+        while True:
+            with self._lock:
+                if self.nbytes <= self.max_bytes:
+                    return
+                files = [(e.used, 0, None, e) for e in self.entries.values()]
+                files += [(b.used, 1, k, None) for k, b in self.blocks.items()]
+                if not files:
+                    return
+                _, _, block, tail = min(files, key=lambda f: (f[0], f[1]))
+            self._drop_files(block, tail)
 
 
 def _key(tokens: np.ndarray) -> str:
-    return _sha(np.asarray(tokens, dtype=np.int64).tobytes())[:32]
-
-
-def _header(path: Path) -> dict:
-    """A safetensors file's metadata, from its header alone; ValueError if it is torn."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("truncated (no header)")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, 100 * 2**20):
-            raise ValueError("truncated or torn (the header runs past the file)")
-        header = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"truncated: {size} bytes, the header describes {8 + n + end}")
-    meta = header.get("__metadata__") or {}
-    meta["_tokens"] = header.get("tokens")
-    meta["_data"] = 8 + n
-    return meta
-
-
-def _read_tokens(path: Path, meta: dict) -> np.ndarray:
-    t = meta.get("_tokens")
-    if not t or t.get("dtype") != "I32":
-        raise ValueError("no token list")
-    a, b = t["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(meta["_data"] + a)
-        raw = f.read(b - a)
-    return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    return sha(np.asarray(tokens, dtype=np.int64).tobytes())[:32]

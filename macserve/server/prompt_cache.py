@@ -149,20 +149,21 @@ class PromptCache:
         ids = np.asarray(prompt, dtype=np.int64)
         keep = self._best(ids, mtp)[1]
         if self.disk is not None and self.max_bytes > 0:
-            found = self.disk.best(ids, mtp, keep)
-            keep = found[1] if found else keep
+            plan = self.disk.best(ids, mtp, keep)
+            keep = plan.keep if plan else keep
         return keep
 
     def fetch(self, prompt: list[int], mtp: bool = False) -> Hit | None:
         """Caches holding the longest prefix of `prompt` that an entry can give back exactly
         (never the whole prompt), or None. The disk tier is asked when it holds a longer
-        prefix than memory does; its entry is loaded into memory and served from there."""
+        prefix than memory does (an entry, or whole prefix blocks: disk_cache.py); what it
+        loads becomes a memory entry and is served from there."""
         ids = np.asarray(prompt, dtype=np.int64)
         best, best_keep = self._best(ids, mtp)
         tier = "memory"
         if self.disk is not None and self.max_bytes > 0:
-            found = self.disk.best(ids, mtp, best_keep)
-            loaded = self.disk.load(found[0]) if found else None
+            plan = self.disk.best(ids, mtp, best_keep)
+            loaded = self.disk.load(plan, mtp, best_keep) if plan else None
             if loaded is not None:
                 nbytes = sum(cache_bytes(c) for c in loaded.caches)
                 nbytes += 0 if loaded.mtp is None else cache_bytes(loaded.mtp)
@@ -172,7 +173,7 @@ class PromptCache:
                     self._next += 1
                     self.entries[best] = e
                     self.nbytes += nbytes
-                best_keep, tier = found[1], "disk"
+                best_keep, tier = loaded.keep, "disk"
         if best is None:
             with self._lock:
                 self.misses += 1
@@ -205,6 +206,20 @@ class PromptCache:
         while self.nbytes > self.max_bytes and self.entries:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
+
+    def keep_on_disk(self, tokens: list[int], caches: list) -> None:
+        """A prefill's state at a chunk's end, for the disk tier alone: the INT2 cache's state
+        after P tokens exists only there (its bf16 window of tokens [P - 256, P) is codes
+        later), so a chat that shares only those P tokens (a system prompt) can start from it.
+        Not for caches whose prefix blocks serve any boundary (bf16: disk_blocks.py)."""
+        if self.disk is None or self.max_bytes <= 0 or self.disk.cuttable:
+            return
+        if any(offset(c) != len(tokens) for c in caches):
+            return
+        ids = np.asarray(tokens, dtype=np.int64)
+        reach = min(trimmable(c) for c in caches)
+        parts, meta = self.disk.stored_form(ids, caches, None, reach, -1)
+        self.disk.put(ids, parts, meta, None)
 
     def insert(self, tokens: list[int], caches: list, mtp=None) -> None:
         """Keep `caches` (which hold exactly `tokens`; the entry owns them from now on: pass a

@@ -7,7 +7,8 @@ The worker thread runs `Scheduler.step` in a loop. One step does, in order:
    do, so decodes in flight keep moving). When all but the prompt's last token are in, it
    joins the decode batch: the next decode step feeds that token as one of its rows, samples
    the first token from it, and the caches, now holding the whole prompt, are snapshotted
-   into the prompt cache;
+   into the prompt cache (a whole chunk's end inside the prompt goes to its disk tier:
+   PromptCache.keep_on_disk);
 2. one token of the drafting sequence, if there is one (below);
 3. one decode step of the batch: the model reads one token per sequence, shape (B, 1), each
    layer's caches wrapped in a `SequenceBatch` (projections and MLPs once for all rows, the
@@ -269,7 +270,9 @@ class Scheduler:
                 self.prefilling.popleft()
                 self._fail(s, e)
                 return
-            s.pos = end
+            whole, s.pos = end - s.pos == PREFILL_CHUNK, end
+            if whole and end < len(s.prompt) - 1:  # mid-prompt: the disk tier's boundary
+                self.pc.keep_on_disk(s.prompt[:end], [clone(c) for c in s.caches])
         if s.pos == len(s.prompt) - 1:
             self.prefilling.popleft()
             s.y, s.in_prompt = mx.array(s.prompt[-1:]), True

@@ -85,3 +85,17 @@ def llama_truth_cmd(configs, ctx, server, gguf):
 @runs(_BODY + "launchd_plists_cmd")
 def launchd_plists_cmd(check, repo):
     """Render launchd/'s plists (the demo profile's and the router's) from the code."""
+
+
+@click.command("disk-blocks")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False), default=env.DEMO_MODEL)
+@click.option("--kv", type=click.Choice(["int2", "bf16"]), default="int2", show_default=True)
+@click.option("--tokens", type=click.IntRange(2), default=900, show_default=True)
+@click.option("--turn", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--sizes", default="64,128,256,512", show_default=True, help="Block sizes N.")
+@runs(_BODY + "disk_blocks_cmd")
+def disk_blocks_cmd(model_dir, kv, tokens, turn, sizes):
+    """The prompt cache's disk tier per block size N: write, follow-up and read times, files, bytes.
+
+    Against whole prefixes (N = -), in one process: a TOKENS-token prompt's snapshot written, a
+    follow-up TURN tokens longer written after it, the follow-up read back after a restart."""

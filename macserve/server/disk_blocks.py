@@ -1,0 +1,150 @@
+"""A snapshot's stored form (engine/caches.py: `cache_to_arrays`) cut into N-token prefix
+blocks and a tail, and put back together.
+
+Block i holds, for every layer, the rows of tokens [iN, (i+1)N) that a snapshot holds in a
+form that no later token changes: mlx-lm's KVCache rows, the DSA indexer's key rows, and the
+INT2 latent cache's bf16 sink rows (tokens [0, sink), so block 0's) and INT2 code rows
+(tokens [sink, offset - recent)). The MTP layer's row r is (h_r, token r + 1): it belongs
+with token r + 1, so block i holds MTP rows for tokens [iN, (i+1)N) too and needs no token
+beyond the block's own. A block is named by a chain hash of the tokens up to its end (plus
+whether it carries MTP rows), so two snapshots that share a prefix share its blocks.
+
+The tail holds the rest: rows from the last whole block on, the INT2 cache's bf16 window
+(the last `recent` + `slack` tokens, which a later token turns into codes, so it is only
+right for this snapshot's end), every array that is not made of rows (another cache kind:
+all of it), and the snapshot's metadata. Loading blocks 0..k-1 and the tail gives back the
+snapshot's stored form byte for byte.
+
+A chain can also end at a block boundary without a tail, where every layer is made of rows
+alone (`cuttable`: mlx-lm's KVCache, the bf16 cache): the state a cold prefill of those
+tokens leaves is those rows. The INT2 cache cannot: its state after P tokens holds tokens
+[P - recent, P) in bf16, which no later snapshot has (they are codes by then), so its chains
+are entered through a tail only; the scheduler keeps one at each whole prefill chunk's end
+(PromptCache.keep_on_disk), where that window exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import mlx.core as mx
+import numpy as np
+
+_SINK = ("sink_lat", "sink_pe")
+_CODES = ("codes_lat", "codes_pe")
+
+
+def _owners(meta: dict) -> dict[str, str]:
+    """Each cache's key in the stored form and its kind (CacheLists left out: their parts
+    are caches of their own)."""
+    return {k[:-5]: v for k, v in meta.items() if k.endswith(".kind") and v != "list"}
+
+
+def _shift(owner: str) -> int:
+    return 1 if owner == "mtp" or owner.startswith("mtp.") else 0
+
+
+def _kv_offset_key(owner: str, meta: dict) -> str | None:
+    """The metadata item holding an mlx-lm KVCache's offset (its state is keys, values,
+    offset; the buffers have headroom past it)."""
+    return next(
+        (
+            f"{owner}.{j}"
+            for j in range(int(meta.get(f"{owner}.n", 0)))
+            if meta.get(f"{owner}.{j}", "").startswith("int:")
+        ),
+        None,
+    )
+
+
+def layout(arrays: dict, meta: dict) -> tuple[dict[str, tuple[int, int]], int, bool]:
+    """({array: (token of its row 0, token after its last valid row)} for the arrays made of
+    rows, the token up to which every layer's rows are complete, cuttable)."""
+    owners = _owners(meta)
+    rows: dict[str, tuple[int, int]] = {}
+    complete = []
+    cuttable = True
+    for owner, kind in owners.items():
+        s = _shift(owner)
+        if kind == "mlx:KVCache" and _kv_offset_key(owner, meta):
+            off = int(meta[_kv_offset_key(owner, meta)].removeprefix("int:"))
+            for j in range(int(meta[f"{owner}.n"])):
+                if f"{owner}.{j}" in arrays:
+                    rows[f"{owner}.{j}"] = (s, s + off)
+            complete.append(s + off)
+        elif kind == "latent":
+            cuttable = False
+            n_sink = int(meta[f"{owner}.sink_lat.n"])
+            n_codes = int(meta[f"{owner}.codes_lat.n"])
+            for store in _SINK + _CODES:
+                o, n = (s, n_sink) if store in _SINK else (s + n_sink, n_codes)
+                for j in range(int(meta[f"{owner}.{store}.parts"])):
+                    rows[f"{owner}.{store}.{j}"] = (o, o + n)
+            complete.append(s + n_sink + n_codes)
+        elif kind == "indexer":
+            cuttable = False  # it sits beside a latent cache
+            n = int(meta[f"{owner}.rows.n"])
+            for j in range(int(meta[f"{owner}.rows.parts"])):
+                rows[f"{owner}.rows.{j}"] = (s, s + n)
+            complete.append(s + n)
+        else:
+            cuttable = False
+            complete.append(0)
+    return rows, min(complete, default=0), cuttable
+
+
+def chain_keys(tokens: np.ndarray, n: int, k: int, mtp: bool, salt: str) -> list[str]:
+    """Names of blocks 0..k-1 of `tokens`: block i's hashes every token before its end."""
+    h = hashlib.sha256((salt + (":mtp" if mtp else "")).encode())
+    keys = []
+    t = np.asarray(tokens, dtype=np.int64)
+    for i in range(k):
+        h.update(t[i * n : (i + 1) * n].tobytes())
+        keys.append(h.copy().hexdigest()[:32])
+    return keys
+
+
+def _rows(a: mx.array, first: int, lo: int, hi: int) -> mx.array:
+    """The rows of `a` (row 0 is token `first`) for tokens [lo, hi)."""
+    r0, r1 = max(0, lo - first), max(0, hi - first)
+    return a[..., r0:r1, :]
+
+
+def split(arrays: dict, meta: dict, n: int) -> tuple[list[dict], dict]:
+    """(blocks 0..k-1, the tail) of one snapshot's stored form (tokens included)."""
+    rows, complete, _ = layout(arrays, meta)
+    k = complete // n
+    blocks = []
+    tokens = arrays["tokens"]
+    for i in range(k):
+        lo, hi = i * n, (i + 1) * n
+        b = {"tokens": tokens[lo:hi]}
+        for name, (first, end) in rows.items():
+            if min(hi, end) > max(lo, first):
+                b[name] = _rows(arrays[name], first, lo, min(hi, end))
+        blocks.append(b)
+    tail = {"tokens": tokens}
+    for name, a in arrays.items():
+        if name in rows:
+            first, end = rows[name]
+            tail[name] = _rows(a, first, max(k * n, first), end)
+        elif name != "tokens":
+            tail[name] = a
+    return blocks, tail
+
+
+def join(blocks: list[dict], tail: dict | None, meta: dict, tokens: int) -> dict:
+    """The stored form of blocks 0..k-1 and `tail` (None: a cuttable chain ending at its last
+    block; `meta` is then the block's, and is changed to hold `tokens` tokens)."""
+    names = dict.fromkeys(k for part in [*blocks, tail or {}] for k in part if k != "tokens")
+    out = {}
+    for name in names:
+        parts = [b[name] for b in blocks if name in b]
+        if tail is not None and name in tail:
+            parts.append(tail[name])
+        out[name] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    if tail is None:
+        for owner, kind in _owners(meta).items():
+            if kind == "mlx:KVCache" and _kv_offset_key(owner, meta):
+                meta[_kv_offset_key(owner, meta)] = f"int:{tokens - _shift(owner)}"
+    return out
