@@ -283,6 +283,7 @@ class SchedJob:
     cached_tokens: int = 0
     disconnected: bool = False
     stats: dict | None = None
+    mtp: str | None = None  # the request's own --mtp; None: the server's
     tokens: list = field(default_factory=list)
 
     def deliver(self, item):
