@@ -3,12 +3,13 @@ processes, and the fixtures (conftest.py imports every fixture here, so any test
 for one by name).
 
 Fixtures: `macserve_home` (autouse: every test its own MACSERVE_HOME, never the real one),
+`bundle` (the demo model in process, once per module),
 `llama_server` (the binary, or a skip), `tiny_gguf` and `model_gguf` (the demo model's GGUF
 twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU backend),
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
 (a local Hugging Face hub serving the demo model).
-Helpers: `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
+Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
 supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
 """
@@ -100,6 +101,21 @@ def free_port() -> int:
                 continue
         return port
     raise RuntimeError(f"no free port in {lo}-{top}")
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    """The demo model loaded in process, once per test module (engine and cache tests)."""
+    from macserve.engine.model import load
+
+    return load(TINY_MODEL)
+
+
+def prompt_ids(bundle, text: str, n: int) -> list[int]:
+    """Exactly n token ids: `text` repeated, tokenized, cut."""
+    ids = bundle.tokenizer.encode(text * (n // 2 + 1), add_special_tokens=False)[:n]
+    assert len(ids) == n
+    return ids
 
 
 @contextlib.contextmanager

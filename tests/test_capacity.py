@@ -1,18 +1,10 @@
 """The default --max-batch, sized on the demo model: as many whole-context caches as the
 memory budget holds beside the weights and the prompt cache, INT2 holding more than bf16."""
 
-import pytest
-
 from macserve.engine.caches import CacheSpec
-from macserve.engine.model import load
 from macserve.server.capacity import MAX_AUTO_BATCH, RESERVE, size_batch, weights_bytes
 
 from .conftest import TINY_MODEL
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
 
 
 def _budget_for(bundle, per_seq: int, n: float, prompt_cache: int) -> int:

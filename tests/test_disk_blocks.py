@@ -12,26 +12,15 @@ import mlx.core as mx
 import pytest
 
 from macserve.engine.caches import CacheSpec, EngineOptions, clone
-from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder
 from macserve.server import scheduler
 from macserve.server.disk_cache import DiskTier, identity
 from macserve.server.prompt_cache import PromptCache
 
 from .conftest import TINY_MODEL
+from .fixtures import prompt_ids
 
 N = 64  # small blocks, so a demo-sized prompt makes a chain of several
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
-
-
-def _ids(b, text, n):
-    ids = b.tokenizer.encode(text * 80, add_special_tokens=False)[:n]
-    assert len(ids) == n
-    return ids
 
 
 def _tier(bundle, spec, root, mtp=False, max_bytes=2**30):
@@ -66,8 +55,8 @@ SYSTEM = "You are a careful assistant. Answer in verse, and cite the play and th
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    first = _ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
-    follow = first + _ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 40)
+    first = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
+    follow = first + prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 40)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     bundle.model(mx.array([first]), cache=cs)
@@ -89,8 +78,8 @@ def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
 def test_a_drafting_chain_keeps_its_mtp_rows(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = _ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 650)
-    follow = first + _ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 40)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 650)
+    follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 40)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path, mtp=True))
     caches, mcache = bundle.caches(spec), dec.mtp_cache()
     dec.prefill(first, caches, mcache)
@@ -107,9 +96,9 @@ def test_a_drafting_chain_keeps_its_mtp_rows(bundle, tmp_path):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    system = _ids(bundle, SYSTEM, 400)
-    a = system + _ids(bundle, "Who is Yorick? ", 60)
-    b = system + _ids(bundle, "Where is Elsinore? ", 70)
+    system = prompt_ids(bundle, SYSTEM, 400)
+    a = system + prompt_ids(bundle, "Who is Yorick? ", 60)
+    b = system + prompt_ids(bundle, "Where is Elsinore? ", 70)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     for ids in (a, b):
         cs = bundle.caches(spec)
@@ -125,7 +114,7 @@ def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
     # A third chat with the same system prompt, after a restart: bf16, a's entry rolled
     # back; INT2 keeps the files shared but serves it nothing (as the memory tier would not):
     # its state at the system prompt's end needs a bf16 window no file has (disk_blocks.py).
-    c = system + _ids(bundle, "What is a bare bodkin? ", 50)
+    c = system + prompt_ids(bundle, "What is a bare bodkin? ", 50)
     hit = PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(c)
     if kind == "int2":
         assert hit is None
@@ -145,8 +134,8 @@ def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_corrupt_middle_block_ends_the_chain_with_one_line(bundle, kind, tmp_path, caplog):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    ids = _ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 640)
-    more = ids + _ids(bundle, "JULIET.\nO Romeo, Romeo! ", 30)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 640)
+    more = ids + prompt_ids(bundle, "JULIET.\nO Romeo, Romeo! ", 30)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     bundle.model(mx.array([ids]), cache=cs)
@@ -178,7 +167,7 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     one = PromptCache(2**30, _tier(bundle, spec, tmp_path / "measure"))
     cs = bundle.caches(spec)
-    ids = _ids(bundle, "MACBETH.\nTomorrow, and tomorrow, and tomorrow. ", 500)
+    ids = prompt_ids(bundle, "MACBETH.\nTomorrow, and tomorrow, and tomorrow. ", 500)
     bundle.model(mx.array([ids]), cache=cs)
     one.insert(ids, cs)
     one.disk.flush()
@@ -188,7 +177,7 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
     for i, play in enumerate(
         ["LEAR.\nNothing will come of nothing. ", "PUCK.\nLord, what fools! "] * 3
     ):
-        ids = _ids(bundle, f"{i} {play}", 500)
+        ids = prompt_ids(bundle, f"{i} {play}", 500)
         cs = bundle.caches(spec)
         bundle.model(mx.array([ids]), cache=cs)
         pc.insert(ids, cs)
@@ -206,8 +195,8 @@ def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, ca
     EFBIG a full filesystem's ENOSPC takes) leaves no temp file and no entry, one log line;
     the memory tier still serves, and after a restart the request simply prefills."""
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = _ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 640)
-    more = ids + _ids(bundle, "MIRANDA.\nO brave new world! ", 30)
+    ids = prompt_ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 640)
+    more = ids + prompt_ids(bundle, "MIRANDA.\nO brave new world! ", 30)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     bundle.model(mx.array([ids]), cache=cs)
@@ -244,9 +233,9 @@ def test_an_int2_chat_starts_from_another_chats_prefill_boundary(bundle, tmp_pat
     a cold run does."""
     monkeypatch.setattr(scheduler, "PREFILL_CHUNK", 256)  # the demo's 1,024-token context
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    system = _ids(bundle, SYSTEM, 600)
-    a = system + _ids(bundle, "Who is Yorick? ", 50)
-    b = system + _ids(bundle, "Where is Elsinore? ", 60)
+    system = prompt_ids(bundle, SYSTEM, 600)
+    a = system + prompt_ids(bundle, "Who is Yorick? ", 50)
+    b = system + prompt_ids(bundle, "Where is Elsinore? ", 60)
 
     def serve(prompt, pc):
         job = SchedJob(prompt, 16)

@@ -10,25 +10,14 @@ import numpy as np
 import pytest
 
 from macserve.engine.caches import CacheSpec, clone
-from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder
 from macserve.server.disk_cache import DiskTier, identity
 from macserve.server.prompt_cache import PromptCache
 
 from .conftest import TINY_MODEL
+from .fixtures import prompt_ids
 
 TOL = dict(rtol=2e-4, atol=2e-4)
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
-
-
-def _ids(b, text, n):
-    ids = b.tokenizer.encode(text * 40, add_special_tokens=False)[:n]
-    assert len(ids) == n
-    return ids
 
 
 def _feed(b, caches, ids) -> np.ndarray:
@@ -50,8 +39,8 @@ def _tier(bundle, spec, root, mtp=False, ident=None):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_an_entry_survives_a_restart_and_gives_a_cold_prefills_logits(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    base = _ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
-    more = _ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
+    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
+    more = prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     _feed(bundle, cs, base)
@@ -75,8 +64,8 @@ def test_an_entry_survives_a_restart_and_gives_a_cold_prefills_logits(bundle, ki
 def test_a_drafting_entry_keeps_its_mtp_rows_on_disk(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = _ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
-    follow = first + _ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
+    follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path, mtp=True))
     caches, mcache = bundle.caches(spec), dec.mtp_cache()
     dec.prefill(first, caches, mcache)
@@ -99,7 +88,7 @@ def test_a_drafting_entry_keeps_its_mtp_rows_on_disk(bundle, tmp_path):
 
 def test_foreign_and_corrupt_files_are_skipped_with_one_line(bundle, tmp_path, caplog):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = _ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 300)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 300)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     _feed(bundle, cs, ids)

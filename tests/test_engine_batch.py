@@ -9,14 +9,8 @@ import pytest
 
 from macserve.engine.batch import SequenceBatch
 from macserve.engine.caches import CacheSpec, cache_bytes, clone
-from macserve.engine.model import load
 
 from .conftest import TINY_MODEL
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
 
 
 def _prompt(b, text, n):

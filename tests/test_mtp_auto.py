@@ -20,7 +20,6 @@ from click.testing import CliRunner
 from mlx_lm.generate import generate_step
 
 from macserve.cli import main
-from macserve.engine.model import load
 from macserve.engine.mtp_auto import (
     PROBE_STEPS,
     WINDOW,
@@ -103,11 +102,6 @@ def test_a_probe_cut_short_keeps_the_decision():
 
 
 # ---- on the demo model -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
 
 
 def _plain(b, ids, n):

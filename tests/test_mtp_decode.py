@@ -8,7 +8,6 @@ from mlx_lm.generate import generate_step
 from macserve.dev.tiny.data import training_text
 from macserve.engine.calibration import caches_for
 from macserve.engine.latent_cache import LatentQuant
-from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder, verify_sampled
 
 from .conftest import TINY_MODEL
@@ -20,11 +19,6 @@ PROMPTS = [
     "VIOLA.\nWhat country, friends, is this?\n\nCAPTAIN.\n",
     "PROSPERO.\nOur revels now are ended.",
 ]
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
 
 
 def plain_greedy(b, ids, n, cache):

@@ -8,24 +8,13 @@ import numpy as np
 import pytest
 
 from macserve.engine.caches import CacheSpec, clone
-from macserve.engine.model import load
 from macserve.engine.mtp_decode import MTPDecoder
 from macserve.server.prompt_cache import PromptCache, offset, trimmable
 
 from .conftest import TINY_MODEL
+from .fixtures import prompt_ids
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32 on the CPU; chunking changes summation order only
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
-
-
-def _ids(b, text, n):
-    ids = b.tokenizer.encode(text * 40, add_special_tokens=False)[:n]
-    assert len(ids) == n
-    return ids
 
 
 def _feed(b, caches, ids) -> np.ndarray:
@@ -38,8 +27,8 @@ def _feed(b, caches, ids) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_reused_prefix_gives_the_logits_of_a_cold_prefill(bundle, kind):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    base = _ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
-    more = _ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
+    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
+    more = prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
     pc = PromptCache(2**30)
     cs = bundle.caches(spec)
     _feed(bundle, cs, base)
@@ -64,14 +53,14 @@ def test_int2_rollbacks_are_exact_or_not_taken(bundle):
     """An INT2 entry rolls back only within its bf16 window: a request that shares less than
     that with the only entry gets nothing, and one within reach gets an exact rollback."""
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = _ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 500)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 500)
     cs = bundle.caches(spec)
     _feed(bundle, cs, ids)
     reach = trimmable(cs[0])
     assert 0 < reach < 200  # after a prefill chunk the window holds a little more than 256
     pc = PromptCache(2**30)
     pc.insert(ids, cs)
-    other = _ids(bundle, "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo? ", 40)
+    other = prompt_ids(bundle, "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo? ", 40)
     assert pc.fetch(ids[:250] + other) is None  # 250 tokens back: out of reach
     keep = len(ids) - reach
     hit = pc.fetch(ids[:keep] + other)
@@ -92,8 +81,8 @@ def test_a_drafting_request_reuses_the_mtp_rows_too(bundle, kind):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
     mtp = bundle.mtp()
     dec = MTPDecoder(bundle.model, mtp, k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = _ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
-    follow = first + _ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
+    follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
     pc = PromptCache(2**30)
     caches, mcache = bundle.caches(spec), dec.mtp_cache()
     dec.prefill(first, caches, mcache)
@@ -117,8 +106,8 @@ def test_a_drafting_request_reuses_the_mtp_rows_too(bundle, kind):
 
 def test_prefix_entries_are_folded_and_the_budget_evicts_the_oldest(bundle):
     spec = CacheSpec.for_model(TINY_MODEL, "bf16")
-    a = _ids(bundle, "KING.\nNow is the winter of our discontent. ", 300)
-    b = _ids(bundle, "PUCK.\nIf we shadows have offended. ", 300)
+    a = prompt_ids(bundle, "KING.\nNow is the winter of our discontent. ", 300)
+    b = prompt_ids(bundle, "PUCK.\nIf we shadows have offended. ", 300)
     pc = PromptCache(2**30)
     cs = bundle.caches(spec)
     _feed(bundle, cs, a[:200])

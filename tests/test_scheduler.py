@@ -10,16 +10,10 @@ import pytest
 
 from macserve.engine.caches import CacheSpec, EngineOptions
 from macserve.engine.generate import Step
-from macserve.engine.model import load
 from macserve.server.prompt_cache import PromptCache
 from macserve.server.scheduler import Scheduler
 
 from .conftest import TINY_MODEL
-
-
-@pytest.fixture(scope="module")
-def bundle():
-    return load(TINY_MODEL)
 
 
 @dataclass
