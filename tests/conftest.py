@@ -16,6 +16,7 @@ from .fixtures import (  # noqa: F401  (constants other files import from here; 
     CONFIGS,
     REPO,
     TINY_MODEL,
+    bundle,
     ggufs,
     hub,
     launchctl,
