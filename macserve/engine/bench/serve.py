@@ -98,11 +98,8 @@ def targets(model: Path) -> list[Target]:
 
 
 def restart_targets(model: Path) -> list[Target]:
-    py = sys.executable
-    # Drafting off: this scenario measures the prompt cache's tiers, and a drafting request
-    # prefills the last shared token again (its hidden state), which --mtp auto would make
-    # depend on its own timings.
-    serve = (py, "-m", "macserve", "serve", str(model), "--mtp", "off")
+    # Drafting off: a drafting request re-prefills the last shared token (--mtp auto: by timing)
+    serve = (sys.executable, "-m", "macserve", "serve", str(model), "--mtp", "off")
     return [
         Target("macserve int2", serve + ("--kv", "int2"), "macserve"),
         Target("macserve", serve, "macserve"),
