@@ -273,6 +273,7 @@ class SchedJob:
     disconnected: bool = False
     stats: dict | None = None
     mtp: str | None = None  # the request's own --mtp; None: the server's
+    seeded: bool = False  # the client gave the seed
     tokens: list = field(default_factory=list)
 
     def deliver(self, item):

@@ -196,7 +196,7 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
         "--timeout",
         "120",
         "--extra-args",
-        "--ctx 1024 --kv int2 --mtp-k 1",
+        "--ctx 1024 --kv int2 --mtp on --mtp-k 1",  # drafting, not auto's choice by timing
     ]
     r = cli("new", str(TINY_MODEL), "--name", "one", "--port", str(single), *engine)
     assert r.returncode == 0, r.stderr

@@ -29,6 +29,7 @@ class Job:
     constraint: object = None
     top_logprobs: int | None = None
     mtp: str | None = None
+    seeded: bool = False
     cached_tokens: int = 0
     disconnected: bool = False
     ended_by: str | None = None

@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .caches import EngineOptions
 from .model import Bundle
-from .mtp_auto import AutoMTP, drafting_mode, mtp_status
+from .mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
 from .mtp_decode import MTPDecoder
 
 
@@ -137,6 +137,7 @@ def stream(
     logits_processors: list | None = None,
     top_logprobs: int | None = None,
     auto: AutoMTP | None = None,
+    seeded: bool = False,
 ) -> Iterator[Step]:
     """Stream one generation with `options`: its cache (bf16, or the rotated INT2 latent
     cache) and MTP drafting (mtp_k > 0; top_p < 1 is not supported with drafting, so it
@@ -189,13 +190,12 @@ def stream(
     cache = bundle.caches(options.cache)
     plain_only = bool(logits_processors) or top_logprobs is not None
     logprobs_out = [] if top_logprobs is not None else None
-    may_draft = (top_p >= 1.0 or top_p <= 0) and not plain_only
     mode = drafting_mode(bundle, options)
+    if mode[0] == "auto" and mx.distributed.init().size() > 1:
+        mode = ("on", "--mtp auto drafts as on under mlx.launch")
+    may_draft = may_draft_with(top_p, plain_only, temperature, seeded and mode[0] == "auto")
     counters.mtp = mtp_status(mode, may_draft)
     if mode[0] != "off" and may_draft:
-        if mode[0] == "auto" and mx.distributed.init().size() > 1:
-            mode = ("on", "--mtp auto drafts as on under mlx.launch")
-            counters.mtp = mtp_status(mode, may_draft)
         if mode[0] == "auto":
             auto = auto or AutoMTP(options.mtp_k)
             counters.mtp = auto.status()

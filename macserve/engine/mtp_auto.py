@@ -166,13 +166,21 @@ def drafting_mode(bundle, options) -> tuple[str, str]:
     return options.mtp, f"--mtp {options.mtp}"
 
 
+def may_draft_with(top_p: float, plain_only: bool, temperature: float, seeded: bool) -> bool:
+    """Whether a request may draft at all. `seeded`: a sampled request with the client's own
+    seed under --mtp auto decodes plainly: drafting draws its samples differently and auto's
+    choice follows timings, so the same seed would not give the same answer. (--mtp on drafts
+    it when it runs alone: the same seed gives the same answer alone, not batched.)"""
+    return (top_p >= 1.0 or top_p <= 0) and not plain_only and not (temperature > 0 and seeded)
+
+
 def mtp_status(mode: tuple[str, str], may_draft: bool) -> dict:
     """A request's MTP status when no AutoMTP speaks for it (on, off, or not draftable)."""
     kind, why = mode
     if kind == "off":
         return {"mode": kind, "drafting": False, "why": why}
     if not may_draft:
-        why = "this request decodes plainly (top_p < 1, top_k, a grammar or logprobs)"
+        why = "this request decodes plainly (top_p < 1, top_k, a grammar, logprobs or a seed)"
         return {"mode": kind, "drafting": False, "why": why}
     return {"mode": kind, "drafting": kind == "on", "why": why}
 

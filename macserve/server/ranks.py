@@ -98,6 +98,7 @@ def job_params(job) -> dict:
         "constraint": job.constraint,
         "top_logprobs": job.top_logprobs,
         "seed": seed,
+        "seeded": job.seeded,
     }
 
 
@@ -132,6 +133,7 @@ def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None
                 stop=ranks.synced_stop(lambda: False),
                 options=options,
                 seed=req["seed"],
+                seeded=req["seeded"],
                 logits_processors=processors(req["constraint"], req["top_k"], vocab),
                 top_logprobs=req["top_logprobs"],
             ):

@@ -53,7 +53,7 @@ from mlx_lm.sample_utils import apply_top_p
 from ..engine.batch import SequenceBatch
 from ..engine.caches import EngineOptions, cache_bytes, clone
 from ..engine.generate import Step
-from ..engine.mtp_auto import AutoMTP, drafting_mode, mtp_status
+from ..engine.mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
 from ..engine.mtp_decode import MTPDecoder
 from .prompt_cache import PromptCache, offset
 
@@ -162,10 +162,12 @@ class Scheduler:
 
     def _mtp_for(self, job, procs, alone: bool) -> dict:
         """Whether `job` drafts, and why: mtp_auto.mtp_status's answer, or AutoMTP's."""
-        draftable = (job.top_p >= 1.0 or job.top_p <= 0) and not procs and job.top_logprobs is None
         mode = self.mode
         if job.mtp is not None and mode[0] != "off" and job.mtp != mode[0]:
             mode = (job.mtp, f"the request asked for mtp {job.mtp}")
+        plain_only = bool(procs) or job.top_logprobs is not None
+        seeded = job.seeded and mode[0] == "auto"
+        draftable = may_draft_with(job.top_p, plain_only, job.temperature, seeded)
         st = mtp_status(mode, draftable)
         if mode[0] == "off" or not draftable:
             return st

@@ -63,6 +63,7 @@ class Job:
     constraint: Any = None  # grammar.ConstraintSpec
     top_logprobs: int | None = None  # None: no logprobs
     mtp: str | None = None  # auto | on | off asked by the request; None: the server's --mtp
+    seeded: bool = False  # the client gave the seed (set from `seed` at creation)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -72,6 +73,9 @@ class Job:
     ended_by: str | None = None  # "deadline" | "shutdown": the server stopped it
     t_arrived: float = field(default_factory=time.monotonic)  # for TTFT with the queue wait
     stats: dict | None = None  # the finished generation's figures (Seq.stats), for /metrics
+
+    def __post_init__(self) -> None:
+        self.seeded = self.seed is not None  # before the worker gives an unseeded job one
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -373,6 +377,7 @@ class Worker(threading.Thread):
                 stop=stop,
                 options=self.options,
                 seed=job.seed,
+                seeded=job.seeded,
                 logits_processors=ranks.processors(job.constraint, job.top_k, self.vocab),
                 top_logprobs=job.top_logprobs,
             ):
