@@ -72,8 +72,18 @@ def wait(fn, what, timeout=120.0):
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def _read(d, css, script):
+    """One script in the page's own thread: the page rewrites #overview whenever its data
+    changes, and a find_element then a property read are two round trips with a rewrite
+    possibly between them (CI saw exactly that: a stale element on a plain read)."""
+    v = d.execute_script(f"const e = document.querySelector(arguments[0]); {script}", css)
+    if v is None:
+        raise NoSuchElementException(css)
+    return v
+
+
 def text(d, css) -> str:
-    return d.find_element(By.CSS_SELECTOR, css).text
+    return _read(d, css, "return e && e.innerText.trim();")
 
 
 def click(d, css):
@@ -81,7 +91,7 @@ def click(d, css):
 
 
 def row_state(d, name) -> str:
-    return d.find_element(By.CSS_SELECTOR, f'tr[data-name="{name}"]').get_attribute("data-state")
+    return _read(d, f'tr[data-name="{name}"]', "return e && e.dataset.state;")
 
 
 def ls_state(name) -> str:
@@ -141,10 +151,15 @@ def test_page_shows_acts_streams_and_rolls_back(browser, services, macserve_home
         # (the check `macserve set` makes), so the previous settings run on, untouched
         profile = macserve_home / "profiles" / "tiny.env"
         before, pid = profile.read_text(), get_pid("tiny")
-        box = d.find_element(By.CSS_SELECTOR, 'form.set[data-name="tiny"] input[name="CTX"]')
-        box.clear()
-        box.send_keys("5000")
-        box.submit()
+        ctx_box = 'form.set[data-name="tiny"] input[name="CTX"]'
+
+        def type_ctx():  # the page stops rewriting the table once the box has the focus
+            box = d.find_element(By.CSS_SELECTOR, ctx_box)
+            box.clear()
+            box.send_keys("5000")
+            return box
+
+        wait(type_ctx, "to type into the CTX box").submit()
         line = wait(lambda: "beyond the model's limit" in (t := text(d, "#outcome")) and t, "set")
         assert "1,024" in line and "nothing written" in line, line
         assert profile.read_text() == before
