@@ -180,6 +180,8 @@ def bench_serve(
     load_tokens,
     logs,
     restart_rounds,
+    capacity_clients,
+    capacity_batches,
     as_json,
 ):
     plan = serve_bench.Plan(
@@ -193,6 +195,8 @@ def bench_serve(
         load_tokens=load_tokens,
         log_dir=Path(logs).resolve() if logs else None,
         restart_rounds=restart_rounds,
+        capacity_clients=capacity_clients,
+        capacity_batches=tuple(sorted(set(capacity_batches))),
     )
     if logs:
         Path(logs).mkdir(parents=True, exist_ok=True)
@@ -220,10 +224,22 @@ def bench_serve(
             f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
         )
     for name, r in res.get("restart", {}).items():
+        reused = r["tokens_reused_per_tier"]
         click.echo(
             f"{name} restart: follow-up ({r['followup_prompt_tokens']} prompt tokens) after a "
-            f"restart {r['restart_followup_ttft_s'] * 1000:.0f} ms (disk, "
-            f"{r['restart_followup_ttft_ratio']:.2f}x cold), warm "
-            f"{r['warm_followup_ttft_s'] * 1000:.0f} ms (memory, {r['warm_followup_ttft_ratio']:.2f}x), "
-            f"cold {r['cold_ttft_s'] * 1000:.0f} ms; tokens reused {r['tokens_reused_per_tier']}"
+            f"restart {r['restart_followup_ttft_s'] * 1000:.0f} ms "
+            f"({r['restart_followup_ttft_ratio']:.2f}x cold), warm "
+            f"{r['warm_followup_ttft_s'] * 1000:.0f} ms ({r['warm_followup_ttft_ratio']:.2f}x), "
+            f"cold {r['cold_ttft_s'] * 1000:.0f} ms"
+            + (f"; tokens reused {reused}" if reused else "")
+        )
+    if cap := res.get("capacity"):
+        for name, s in cap["servers"].items():
+            click.echo(
+                f"capacity, {cap['clients']} clients, {name} (max batch {s['max_batch']}): "
+                f"{s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50_s']:.2f} s, "
+                f"p95 {s['latency_p95_s']:.2f} s, refused {s['refused']}"
+            )
+        click.echo(
+            f"capacity: default / best fixed ({cap['best_fixed']}) = {cap['default_over_best']:.2f}x"
         )

@@ -114,6 +114,23 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
     help="rounds of the restart scenario (a long turn, a server restart, the follow-up from "
     "the disk cache); 0 skips it",
 )
+@click.option(
+    "--capacity-clients",
+    type=click.IntRange(0),
+    default=32,
+    show_default=True,
+    help="clients at once against serve's default --max-batch and each --capacity-batch; "
+    "0 skips it",
+)
+@click.option(
+    "--capacity-batch",
+    "capacity_batches",
+    type=click.IntRange(1),
+    multiple=True,
+    default=(8, 16, 32),
+    show_default=True,
+    help="a fixed --max-batch measured beside the default (repeatable)",
+)
 @click.option("--json", "as_json", is_flag=True)
 @runs(_BODY + "bench_serve")
 def bench_serve(
@@ -126,6 +143,8 @@ def bench_serve(
     load_tokens,
     logs,
     restart_rounds,
+    capacity_clients,
+    capacity_batches,
     as_json,
 ):
     """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over

@@ -13,13 +13,12 @@ each is measured in turn (the idle ones wait on a socket), with the same message
   clients doing so at once (every prompt unique): aggregate completion tokens per second,
   latency p50 / p95, refusals (any status but 200).
 
-- **restart** (`macserve serve --kv int2`, and the bf16 cache): a long chat turn (about
-  `restart_prompt` tokens, near the demo model's 1,024-token limit) on one server, which is
-  then stopped with SIGTERM (a service restart); a second server on the same
-  `--prompt-cache-dir` answers the follow-up turn (a disk hit), the same history with another
-  last message (a memory hit), and the same history with a nonce at its start (cold). Reported:
-  the three TTFTs, `restart_followup_ttft_ratio` (after-restart follow-up / cold) and the
-  tokens reused per tier, from the second server's /metrics.
+- **restart** (serve_restart.py: `macserve serve --kv int2`, the bf16 cache, and mlx_lm.server
+  as the baseline): a long chat turn (about `restart_prompt` tokens, near the demo model's
+  1,024-token limit), a service restart, the follow-up turn from disk, from memory and cold.
+  `restart_followup_ttft_ratio` (after-restart follow-up / cold) and the tokens reused per tier.
+- **capacity** (serve_capacity.py): `capacity_clients` clients at once against serve's default
+  `--max-batch` and each fixed one; `default_over_best`.
 
 Medians over the rounds are reported, so a noisy machine weighs on every server alike. Every
 request is greedy (temperature 0) with no seed (mlx_lm.server batches only requests without
@@ -30,56 +29,21 @@ casts to float32 there: MLX's CPU gather_mm (the MoE experts) has no bf16.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import mlx.core as mx
-from prometheus_client.parser import text_string_to_metric_families
 
 from ...errors import MacserveError
+from .serve_capacity import capacity
+from .serve_http import Plan, Target, _chat, _load_summary, float32_copy, load, running
+from .serve_restart import restarts
 
-REPO = Path(__file__).resolve().parents[3]  # the tree this macserve runs from
-MODEL_NAME = "default_model"  # mlx_lm.server's name for its --model (macserve ignores it)
-
-
-class _Unavailable(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    argv: tuple[str, ...]  # without host and port
-    kind: str  # "macserve" | "mlx_lm"
-
-
-@dataclass(frozen=True)
-class Plan:
-    model: Path
-    lines: tuple[str, ...]  # user messages, each used once per run
-    turns: int = 10
-    rounds: int = 5  # each: one chat, one client, `clients` clients, per server
-    answer_tokens: int = 32  # per chat turn
-    clients: int = 8
-    requests: int = 3  # per client
-    load_tokens: int = 64  # per load request
-    ready_timeout: float = 300.0
-    log_dir: Path | None = None
-    restart_rounds: int = 3  # 0: no restart scenario
-    restart_prompt: int = 880  # tokens of the restart scenario's first turn
+__all__ = ["Plan", "needed_lines", "run"]
 
 
 def targets(model: Path) -> list[Target]:
@@ -95,210 +59,6 @@ def targets(model: Path) -> list[Target]:
             "macserve",
         ),
     ]
-
-
-def restart_targets(model: Path) -> list[Target]:
-    # Drafting off: a drafting request re-prefills the last shared token (--mtp auto: by timing)
-    serve = (sys.executable, "-m", "macserve", "serve", str(model), "--mtp", "off")
-    return [
-        Target("macserve int2", serve + ("--kv", "int2"), "macserve"),
-        Target("macserve", serve, "macserve"),
-    ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def float32_copy(model: Path, out: Path) -> Path:
-    """The model with float32 weights: MLX's CPU backend has no bf16 GatherMM for MoE
-    layers, so mlx_lm.server's generation thread would die on a bf16 original."""
-    out.mkdir(parents=True)
-    for f in model.iterdir():
-        if f.suffix == ".safetensors":
-            w = {k: v.astype(mx.float32) for k, v in mx.load(str(f)).items()}
-            mx.save_safetensors(str(out / f.name), w)
-        elif f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
-@contextlib.contextmanager
-def running(target: Target, plan: Plan, log_dir: Path):
-    """The server up and warmed (one chat request answered); its URL."""
-    port = _free_port()
-    log = log_dir / f"{target.name.replace(' ', '-')}-{port}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [*target.argv, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group, ended whole below
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + plan.ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise MacserveError(f"{target.name} exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise MacserveError(f"{target.name} not up within {plan.ready_timeout:.0f} s")
-            time.sleep(0.1)
-        with httpx.Client(timeout=plan.ready_timeout) as c:
-            while True:  # a model still loading answers 503 (macserve) until it is in
-                try:
-                    _chat(c, url, [{"role": "user", "content": plan.lines[0]}], 8)
-                    break
-                except _Unavailable:
-                    if time.monotonic() > deadline:
-                        raise MacserveError(f"{target.name} not ready within the timeout") from None
-                    time.sleep(0.2)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-
-def _metric(url: str, name: str, tier: str) -> float:
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for x in fam.samples:
-            if x.name == name and x.labels.get("tier") == tier:
-                return x.value
-    return 0.0
-
-
-def _long_system(url: str, lines: tuple[str, ...], tokens: int) -> str:
-    """Held-out lines joined into a system prompt whose first turn is about `tokens` long,
-    counted by the server's tokenizer (count_tokens)."""
-    text = " ".join(lines)
-    while len(text) < 8 * tokens:
-        text += " " + text
-    lo, hi = 0, len(text)
-    with httpx.Client(timeout=60) as c:
-        while hi - lo > 16:
-            mid = (lo + hi) // 2
-            body = {"system": text[:mid], "messages": [{"role": "user", "content": "Go on."}]}
-            n = c.post(url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
-            lo, hi = (mid, hi) if n <= tokens else (lo, mid)
-    return text[:lo]
-
-
-def restart(plan: Plan, target: Target, log_dir: Path, progress) -> dict:
-    """A long chat turn, a service restart, the follow-up: its TTFT from disk, from memory,
-    and cold, medians over `plan.restart_rounds` rounds (each with its own prefix)."""
-    rows = []
-    system = None
-    for k in range(plan.restart_rounds):
-        progress(f"restart {k + 1}/{plan.restart_rounds}: {target.name}")
-        with tempfile.TemporaryDirectory(prefix="macserve-bench-pc-") as pc:
-            t = Target(target.name, target.argv + ("--prompt-cache-dir", pc), target.kind)
-            with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
-                if system is None:
-                    system = _long_system(url, plan.lines[1:], plan.restart_prompt)
-                first = [
-                    {"role": "system", "content": f"[{uuid.uuid4().hex[:8]}] {system}"},
-                    {"role": "user", "content": "Go on."},
-                ]
-                r1 = _chat(c, url, first, plan.answer_tokens)
-            # SIGTERM above (a service restart); the next server reads the same folder.
-            msgs = first + [{"role": "assistant", "content": r1["text"]}]
-            with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
-                # The warm-up request of `running` shares only the chat template's first
-                # tokens with this chat: no hit for it.
-                disk = _chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
-                warm = _chat(c, url, msgs + [{"role": "user", "content": "What then?"}], 8)
-                again = [dict(m) for m in msgs] + [{"role": "user", "content": "And then?"}]
-                again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
-                cold = _chat(c, url, again, 8)
-                reused = {
-                    tier: _metric(url, "macserve_prompt_cache_tokens_reused_total", tier)
-                    for tier in ("disk", "memory")
-                }
-        rows.append(
-            {
-                "first_turn_prompt_tokens": r1["usage"].get("prompt_tokens"),
-                "followup_prompt_tokens": disk["usage"].get("prompt_tokens"),
-                "cold_ttft_s": cold["ttft"],
-                "restart_followup_ttft_s": disk["ttft"],
-                "warm_followup_ttft_s": warm["ttft"],
-                "restart_cached_tokens": _cached(disk),
-                "warm_cached_tokens": _cached(warm),
-                "cold_cached_tokens": _cached(cold),
-                "tokens_reused": reused,
-            }
-        )
-    med = statistics.median
-    out = {k: rows[0][k] for k in ("first_turn_prompt_tokens", "followup_prompt_tokens")}
-    for k in ("cold_ttft_s", "restart_followup_ttft_s", "warm_followup_ttft_s"):
-        out[k] = round(med(r[k] for r in rows), 4)
-    out["restart_followup_ttft_ratio"] = round(
-        out["restart_followup_ttft_s"] / out["cold_ttft_s"], 3
-    )
-    out["warm_followup_ttft_ratio"] = round(out["warm_followup_ttft_s"] / out["cold_ttft_s"], 3)
-    for k in ("restart_cached_tokens", "warm_cached_tokens", "cold_cached_tokens"):
-        out[k] = [r[k] for r in rows]
-    out["tokens_reused_per_tier"] = rows[-1]["tokens_reused"]  # one server's counters
-    out["rounds"] = rows
-    return out
-
-
-def _cached(r: dict) -> int:
-    return ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-
-
-def _chat(client: httpx.Client, url: str, messages: list, max_tokens: int) -> dict:
-    """One streamed greedy chat request: time to the first token, the text, the usage."""
-    body = {
-        "model": MODEL_NAME,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ttft, parts, usage = None, [], {}
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code == 503:
-            raise _Unavailable
-        if r.status_code != 200:
-            raise MacserveError(f"{url}: HTTP {r.status_code}: {r.read()[:200]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            for ch in obj.get("choices") or []:
-                text = (ch.get("delta") or {}).get("content")
-                if text:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    parts.append(text)
-            if obj.get("usage"):
-                usage = obj["usage"]
-    total = time.perf_counter() - t0
-    return {"ttft": ttft if ttft is not None else total, "text": "".join(parts), "usage": usage}
 
 
 def conversation(url: str, plan: Plan, lines: list[str]) -> dict:
@@ -331,73 +91,6 @@ def _chat_summary(convs: list[dict]) -> dict:
     }
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
-    return xs[i]
-
-
-def load(url: str, plan: Plan, clients: int, lines: list[str]) -> dict:
-    """`clients` clients at once, each with `plan.requests` requests in turn."""
-    work = [[lines.pop() for _ in range(plan.requests)] for _ in range(clients)]
-    lat: list[float] = []
-    tokens, refused, errors = [0], [0], []
-    lock = threading.Lock()
-
-    def client(prompts: list[str]):
-        with httpx.Client(timeout=plan.ready_timeout) as c:
-            for p in prompts:
-                body = {
-                    "model": MODEL_NAME,
-                    "messages": [{"role": "user", "content": f"[{uuid.uuid4().hex[:8]}] {p}"}],
-                    "max_tokens": plan.load_tokens,
-                    "temperature": 0,
-                }
-                t0 = time.perf_counter()
-                try:
-                    r = c.post(url + "/v1/chat/completions", json=body)
-                except httpx.HTTPError as e:
-                    with lock:
-                        errors.append(repr(e))
-                    continue
-                dt = time.perf_counter() - t0
-                with lock:
-                    if r.status_code != 200:
-                        refused[0] += 1
-                        continue
-                    lat.append(dt)
-                    tokens[0] += r.json()["usage"]["completion_tokens"]
-
-    threads = [threading.Thread(target=client, args=(w,)) for w in work]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise MacserveError(f"{url}: {len(errors)} requests failed: {errors[0]}")
-    return {
-        "clients": clients,
-        "requests": clients * plan.requests,
-        "refused": refused[0],
-        "completion_tokens": tokens[0],
-        "seconds": round(wall, 3),
-        "tokens_per_s": round(tokens[0] / wall, 2),
-        "latency_p50_s": round(_percentile(lat, 0.5), 4) if lat else None,
-        "latency_p95_s": round(_percentile(lat, 0.95), 4) if lat else None,
-    }
-
-
-def _load_summary(runs: list[dict]) -> dict:
-    """The median run by tokens per second (its latencies with it); refusals summed."""
-    runs = sorted(runs, key=lambda r: r["tokens_per_s"])
-    out = dict(runs[len(runs) // 2])
-    out["refused"] = sum(r["refused"] for r in runs)
-    out["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
-    return out
-
-
 def _per_round(plan: Plan) -> int:
     return plan.turns + plan.requests * (1 + plan.clients)
 
@@ -412,6 +105,14 @@ def _round_lines(plan: Plan, k: int) -> list[str]:
     return list(reversed(plan.lines[1 + k * n : 1 + (k + 1) * n]))
 
 
+def _baseline(plan: Plan, tmp: Path, progress) -> Path:
+    """The model mlx_lm.server is given: a float32 copy on a CPU-only MLX."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return plan.model
+    progress("float32 copy of the model for mlx_lm.server (MLX's CPU backend)")
+    return float32_copy(plan.model, tmp / "model-f32")
+
+
 def run(plan: Plan, progress=lambda m: None) -> dict:
     """Every server up at once (idle ones wait on a socket), measured in turn, round after
     round, so a noisy machine weighs on all of them alike; medians over the rounds."""
@@ -419,10 +120,7 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
         raise MacserveError(f"the bench needs {needed_lines(plan)} user messages")
     with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
         log_dir = plan.log_dir or Path(tmp)
-        baseline_model = plan.model
-        if mx.default_device().type == mx.DeviceType.cpu:
-            progress("float32 copy of the model for mlx_lm.server (MLX's CPU backend)")
-            baseline_model = float32_copy(plan.model, Path(tmp) / "model-f32")
+        baseline_model = _baseline(plan, Path(tmp), progress)
         with contextlib.ExitStack() as stack:
             urls = {}
             for t in targets(plan.model):
@@ -492,9 +190,16 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
     if plan.restart_rounds:
         with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
             log_dir = plan.log_dir or Path(tmp)
-            rs = {t.name: restart(plan, t, log_dir, progress) for t in restart_targets(plan.model)}
+            rs = restarts(plan, plan.model, _baseline(plan, Path(tmp), progress), log_dir, progress)
         out["restart"] = rs
         # The headline: INT2, the cache this disk tier is for.
         out["restart_followup_ttft_ratio"] = rs["macserve int2"]["restart_followup_ttft_ratio"]
         out["restart_tokens_reused_per_tier"] = rs["macserve int2"]["tokens_reused_per_tier"]
+        # The baseline: mlx_lm.server's follow-up after its restart is a cold prefill.
+        out["restart_followup_ttft_ratio_mlx_lm"] = rs["mlx_lm.server"][
+            "restart_followup_ttft_ratio"
+        ]
+    if plan.capacity_clients:
+        with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
+            out["capacity"] = capacity(plan, plan.log_dir or Path(tmp), progress)
     return out
