@@ -63,7 +63,7 @@ class Job:
     constraint: Any = None  # grammar.ConstraintSpec
     top_logprobs: int | None = None  # None: no logprobs
     mtp: str | None = None  # auto | on | off asked by the request; None: the server's --mtp
-    seeded: bool = False  # the client gave the seed (set from `seed` at creation)
+    seeded: bool = field(init=False)  # the client gave the seed (from `seed`, at creation)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: asyncio.Event = field(default_factory=asyncio.Event)  # the worker took it
     cancelled: threading.Event = field(default_factory=threading.Event)
