@@ -16,6 +16,13 @@ Methods (each gives per layer an orthogonal R, columns = directions, and a clip 
                     up-projections (variance x weight, weight = e^T W e with
                     W = sigma_q/tr + m_v/tr), dealt round-robin over groups, and clips
                     fitted on the W-weighted error
+  eigen-hadamard    eigen directions in descending variance, placed by a bit-reversal
+                    interleave (each group gets an even share of loud and quiet ones),
+                    then a Hadamard within each group (every coordinate of a group then
+                    carries the group's mean variance): OSCAR's covariance + interleave +
+                    per-group Hadamard. Scored per format by the gate (engine/gate.py)
+                    and stored as its choice; not in METHODS (what `fit` stores per
+                    method and `bench kv` rows over) because the shipped file predates it
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from . import mla_attention
 from .caches import make_caches, model_dtype
 
 METHODS = ("plain", "hadamard", "eigen", "eigen-interleave", "upproj")
+# Every rotation `rotation` knows: METHODS and the ones only the gate scores.
+ROTATION_NAMES = (*METHODS, "eigen-hadamard")
 # The shipped default is whichever `macserve bench kv` measured best on KL (docs/int2-latent-cache.md).
 DEFAULT_METHOD = "upproj"
 CLIP_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
@@ -222,6 +231,33 @@ def hadamard(r: int, seed: int) -> np.ndarray:
     return (h * signs[None, :]) / np.sqrt(r)
 
 
+def bit_reversal(n: int) -> list[int]:
+    """0..n-1 in the order of their bit-reversed indices (over ceil(log2 n) bits, so any n):
+    for n = 2^k, position p holds bitrev(p), and for m = 2^j groups the block of n/m
+    consecutive positions k holds the indices of one residue mod m: an even share of ranks."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def eigen_hadamard(sigma_c: np.ndarray, group: int, seed: int) -> np.ndarray:
+    """Σc's eigenvectors, loudest first, bit-reversal interleaved over the groups, then a
+    random-sign Hadamard within each group: R = V[:, bitrev] · blockdiag(H_g, ...), a
+    product of orthogonal matrices. Within a group the Hadamard gives every coordinate the
+    mean variance of the group's directions (its entries are ±1/√g and eigen-directions are
+    uncorrelated), so no quiet coordinate shares a scale with a loud one."""
+    r = sigma_c.shape[0]
+    if r % group:
+        raise ValueError(f"eigen-hadamard needs whole groups: rank {r}, group {group}")
+    vec = np.linalg.eigh(sigma_c)[1][:, ::-1]  # descending variance
+    placed = vec[:, bit_reversal(r)]
+    blocks = [hadamard(group, seed * 7919 + k) for k in range(r // group)]
+    out = np.zeros_like(placed)
+    for k, h in enumerate(blocks):
+        sl = slice(k * group, (k + 1) * group)
+        out[:, sl] = placed[:, sl] @ h
+    return out
+
+
 def _importance(st: LayerStats) -> np.ndarray:
     return st.sigma_q / np.trace(st.sigma_q) + st.m_v / np.trace(st.m_v)
 
@@ -232,6 +268,8 @@ def rotation(st: LayerStats, method: str, group: int, seed: int = 0) -> np.ndarr
         return np.eye(r)
     if method == "hadamard":
         return hadamard(r, seed)
+    if method == "eigen-hadamard":
+        return eigen_hadamard(st.sigma_c, group, seed)
     lam, vec = np.linalg.eigh(st.sigma_c)  # ascending
     if method == "eigen":
         return vec
@@ -245,7 +283,7 @@ def rotation(st: LayerStats, method: str, group: int, seed: int = 0) -> np.ndarr
         ranked = vec[:, np.argsort(np.maximum(lam, 0) * w, kind="stable")]
         g = r // group
         return ranked[:, [j * g + k for k in range(g) for j in range(group)]]
-    raise ValueError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    raise ValueError(f"unknown method {method!r} (known: {', '.join(ROTATION_NAMES)})")
 
 
 def fit_clip(st: LayerStats, rot: np.ndarray, quant: LatentQuant, weighted: bool) -> np.ndarray:
