@@ -33,12 +33,14 @@ from ...errors import MacserveError
 from ...sizing import sources
 from .. import preflight
 from ..profiles import Profile, local_model_path
+from ..values import drain_secs
 from .base import BaseProvider, base_url
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
 SPLIT_SHIM = "macserve.engine.pipeline"
 LAUNCH_SHIM = "macserve.services.providers.mlx_launch"
+DRAIN_SHIM = "macserve.services.providers.mlx_drain"
 _HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -64,7 +66,10 @@ class MlxLm(BaseProvider):
     def argv(self, profile: Profile) -> list[str]:
         argv = super().argv(profile)
         if not profile.multi_host:
-            return argv
+            # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which
+            # gives a planned stop's generations in flight up to DRAIN (mlx_drain.py)
+            drain = f"{drain_secs(profile.drain):g}"
+            return [argv[0], "-m", DRAIN_SHIM, profile.name, drain, *argv[4:]]
         if profile.sharding == "pipeline":
             argv.append("--pipeline")
         rest = argv[1:]
