@@ -41,7 +41,7 @@ from ...web.errors import HttpError
 from ...web.openai_api import error_body, error_event
 from ..graceful import wait_idle
 
-SETTLE_SECS = 2.0  # after the drain: the 503s being written, the cut streams' last events
+SETTLE_SECS = 2.0  # after the drain: the 503s being written, the GETs, a slow client's headers
 LOCK_SECS = 1.0  # a write stuck on a client that does not read is not waited for longer
 MAX_REFUSED_BODY = 1 << 24  # read (and drop) a refused request's body up to this much
 
@@ -94,7 +94,8 @@ class Drain:
         self.name, self.drain = name, drain
         self.lock = threading.Lock()
         self.stopping = False
-        self.running: dict = {}  # handler -> "gen" (generating) | "refuse" (answering 503)
+        # handler -> "open" (a connection), "gen" (a generation), "refuse" (answering 503)
+        self.running: dict = {}
 
     def log(self, msg: str) -> None:
         print(f"macserve run {self.name}: {msg}", file=sys.stderr, flush=True)
@@ -107,6 +108,17 @@ class Drain:
         drain = self
 
         class Draining(base):
+            def handle(self):
+                # from the connection's first byte: a request still sending its headers when
+                # the stop comes is answered (a 503) before the exit, not reset
+                with drain.lock:
+                    drain.running[self] = "open"
+                try:
+                    super().handle()
+                finally:
+                    with drain.lock:
+                        drain.running.pop(self, None)
+
             def do_POST(self):
                 self.wfile = _Writer(self.wfile)
                 with drain.lock:
@@ -121,7 +133,7 @@ class Drain:
                     pass  # its last event is written: nothing more to send
                 finally:
                     with drain.lock:
-                        drain.running.pop(self, None)
+                        drain.running[self] = "open"
 
             def _refuse(self):
                 try:
@@ -180,6 +192,7 @@ class Drain:
         os._exit(0)
 
     def on_signal(self, *_) -> None:
+        # in the main thread, which only accepts connections: it never holds self.lock
         with self.lock:
             if self.stopping:
                 return  # a second signal changes nothing: the supervisor's SIGKILL bounds us
