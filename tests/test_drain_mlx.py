@@ -21,7 +21,7 @@ from macserve.services.supervisors.supervisord import SupervisorBackend
 
 from .fixtures import cli, free_port, status
 
-N = 900  # tokens; the demo model's context (1,024) holds them and the prompt
+N = 600  # tokens: the demo model's context (1,024) holds them and the prompt
 
 
 def _body(model) -> dict:
@@ -126,15 +126,30 @@ def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
     services.append(status("tiny")["pid"])
     assert f"stopwaitsecs={values.stop_wait(short)}\n" in program.read_text()
     at, sv_at = len(log.read_text()), len(sv_log.read_text())
+    # beside the stream, the same request not streamed: it is still running at the cut too
+    whole = {}
+
+    def answered_whole():
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
+        whole.update(status=r.status_code, body=r.json())
+
+    beside = threading.Thread(target=answered_whole)
+    beside.start()
+    assert _wait_for(log, at, "Prompt processing progress")  # mlx-lm has it in hand
     seen = _stream_with_stop(port, body, lambda: sv.restart("tiny"), log)
+    beside.join(300)
     text = log.read_text()[at:]
     assert seen["chunks"] >= 5 and seen["finish"] is None, seen  # it did not run to its end
     assert seen["dropped"] is None and seen["done"], seen  # it ended, not dropped
     assert seen["error_event"]["type"] == "unavailable_error", seen
     assert f"DRAIN={short:g}s" in seen["error_event"]["message"], seen
-    assert "stop: waiting for 1 generation(s) in flight" in text, text[-3000:]
-    assert f"stop: 1 generation(s) still running after DRAIN={short:g}s: cut" in text
-    assert "stop: ended 1 cut generation(s) with an error" in text
+    # the completion not yet answered gets a 503 in the shared format, not a bare close
+    assert whole["status"] == 503, whole
+    assert whole["body"]["error"]["type"] == "unavailable_error", whole
+    assert f"DRAIN={short:g}s" in whole["body"]["error"]["message"], whole
+    assert "stop: waiting for 2 generation(s) in flight" in text, text[-3000:]
+    assert f"stop: 2 generation(s) still running after DRAIN={short:g}s: cut" in text
+    assert "stop: ended 2 cut generation(s) with an error" in text
     assert "SIGKILL" not in sv_log.read_text()[sv_at:]
     services.append(status("tiny")["pid"])
 

@@ -1,7 +1,8 @@
 """mlx-lm's `mlx_lm.server`: MLX / safetensors models on Apple silicon.
 
-Run as `python -m mlx_lm server` with the same interpreter as macserve (the `python -m
-mlx_lm.server` form is deprecated). Its `/health` answers 200 while the model is still loading
+Its flags are `python -m mlx_lm server`'s, with the same interpreter as macserve (the `python
+-m mlx_lm.server` form is deprecated); one host runs it under `mlx_drain.py`, which gives a
+planned stop's generations up to DRAIN (mlx-lm's server has no drain of its own). Its `/health` answers 200 while the model is still loading
 in a background thread, so readiness is a real one-token completion. It has no context-size
 flag: the KV cache grows with each request.
 
