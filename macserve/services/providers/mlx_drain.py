@@ -22,7 +22,10 @@ SIGINT and SIGHUP (the supervisor's stop) itself:
 - then the process exits 0 (os._exit: the generation thread is not a daemon and would hold
   the exit; the prompt cache is in memory only, there is nothing to save).
 
-The supervisor's SIGKILL comes DRAIN + values.STOP_MARGIN after its SIGTERM. `macserve run`
+One more thing it fixes: when mlx-lm's server fails after its generation thread started (its
+port taken), that thread, not a daemon, keeps the process alive serving nothing; here the
+failure is exit 1, which the supervisor sees. The supervisor's SIGKILL comes DRAIN +
+values.STOP_MARGIN after its SIGTERM. `macserve run`
 still execs this (one process: the supervisor's pid is the server's).
 """
 
@@ -35,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from http import HTTPStatus
 
 from ...web.errors import HttpError
@@ -205,12 +209,19 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2:
         sys.exit("usage: python -m macserve.services.providers.mlx_drain NAME DRAIN [ARGS...]")
     drain = Drain(argv[0], float(argv[1]))
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in signals:  # before mlx-lm's slow import: a stop then is a clean exit 0 too
+        signal.signal(sig, drain.on_signal)
     # mlx-lm, in this process only: a service's server, not a cold start
     from mlx_lm import server
 
     own = server._run_http_server
     if "handler_class" not in inspect.signature(own).parameters:
         drain.log("this mlx-lm's server takes no handler class: a stop cuts its generations")
+        for sig in signals:
+            signal.signal(
+                sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
+            )
     else:
         handler = drain.handler(server.APIHandler)
 
@@ -219,10 +230,15 @@ def main(argv: list[str] | None = None) -> None:
             return own(host, port, response_generator, *args, **kwargs)
 
         server._run_http_server = run_http_server
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, drain.on_signal)
     sys.argv = ["mlx_lm.server", *argv[2:]]
-    server.main()
+    try:
+        server.main()
+    except Exception:
+        # e.g. its port taken: mlx-lm's generation thread (not a daemon) would keep the process
+        # alive, serving nothing, where the supervisor must see a failed start
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
