@@ -317,8 +317,8 @@ def test_argv_wraps_mlx_launch():
         "8080",
         "--pipeline",
     ]
-    # no HOSTS: the plain single-process server, as before
-    assert mlx_lm.PROVIDER.argv(parse(BASE, "x"))[1:4] == ["-m", "mlx_lm", "server"]
+    # no HOSTS: the single-process server, under the drain shim (not under mlx.launch)
+    assert mlx_lm.PROVIDER.argv(parse(BASE, "x"))[1:5] == ["-m", mlx_lm.DRAIN_SHIM, "x", "60"]
 
 
 @pytest.mark.parametrize(

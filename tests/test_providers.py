@@ -198,11 +198,13 @@ def test_mlx_argv_and_env():
         },
     )
     prov = providers.for_profile(p)
+    # mlx-lm's server under the drain shim (mlx_drain.py): the profile's name, its DRAIN
     assert prov.argv(p) == [
         sys.executable,
         "-m",
-        "mlx_lm",
-        "server",
+        "macserve.services.providers.mlx_drain",
+        "a",
+        "60",
         "--model",
         "mlx-community/X-4bit",
         "--host",

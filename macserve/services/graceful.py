@@ -68,24 +68,37 @@ def run(name: str, provider, profile, argv: list[str], variables: dict[str, str]
     return 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell reports it
 
 
-def _stop(provider, profile, argv, child: subprocess.Popen, log) -> None:
+def wait_idle(busy, drain: float, name: str, log, alive=lambda: True) -> int | None:
+    """Wait, up to `drain` seconds, until `busy()` (generations in flight; None: cannot tell)
+    is 0, logging what the wait was and how it ended; the count left (0: none, cut: some).
+    The lines are the same for every server that drains (mlx_drain.py too)."""
     t0 = time.monotonic()
-    drain = drain_secs(profile.drain)
     deadline = t0 + drain
-    n = provider.busy(profile)
+    n = busy()
     if n:
         log(f"stop: waiting for {n} generation(s) in flight (up to DRAIN={drain:g}s)")
-        while n and time.monotonic() < deadline and child.poll() is None:
+        while n and time.monotonic() < deadline and alive():
             time.sleep(0.2)
-            n = provider.busy(profile)
+            n = busy()
         log(
             f"stop: {n} generation(s) still running after DRAIN={drain:g}s: cut (a longer "
-            f"one needs a larger DRAIN: macserve set {profile.name} -- DRAIN=...)"
+            f"one needs a larger DRAIN: macserve set {name} -- DRAIN=...)"
             if n
             else f"stop: generations finished after {time.monotonic() - t0:.1f}s"
         )
     elif n is None:
         log("stop: the server cannot say whether it is generating (no /slots): stopping now")
+    return n
+
+
+def _stop(provider, profile, argv, child: subprocess.Popen, log) -> None:
+    wait_idle(
+        lambda: provider.busy(profile),
+        drain_secs(profile.drain),
+        profile.name,
+        log,
+        alive=lambda: child.poll() is None,
+    )
     if child.poll() is None:
         try:
             provider.before_stop(profile, argv, log)

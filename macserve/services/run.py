@@ -4,7 +4,8 @@ It replaces itself with the server (os.execvpe, no shell, no wrapper process), s
 supervisor's pid is the server's pid, signals reach it directly and its exit code is the
 service's exit code; except for a server with no graceful stop of its own (llama-server,
 `provider.drains`): that one runs as this process's child, and this process drains it before
-it signals it (graceful.py). Before that:
+it signals it (graceful.py). (mlx_lm.server has none either; its argv runs it under
+providers/mlx_drain.py, which drains it in its own process, so it is exec'd too.) Before that:
 
 - secrets (NAME.secrets, 0600) go into the server's environment, never its argv;
 - under a supervisor (MACSERVE_SUPERVISED), a respawn soon after the previous start waits first,

@@ -1,7 +1,8 @@
 """mlx-lm's `mlx_lm.server`: MLX / safetensors models on Apple silicon.
 
-Run as `python -m mlx_lm server` with the same interpreter as macserve (the `python -m
-mlx_lm.server` form is deprecated). Its `/health` answers 200 while the model is still loading
+Its flags are `python -m mlx_lm server`'s, with the same interpreter as macserve (the `python
+-m mlx_lm.server` form is deprecated); one host runs it under `mlx_drain.py`, which gives a
+planned stop's generations up to DRAIN (mlx-lm's server has no drain of its own). Its `/health` answers 200 while the model is still loading
 in a background thread, so readiness is a real one-token completion. It has no context-size
 flag: the KV cache grows with each request.
 
@@ -33,12 +34,14 @@ from ...errors import MacserveError
 from ...sizing import sources
 from .. import preflight
 from ..profiles import Profile, local_model_path
+from ..values import drain_secs
 from .base import BaseProvider, base_url
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
 SPLIT_SHIM = "macserve.engine.pipeline"
 LAUNCH_SHIM = "macserve.services.providers.mlx_launch"
+DRAIN_SHIM = "macserve.services.providers.mlx_drain"
 _HF_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -64,7 +67,10 @@ class MlxLm(BaseProvider):
     def argv(self, profile: Profile) -> list[str]:
         argv = super().argv(profile)
         if not profile.multi_host:
-            return argv
+            # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which
+            # gives a planned stop's generations in flight up to DRAIN (mlx_drain.py)
+            drain = f"{drain_secs(profile.drain):g}"
+            return [argv[0], "-m", DRAIN_SHIM, profile.name, drain, *argv[4:]]
         if profile.sharding == "pipeline":
             argv.append("--pipeline")
         rest = argv[1:]

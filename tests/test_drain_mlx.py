@@ -1,0 +1,176 @@
+"""DRAIN for mlx_lm.server profiles (issue 26 item 6), end to end: real supervisord, real
+mlx_lm.server under the drain shim (services/providers/mlx_drain.py), the demo model, a real
+stream, the stops a user makes (`restart`, `stop`).
+
+mlx_lm.server alone dies on SIGTERM at once. Under the shim the same long stream is ended
+with an error event (not a dropped connection) when DRAIN is shorter than it, and finishes
+under the default DRAIN, while a request that arrives during the drain gets a 503 in the
+shared error format; supervisord's SIGKILL never comes. How long the stream runs here is
+measured first (the same request, not streamed), so the short DRAIN is a quarter of it on
+whatever machine runs this."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+
+from macserve.services import values
+from macserve.services.supervisors.supervisord import SupervisorBackend
+
+from .fixtures import cli, free_port, status
+
+N = 600  # tokens: the demo model's context (1,024) holds them and the prompt
+
+
+def _body(model) -> dict:
+    # mlx_lm.server has no ignore_eos: its logit_bias keeps the end-of-sequence tokens out, so
+    # the answer runs to max_tokens
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    eos = eos if isinstance(eos, list) else [eos]
+    return {
+        "model": "default_model",
+        "messages": [{"role": "user", "content": "Recite the longest poem you know."}],
+        "max_tokens": N,
+        "temperature": 0,
+        "logit_bias": {str(t): -100 for t in eos},
+    }
+
+
+def _wait_for(path, offset, text, deadline_s=120.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if text in path.read_text()[offset:]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _stream_with_stop(port, body, stop, log, probe=False) -> dict:
+    """Stream `body`; after its fifth chunk call `stop` (a planned stop of the service) while it
+    runs. With `probe`, once the log says the drain waits, send a new request. What the
+    clients saw."""
+    seen = {"chunks": 0, "finish": None, "error_event": None, "done": False, "dropped": None}
+    at = len(log.read_text())
+    out = {}
+
+    def refused():
+        if _wait_for(log, at, "stop: waiting for 1 generation(s) in flight"):
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={**body, "max_tokens": 2},
+                timeout=60,
+            )
+            out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
+
+    threads = [threading.Thread(target=stop)]
+    if probe:
+        threads.append(threading.Thread(target=refused))
+    try:
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={**body, "stream": True},
+            timeout=httpx.Timeout(120, connect=10),
+        ) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    seen["done"] = True
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    seen["error_event"] = event["error"]
+                    continue
+                seen["chunks"] += 1
+                if seen["chunks"] == 5:
+                    for t in threads:
+                        t.start()
+                choices = event.get("choices") or [{}]
+                seen["finish"] = choices[0].get("finish_reason") or seen["finish"]
+    except httpx.HTTPError as e:  # the connection dropped under the stream
+        seen["dropped"] = type(e).__name__
+    for t in threads:
+        t.join(300)
+        assert not t.is_alive()
+    seen.update(probe=out.get("probe"))
+    return seen
+
+
+def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
+    tiny_mlx_f32, services, macserve_home
+):
+    port = free_port()
+    r = cli("new", str(tiny_mlx_f32), "--name", "tiny", "--provider", "mlx", "--port", str(port))
+    assert r.returncode == 0, r.stderr
+    services.append(status("tiny")["pid"])
+    log = macserve_home / "logs" / "tiny.log"
+    program = macserve_home / "supervisor" / "programs" / "tiny.conf"
+    sv_log = macserve_home / "supervisor" / "supervisord.log"
+    body = _body(tiny_mlx_f32)
+
+    # the stream's length on this machine: the same request, answered whole
+    t0 = time.monotonic()
+    timed = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
+    gen_s = time.monotonic() - t0
+    assert timed.json()["usage"]["completion_tokens"] == N, timed.text[:500]
+    short = max(0.5, round(gen_s / 4, 1))
+
+    # short DRAIN, a restart: the stream is ended with an error event when DRAIN ends. The
+    # stops are supervisord's own (what `macserve restart` and `stop` ask it for), from this
+    # process: the CLI's start-up would take a varying part of the stream before the SIGTERM
+    sv = SupervisorBackend(macserve_home)
+    r = cli("set", "tiny", "--", f"DRAIN={short:g}")
+    assert r.returncode == 0, r.stderr
+    services.append(status("tiny")["pid"])
+    assert f"stopwaitsecs={values.stop_wait(short)}\n" in program.read_text()
+    at, sv_at = len(log.read_text()), len(sv_log.read_text())
+    # beside the stream, the same request not streamed: it is still running at the cut too
+    whole = {}
+
+    def answered_whole():
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=300)
+        whole.update(status=r.status_code, body=r.json())
+
+    beside = threading.Thread(target=answered_whole)
+    beside.start()
+    assert _wait_for(log, at, "Prompt processing progress")  # mlx-lm has it in hand
+    seen = _stream_with_stop(port, body, lambda: sv.restart("tiny"), log)
+    beside.join(300)
+    text = log.read_text()[at:]
+    assert seen["chunks"] >= 5 and seen["finish"] is None, seen  # it did not run to its end
+    assert seen["dropped"] is None and seen["done"], seen  # it ended, not dropped
+    assert seen["error_event"]["type"] == "unavailable_error", seen
+    assert f"DRAIN={short:g}s" in seen["error_event"]["message"], seen
+    # the completion not yet answered gets a 503 in the shared format, not a bare close
+    assert whole["status"] == 503, whole
+    assert whole["body"]["error"]["type"] == "unavailable_error", whole
+    assert f"DRAIN={short:g}s" in whole["body"]["error"]["message"], whole
+    assert "stop: waiting for 2 generation(s) in flight" in text, text[-3000:]
+    assert f"stop: 2 generation(s) still running after DRAIN={short:g}s: cut" in text
+    assert "stop: ended 2 cut generation(s) with an error" in text
+    assert "SIGKILL" not in sv_log.read_text()[sv_at:]
+    services.append(status("tiny")["pid"])
+
+    # the default DRAIN (60 s), a stop: the stream finishes, a new request meanwhile
+    # gets a 503, and the service exits on its own
+    r = cli("set", "tiny", "--", "DRAIN=")
+    assert r.returncode == 0, r.stderr
+    services.append(status("tiny")["pid"])
+    assert f"stopwaitsecs={values.stop_wait(None)}\n" in program.read_text()
+    at, sv_at = len(log.read_text()), len(sv_log.read_text())
+    seen = _stream_with_stop(port, body, lambda: sv.stop("tiny"), log, probe=True)
+    text = log.read_text()[at:]
+    assert seen["finish"] == "length" and seen["done"], seen
+    assert seen["dropped"] is None and seen["error_event"] is None, seen
+    code, retry_after, answer = seen["probe"]
+    assert (code, retry_after) == (503, "1"), seen["probe"]
+    assert answer["error"]["type"] == "unavailable_error", answer
+    m = re.search(r"stop: generations finished after ([0-9.]+)s", text)
+    assert m, text[-3000:]
+    assert float(m.group(1)) > short, (m.group(1), short)  # longer than the DRAIN that cut it
+    assert "still running after" not in text
+    said = sv_log.read_text()[sv_at:]
+    assert "stopped: macserve-tiny (exit status 0)" in said and "SIGKILL" not in said, said
+    assert status("tiny")["state"] == "stopped"
