@@ -16,6 +16,7 @@ import click
 from ..dev.tiny import data as tiny_data
 from ..engine import gate
 from ..engine.bench import dsa as dsa_bench
+from ..engine.bench import generation as gen_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
 from ..engine.bench import serve as serve_bench
@@ -82,7 +83,7 @@ def bench_kv(
             gen_max_tokens=gen_max_tokens,
             eos=b.eos_ids,
         )
-    except ValueError as e:  # prompts + generation longer than the model's context
+    except gen_bench.TooLong as e:
         raise MacserveError(f"--gen-prompt-tokens/--gen-max-tokens: {e}") from None
     if as_json:
         click.echo(json.dumps(table, indent=1))

@@ -34,7 +34,8 @@ KV_SETS = ("all", "gate", "windows")  # engine/bench/kv.py's SETS, not imported:
     default="all",
     show_default=True,
     help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
-    "calibration's per-layer plan; windows: the served cache at sink 64/128 x recent 256/512",
+    "calibration's per-layer plan; windows: the served cache at sink 64/128 x recent 256/512 "
+    "and with no codes (a control)",
 )
 @click.option(
     "--gen-prompts",

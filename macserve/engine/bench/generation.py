@@ -21,6 +21,10 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 
+class TooLong(ValueError):
+    """Prompt + generation would run past the model's context."""
+
+
 def generate(model, caches, prompt: Sequence[int], max_tokens: int, eos, chunk: int = 64):
     """Greedy tokens after `prompt` (prefilled through `caches` in chunks, as serve does), up
     to `max_tokens`, stopping after the first token in `eos`."""
@@ -77,7 +81,7 @@ def run(
     limit = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     longest = max(len(p) for p in prompts) + max_tokens
     if limit and longest > limit:
-        raise ValueError(
+        raise TooLong(
             f"prompts of up to {longest - max_tokens} tokens + {max_tokens} generated exceed the "
             f"model's context ({limit})"
         )

@@ -6,7 +6,9 @@ afterwards). With a calibration whose gate chose a format per layer, the "gated"
 that plan as serve builds it; every variant's per-layer functional error on the held-out text
 is measured from its real caches (stored_error.py) and set against the gate's target. Speed is decode tokens/s with the cache pre-filled to each context length,
 as a ratio to the bf16 latent cache (the same class with quantization off) timed in the
-same process, variant and baseline interleaved.
+same process, variant and baseline interleaved. Free greedy generations from held-out prompts,
+against bf16's, are generation.py's (what teacher forcing cannot see: a flipped argmax that
+sends a long generation elsewhere); `--variants windows` sets the window sizes against them.
 """
 
 from __future__ import annotations
