@@ -230,11 +230,13 @@ def test_bench_kv_gate_rows_on_the_hard_case(hard):
     everywhere. Bounds with margin: measured 0.47 / 0.018 against 0.02 (docs/int2-latent-cache.md)."""
     args = ["bench", "kv", str(hard), "--variants", "gate", "--windows", "1"]
     args += ["--gen-tokens", "4", "--contexts", "512", "--json"]
+    args += ["--gen-prompts", "1", "--gen-prompt-tokens", "64", "--gen-max-tokens", "4"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     table = json.loads(r.stdout[r.stdout.index("[") :])
     rows = {row["variant"].split(" ")[0]: row for row in table}
     assert set(rows) == {"bf16", "int2", "int4", "gated"} and len(table) == 4
+    assert all(1 <= row["gen_length"] <= 4 for row in table)  # every row generated
     target = rows["gated"]["target"]
     plan = read_plan(hard / SHIPPED_ROTATION)
     assert target == plan.target

@@ -56,6 +56,12 @@ def test_bench_kv_json_rows(tmp_path):
             "4",
             "--contexts",
             "512",
+            "--gen-prompts",
+            "1",
+            "--gen-prompt-tokens",
+            "64",
+            "--gen-max-tokens",
+            "4",
             "--json",
         ],
     )
@@ -63,6 +69,8 @@ def test_bench_kv_json_rows(tmp_path):
     rows = json.loads(r.stdout[r.stdout.index("[") :])
     assert all(set(row) >= KV_KEYS for row in rows)
     assert [row["variant"] for row in rows if row["default"]] == ["int2 upproj"]
+    # free generation: bf16 and the default row only in the full set (it is long)
+    assert [row["variant"] for row in rows if "gen_length" in row] == ["bf16 latent", "int2 upproj"]
     assert {row["windows"] for row in rows} == {True, False}
     bf16 = rows[0]
     assert bf16["variant"] == "bf16 latent" and bf16["kl"] == 0.0

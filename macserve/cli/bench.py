@@ -16,6 +16,7 @@ import click
 from ..dev.tiny import data as tiny_data
 from ..engine import gate
 from ..engine.bench import dsa as dsa_bench
+from ..engine.bench import generation as gen_bench
 from ..engine.bench import kv as kv_bench
 from ..engine.bench import mtp as mtp_bench
 from ..engine.bench import serve as serve_bench
@@ -26,10 +27,23 @@ from ..engine.model import load
 from ..engine.mtp_auto import describe
 from ..errors import MacserveError
 from ..int2_format import INT2
-from .engine import held_out_prompts, load_mla, progress_bar, text_windows
+from .engine import held_out_chats, held_out_prompts, load_mla, progress_bar, text_windows
 
 
-def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, which, as_json):
+def bench_kv(
+    model,
+    rotation,
+    data,
+    windows,
+    seq_len,
+    gen_tokens,
+    contexts,
+    which,
+    gen_prompts,
+    gen_prompt_tokens,
+    gen_max_tokens,
+    as_json,
+):
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
     rotation = rotation or shipped_rotation(model)
@@ -54,15 +68,23 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, whic
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
         raise MacserveError(f"--contexts: comma-separated integers, not {contexts!r}") from None
-    table = kv_bench.rows(
-        m,
-        cal,
-        ws,
-        contexts=ctxs,
-        gen_tokens=gen_tokens,
-        progress=progress_bar("evaluating"),
-        which=which,
-    )
+    prompts = held_out_chats(tok, data, gen_prompts, gen_prompt_tokens) if gen_prompts else []
+    try:
+        table = kv_bench.rows(
+            m,
+            cal,
+            ws,
+            contexts=ctxs,
+            gen_tokens=gen_tokens,
+            progress=progress_bar("evaluating"),
+            gen_progress=progress_bar("generating"),
+            which=which,
+            gen_prompts=prompts,
+            gen_max_tokens=gen_max_tokens,
+            eos=b.eos_ids,
+        )
+    except gen_bench.TooLong as e:
+        raise MacserveError(f"--gen-prompt-tokens/--gen-max-tokens: {e}") from None
     if as_json:
         click.echo(json.dumps(table, indent=1))
         return
@@ -80,6 +102,23 @@ def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, whic
             f"{r['delta_ppl_pct']:>7.2f} {r['kl']:>8.4f} {r['top1_agreement']:>6.3f} "
             f"{r['greedy_agreement']:>6.3f} {r['max_layer_error']:>8.4f}{ok:<3} "
             f"{r['decode_speed_ratio']:>5.2f}x"
+        )
+    if "gen_length" in table[0]:
+        click.echo(
+            f"free generation, {table[0]['gen_prompts']} held-out chat prompts of "
+            f"{gen_prompt_tokens} tokens, greedy, up to {gen_max_tokens} tokens:"
+        )
+        click.echo(
+            f"  {'variant':<36} {'first diverge':>13} {'identical':>9} {'length':>7} {'EOT':>5}"
+        )
+        for r in (r for r in table if "gen_length" in r):
+            click.echo(
+                f"  {r['variant']:<36} {r['gen_first_divergence']:>13.0f} "
+                f"{r['gen_identical']:>9.2f} {r['gen_length']:>7.1f} {r['gen_end_of_turn']:>5.2f}"
+            )
+        click.echo(
+            "  first diverge: median first position differing from bf16's generation "
+            "(an identical one counts as its length); EOT: share ended by end of turn"
         )
     if table[0]["target"] is not None:
         click.echo(

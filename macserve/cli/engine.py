@@ -70,6 +70,33 @@ def held_out_prompts(tok, n, prompt_tokens):
     return [ids[s : s + prompt_tokens] for s in range(0, stride * n, stride)][:n]
 
 
+def held_out_chats(tok, data, n, prompt_tokens):
+    """Chat prompts: consecutive blocks of the text (--data, else the demo model's held-out
+    plays: its speeches) as alternating user and assistant messages in the model's chat
+    template, ending where the assistant's turn opens; the last `prompt_tokens` tokens of each
+    (the first turn cut short), from `n` places spread over the text."""
+    if data is not None:
+        text = Path(data).read_text(encoding="utf-8", errors="replace")
+    else:
+        _, held = tiny_data.split(tiny_data.load_plays())
+        text = "\n\n".join(p.text for p in held)
+    blocks = tiny_data.speeches(text)
+    stride = len(blocks) // max(1, n)
+    out = []
+    for i in range(0, stride * n, stride or 1):
+        msgs, ids = [], []
+        for j, b in enumerate(blocks[i:]):
+            msgs.append({"role": "assistant" if j % 2 else "user", "content": b})
+            if j % 2 == 0:  # a user turn last: the assistant answers it
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                if len(ids) >= prompt_tokens:
+                    break
+        if len(ids) < prompt_tokens:
+            raise MacserveError(f"the text is too short for {n} prompts of {prompt_tokens} tokens")
+        out.append(list(ids[-prompt_tokens:]))
+    return out
+
+
 def calibrate(model, out, data, windows, seq_len, target, report, as_json):
     b = load_mla(model)
     ws = text_windows(b.tokenizer, data, windows, seq_len, held_out=False)

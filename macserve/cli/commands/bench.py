@@ -7,7 +7,7 @@ import click
 from ..lazy import runs
 
 _BODY = "macserve.cli.bench:"
-KV_SETS = ("all", "gate")  # engine/bench/kv.py's SETS, not imported: it loads mlx
+KV_SETS = ("all", "gate", "windows")  # engine/bench/kv.py's SETS, not imported: it loads mlx
 
 
 @click.command("kv")
@@ -34,11 +34,35 @@ KV_SETS = ("all", "gate")  # engine/bench/kv.py's SETS, not imported: it loads m
     default="all",
     show_default=True,
     help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
-    "calibration's per-layer plan",
+    "calibration's per-layer plan; windows: the served cache at sink 64/128 x recent 256/512 "
+    "and with no codes (a control)",
 )
+@click.option(
+    "--gen-prompts",
+    type=click.IntRange(0),
+    default=4,
+    show_default=True,
+    help="held-out chat prompts each cache generates from freely (greedy, until end of turn "
+    "or --gen-max-tokens), set against bf16's generation; 0 skips",
+)
+@click.option("--gen-prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--gen-max-tokens", type=click.IntRange(1), default=700, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @runs(_BODY + "bench_kv")
-def bench_kv(model, rotation, data, windows, seq_len, gen_tokens, contexts, which, as_json):
+def bench_kv(
+    model,
+    rotation,
+    data,
+    windows,
+    seq_len,
+    gen_tokens,
+    contexts,
+    which,
+    gen_prompts,
+    gen_prompt_tokens,
+    gen_max_tokens,
+    as_json,
+):
     """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
 
 

@@ -6,7 +6,9 @@ afterwards). With a calibration whose gate chose a format per layer, the "gated"
 that plan as serve builds it; every variant's per-layer functional error on the held-out text
 is measured from its real caches (stored_error.py) and set against the gate's target. Speed is decode tokens/s with the cache pre-filled to each context length,
 as a ratio to the bf16 latent cache (the same class with quantization off) timed in the
-same process, variant and baseline interleaved.
+same process, variant and baseline interleaved. Free greedy generations from held-out prompts,
+against bf16's, are generation.py's (what teacher forcing cannot see: a flipped argmax that
+sends a long generation elsewhere); `--variants windows` sets the window sizes against them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mlx_lm.models.cache import CacheList
 from ...int2_format import BF16_LATENT as BF16
 from ...int2_format import INT2, LatentQuant
 from ..calibration import DEFAULT_METHOD, METHODS, Calibration, caches_for
+from . import generation
 from .stored_error import StoredError
 
 NO_WINDOWS = dict(sink=0, recent=0)
@@ -51,7 +54,12 @@ class Variant:
 
 
 GATED = "gated (the calibration's plan)"
-SETS = ("all", "gate")  # `bench kv --variants`
+SETS = ("all", "gate", "windows")  # `bench kv --variants`
+WINDOWS = [(sink, recent) for sink in (64, 128) for recent in (256, 512)]  # --variants windows
+# The windows set's control: a window longer than any context here, so no token becomes a code.
+# What it diverges from bf16 by (the rotation, rows rounded to bf16 in the rotated basis), no
+# window setting can remove: a greedy near-tie flips on it as on the codes.
+NO_CODES = 1 << 20
 
 
 def gate_variants(calibration: Calibration) -> list[Variant]:
@@ -62,6 +70,22 @@ def gate_variants(calibration: Calibration) -> list[Variant]:
         Variant(f"int4 {m} (uniform)", replace(INT2, bits=4), m),
         Variant(GATED, INT2, "gate", default=True),
     ]
+
+
+def window_variants(calibration: Calibration) -> list[Variant]:
+    """The cache that `--kv int2` serves from this file (the plan if it has one, else its default
+    method at INT2), at each sink/recent window setting of WINDOWS, then with no codes."""
+    m = calibration.default_method
+    label = GATED.split(" (")[0] if m == "gate" else f"int2 {m}"
+    return [
+        Variant(
+            f"{label} sink {sink} recent {recent}",
+            replace(INT2, sink=sink, recent=recent),
+            m,
+            default=(sink, recent) == (INT2.sink, INT2.recent),
+        )
+        for sink, recent in WINDOWS
+    ] + [Variant(f"{label} no codes (control)", replace(INT2, recent=NO_CODES), m)]
 
 
 def variants(default_method: str = DEFAULT_METHOD, gated: bool = False) -> list[Variant]:
@@ -247,12 +271,18 @@ def rows(
     chunk=64,
     gen_tokens=256,
     progress=None,
+    gen_progress=None,
     speed_steps=16,
     which: str = "all",
+    gen_prompts: list[list[int]] = (),
+    gen_max_tokens: int = 700,
+    eos=frozenset(),
 ) -> list[dict]:
-    """The table: bf16 first, then the variants of set `which` ("all", or "gate": uniform
-    INT2 and INT4 against the calibration's plan), each with its measured per-layer error,
-    the worst layer's, and whether that is within the gate's target."""
+    """The table: bf16 first, then the variants of set `which` ("all"; "gate": uniform INT2
+    and INT4 against the calibration's plan; "windows": the served cache at each window
+    setting), each with its measured per-layer error, the worst layer's, and whether that is
+    within the gate's target; and with `gen_prompts`, the free-generation columns
+    (generation.py) of bf16 and of every variant ("all": of the default and gated ones)."""
     attn = model.layers[0].self_attn
     rank, rope = attn.kv_lora_rank, attn.qk_rope_head_dim
     default = calibration.meta.get("default", DEFAULT_METHOD)
@@ -261,8 +291,19 @@ def rows(
         if not gated:
             raise ValueError("the calibration has no gate plan (make one with macserve calibrate)")
         vs = gate_variants(calibration)
+    elif which == "windows":
+        vs = window_variants(calibration)
     else:
         vs = variants(default, gated)
+    gen = {}
+    if gen_prompts:
+        gen_vs = [v for v in vs if which != "all" or v.default or v.method == "gate"]
+        makers = {"bf16": lambda: caches_for(model, BF16)}
+        for v in gen_vs:
+            makers[v.name] = lambda v=v: caches_for(model, v.quant, calibration, v.method)
+        gen = generation.run(
+            model, makers, list(gen_prompts), gen_max_tokens, eos, progress=gen_progress
+        )
     q = quality(
         model, vs, windows, calibration, chunk=chunk, gen_tokens=gen_tokens, progress=progress
     )
@@ -289,6 +330,9 @@ def rows(
             "within_target": True,
             "decode_speed_ratio": 1.0,
             "decode_tokens_per_s": speed["bf16"],
+            "sink": None,
+            "recent": None,
+            **gen.get("bf16", {}),
         }
     ]
     for v in vs:
@@ -305,6 +349,9 @@ def rows(
                 "within_target": None if target is None else worst <= target,
                 "decode_speed_ratio": speed[v.speed_key][longest] / speed["bf16"][longest],
                 "decode_tokens_per_s": speed[v.speed_key],
+                "sink": v.quant.sink,
+                "recent": v.quant.recent,
+                **gen.get(v.name, {}),
             }
         )
     return table
