@@ -39,7 +39,7 @@ class LatentQuant:
     group_size: int = 64
     rope_bits: int | None = 8
     sink: int = 64
-    recent: int = 256
+    recent: int = 512  # chosen on generations: docs/int2-latent-cache.md, "Windows"
     slack: int = 16  # extra bf16 rows kept so `trim` (rejected drafts) restores exactly
     row_quantile: float | None = None  # clip each row at this quantile of |u| instead of `clip`
     index_bits: int | None = 8  # DSA models' indexer key; bf16 when bits is None
@@ -74,7 +74,7 @@ class LatentQuant:
         return quantized_row_bytes(dims, bits, self.group_size)
 
 
-INT2 = LatentQuant()  # the shipped format: 2-bit latent, 8-bit rope, 64 sink + 256 recent
+INT2 = LatentQuant()  # the shipped format: 2-bit latent, 8-bit rope, 64 sink + 512 recent
 BF16_LATENT = LatentQuant(bits=None)  # the baseline it is measured against
 
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from macserve.cli import main
 from macserve.engine.caches import CacheSpec, cache_bytes, formats, latent_caches
 from macserve.engine.calibration import Calibration
-from macserve.engine.latent_cache import RotatedLatentCache, dequantize, unpack
+from macserve.engine.latent_cache import CODE_STEP, RotatedLatentCache, dequantize, unpack
 from macserve.engine.model import load
 from macserve.errors import MacserveError
 from macserve.int2_format import INT2, SHIPPED_ROTATION, format_quant, read_plan
@@ -136,13 +136,16 @@ def test_caches_follow_the_plan_and_inspect_counts_their_bytes(which, request):
     assert rep["int2_plan"] == f"{SHIPPED_ROTATION}: {plan.summary()}"
     per_token = rep["kv_bytes_per_token"]["macserve/int2"]
     state = rep["state_bytes_per_sequence"]["macserve/int2"]
-    # Allocated bytes, from the real cache objects after a prefill: code rows grow in blocks
-    # of 256, so two prefills 256 tokens apart differ by exactly 256 rows of every layer.
-    a, b = 320 + 256, 320 + 512
+    # Allocated bytes, from the real cache objects after a prefill. Code rows grow in blocks
+    # of CODE_STEP (256): a prefill whose code rows fill one block exactly (832 = sink 64 +
+    # recent 512 + 256) and one whose 424 code rows take two blocks (1,000, within the demo's
+    # 1,024-token context) differ by exactly one block of every layer's rows.
+    a = INT2.window_tokens() + CODE_STEP
+    b = 1000
     held = {n: sum(cache_bytes(c) for c in _prefilled(bundle, spec, n)) for n in (a, b)}
-    assert (held[b] - held[a]) / (b - a) == per_token
+    assert held[b] - held[a] == CODE_STEP * per_token
     # and the rest is the bf16 sink + recent + slack rows inspect counts per sequence (every
-    # layer of both plans is quantized: each holds its codes from token 320 on)
+    # layer of both plans is quantized: each holds its codes from token 576 on)
     assert held[a] == per_token * (a - INT2.window_tokens()) + state
     # what the uniform INT2 count would have said differs where the plan is not INT2 g64
     uniform = 4 * INT2.row_bytes(128, 32)
@@ -180,14 +183,16 @@ def test_a_bf16_layer_in_a_plan_is_bf16_in_the_cache_and_in_inspect(demo, tmp_pa
     cal.save(folder / SHIPPED_ROTATION)
     bundle = load(folder)
     spec = CacheSpec.for_model(folder, "int2")
-    caches = _prefilled(bundle, spec, 576)
+    n = INT2.window_tokens() + 256  # 832: every quantized layer holds 256 code rows
+    caches = _prefilled(bundle, spec, n)
     lat = latent_caches(caches)
     assert formats(caches)[2] == "bf16" and lat[2].rotation is None
-    assert lat[2].codes_lat.length == 0 and lat[2].win_lat.length == 576
+    assert lat[2].codes_lat.length == 0 and lat[2].win_lat.length == n
+    assert lat[0].codes_lat.length == 256
     rep = _inspect(folder)
     assert "1 bf16" in rep["int2_plan"]
     held = sum(cache_bytes(c) for c in caches)
-    rows = {i: 576 - INT2.window_tokens() for i in range(4)} | {2: 576}
+    rows = {i: n - INT2.window_tokens() for i in range(4)} | {2: n}
     quants = read_plan(folder / SHIPPED_ROTATION).quants()
     want = sum(quants[i].row_bytes(128, 32) * rows[i] for i in range(4))
     want += 3 * INT2.bf16_rows() * 2 * (128 + 32)

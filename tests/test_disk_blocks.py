@@ -13,6 +13,7 @@ import pytest
 
 from macserve.engine.caches import CacheSpec, EngineOptions, clone
 from macserve.engine.mtp_decode import MTPDecoder
+from macserve.int2_format import INT2
 from macserve.server import scheduler
 from macserve.server.disk_cache import DiskTier, identity
 from macserve.server.prompt_cache import PromptCache
@@ -21,6 +22,10 @@ from .conftest import TINY_MODEL
 from .fixtures import prompt_ids
 
 N = 64  # small blocks, so a demo-sized prompt makes a chain of several
+# The INT2 cache's blocks hold only its codes: a prompt needs more than the bf16 window
+# (sink 64 + recent 512) before it makes any, so the prompts below run to 760-900 tokens
+# (the demo's context is 1,024).
+W = INT2.recent
 
 
 def _tier(bundle, spec, root, mtp=False, max_bytes=2**30):
@@ -55,7 +60,7 @@ SYSTEM = "You are a careful assistant. Answer in verse, and cite the play and th
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    first = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
+    first = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 900)
     follow = first + prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 40)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
@@ -63,9 +68,9 @@ def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
     pc.insert(first, [clone(c) for c in cs])
     assert pc.disk.flush()
     st = pc.disk.stats()
-    # Whole blocks of the rows no later token changes: all 700 tokens' for bf16, the codes
-    # (not the last 256 tokens' bf16 window) for INT2.
-    assert st["blocks"] == (700 // N if kind == "bf16" else (700 - 256) // N) >= 6
+    # Whole blocks of the rows no later token changes: all 900 tokens' for bf16, the codes
+    # (not the last `recent` tokens' bf16 window) for INT2.
+    assert st["blocks"] == (900 // N if kind == "bf16" else (900 - W) // N) >= 6
     assert len(_files(pc.disk, "b")) == st["blocks"] and len(_files(pc.disk, "t")) == 1
     again = PromptCache(2**30, _tier(bundle, spec, tmp_path))  # a new process
     hit = again.fetch(follow)
@@ -78,7 +83,7 @@ def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
 def test_a_drafting_chain_keeps_its_mtp_rows(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 650)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 880)
     follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 40)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path, mtp=True))
     caches, mcache = bundle.caches(spec), dec.mtp_cache()
@@ -96,7 +101,7 @@ def test_a_drafting_chain_keeps_its_mtp_rows(bundle, tmp_path):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    system = prompt_ids(bundle, SYSTEM, 400)
+    system = prompt_ids(bundle, SYSTEM, 800)
     a = system + prompt_ids(bundle, "Who is Yorick? ", 60)
     b = system + prompt_ids(bundle, "Where is Elsinore? ", 70)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
@@ -105,12 +110,12 @@ def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
         bundle.model(mx.array([ids]), cache=cs)
         pc.insert(ids, cs)
     assert pc.disk.flush()
-    # Each one's whole blocks (INT2: of codes, the last 256 tokens being its window), those
-    # within the system prompt once: bf16 7 + 7 - 6 = 8 files, INT2 3 + 3 - 3 = 3.
-    window = 0 if kind == "bf16" else 256
+    # Each one's whole blocks (INT2: of codes, the last `recent` tokens being its window),
+    # those within the system prompt once: bf16 13 + 13 - 12 = 14 files, INT2 5 + 5 - 5 = 5.
+    window = 0 if kind == "bf16" else W
     na, nb = (len(a) - window) // N, (len(b) - window) // N
     shared = min(na, nb, len(system) // N)
-    assert len(_files(pc.disk, "b")) == na + nb - shared == (8 if kind == "bf16" else 3)
+    assert len(_files(pc.disk, "b")) == na + nb - shared == (14 if kind == "bf16" else 5)
     # A third chat with the same system prompt, after a restart: bf16, a's entry rolled
     # back; INT2 keeps the files shared but serves it nothing (as the memory tier would not):
     # its state at the system prompt's end needs a bf16 window no file has (disk_blocks.py).
@@ -134,7 +139,7 @@ def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_corrupt_middle_block_ends_the_chain_with_one_line(bundle, kind, tmp_path, caplog):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 640)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 880)
     more = ids + prompt_ids(bundle, "JULIET.\nO Romeo, Romeo! ", 30)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
@@ -167,7 +172,7 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     one = PromptCache(2**30, _tier(bundle, spec, tmp_path / "measure"))
     cs = bundle.caches(spec)
-    ids = prompt_ids(bundle, "MACBETH.\nTomorrow, and tomorrow, and tomorrow. ", 500)
+    ids = prompt_ids(bundle, "MACBETH.\nTomorrow, and tomorrow, and tomorrow. ", 760)
     bundle.model(mx.array([ids]), cache=cs)
     one.insert(ids, cs)
     one.disk.flush()
@@ -177,7 +182,7 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
     for i, play in enumerate(
         ["LEAR.\nNothing will come of nothing. ", "PUCK.\nLord, what fools! "] * 3
     ):
-        ids = prompt_ids(bundle, f"{i} {play}", 500)
+        ids = prompt_ids(bundle, f"{i} {play}", 760)
         cs = bundle.caches(spec)
         bundle.model(mx.array([ids]), cache=cs)
         pc.insert(ids, cs)
@@ -186,6 +191,7 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
         assert on_disk == pc.disk.stats()["bytes"] <= bound
     st = pc.disk.stats()
     assert st["entries"] == 2 and st["writes"] == 6
+    assert all(e.chain for e in pc.disk.entries.values())  # INT2 codes: blocks, not tails alone
     # What is left is whole: every entry's blocks are there.
     assert all(k in pc.disk.blocks for e in pc.disk.entries.values() for k in e.chain)
 
@@ -195,7 +201,7 @@ def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, ca
     EFBIG a full filesystem's ENOSPC takes) leaves no temp file and no entry, one log line;
     the memory tier still serves, and after a restart the request simply prefills."""
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = prompt_ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 640)
+    ids = prompt_ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 800)
     more = ids + prompt_ids(bundle, "MIRANDA.\nO brave new world! ", 30)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
@@ -233,7 +239,7 @@ def test_an_int2_chat_starts_from_another_chats_prefill_boundary(bundle, tmp_pat
     a cold run does."""
     monkeypatch.setattr(scheduler, "PREFILL_CHUNK", 256)  # the demo's 1,024-token context
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    system = prompt_ids(bundle, SYSTEM, 600)
+    system = prompt_ids(bundle, SYSTEM, 800)  # past the bf16 window: codes from 576 on
     a = system + prompt_ids(bundle, "Who is Yorick? ", 50)
     b = system + prompt_ids(bundle, "Where is Elsinore? ", 60)
 
@@ -250,11 +256,11 @@ def test_an_int2_chat_starts_from_another_chats_prefill_boundary(bundle, tmp_pat
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     assert serve(a, pc).cached_tokens == 0
     assert pc.disk.flush()
-    # Boundaries at 256 and 512 (a's prompt runs to 650); then its end-of-prompt and
-    # end-of-generation snapshots.
-    assert sorted(len(e.tokens) for e in pc.disk.entries.values())[:2] == [256, 512]
+    # Boundaries at 256, 512 and 768 (a's prompt runs to 850; only the last holds codes);
+    # then its end-of-prompt and end-of-generation snapshots.
+    assert sorted(len(e.tokens) for e in pc.disk.entries.values())[:3] == [256, 512, 768]
     warm = serve(b, PromptCache(2**30, _tier(bundle, spec, tmp_path)))  # a restart
-    assert warm.cached_tokens == 512
+    assert warm.cached_tokens == 768
     cold = serve(b, PromptCache(0))
     assert cold.cached_tokens == 0 and warm.tokens == cold.tokens and len(cold.tokens) == 16
 

@@ -39,7 +39,9 @@ def _tier(bundle, spec, root, mtp=False, ident=None):
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_an_entry_survives_a_restart_and_gives_a_cold_prefills_logits(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
+    # 700 tokens: past the INT2 cache's bf16 rows (sink 64 + recent 512), so it holds codes
+    # (fewer than a 256-token block's: the entry is one file)
+    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
     more = prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
@@ -64,7 +66,7 @@ def test_an_entry_survives_a_restart_and_gives_a_cold_prefills_logits(bundle, ki
 def test_a_drafting_entry_keeps_its_mtp_rows_on_disk(bundle, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 700)
     follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path, mtp=True))
     caches, mcache = bundle.caches(spec), dec.mtp_cache()
@@ -88,7 +90,7 @@ def test_a_drafting_entry_keeps_its_mtp_rows_on_disk(bundle, tmp_path):
 
 def test_foreign_and_corrupt_files_are_skipped_with_one_line(bundle, tmp_path, caplog):
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 300)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 700)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     cs = bundle.caches(spec)
     _feed(bundle, cs, ids)

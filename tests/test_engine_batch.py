@@ -9,12 +9,13 @@ import pytest
 
 from macserve.engine.batch import SequenceBatch
 from macserve.engine.caches import CacheSpec, cache_bytes, clone
+from macserve.int2_format import INT2
 
 from .conftest import TINY_MODEL
 
 
 def _prompt(b, text, n):
-    return b.tokenizer.encode(text * 20, add_special_tokens=False)[:n]
+    return b.tokenizer.encode(text * 40, add_special_tokens=False)[:n]
 
 
 def _prefill(b, cs, ids):
@@ -27,7 +28,7 @@ def _prefill(b, cs, ids):
 def test_sequences_decoded_together_equal_each_alone(bundle, kind):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
     prompts = [
-        _prompt(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 400),
+        _prompt(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700),
         _prompt(bundle, "ROMEO.\nBut soft, what light? ", 37),
     ]
     alone = []
@@ -48,7 +49,7 @@ def test_sequences_decoded_together_equal_each_alone(bundle, kind):
             np.testing.assert_allclose(np.array(logits[s]), alone[s][step], rtol=1e-4, atol=1e-4)
         toks = [int(t) for t in mx.argmax(logits, axis=-1)]
     assert [cs[0].offset for cs in per_seq] == [len(p) + 6 for p in prompts]
-    assert len(prompts[0]) > 320  # the INT2 cache has codes, not only its windows
+    assert len(prompts[0]) > INT2.window_tokens()  # the INT2 cache has codes, not only windows
 
 
 def _values(caches):

@@ -219,9 +219,9 @@ STATE = {  # bytes per sequence that do not grow with context
     # Kimi Delta: 3 convs of 64 x 128 x 3 (bf16) + a 64 x 128 x 128 fp32 state.
     ("zai-org__GLM-5.3-Flash.RECONSTRUCTED", "mlx/bf16"): 34
     * (3 * 8192 * 3 * 2 + 64 * 128 * 128 * 4),
-    # INT2: the first 64 and last 256 tokens, and 16 rows of trim slack, also in bf16
+    # INT2: the first 64 and last 512 tokens, and 16 rows of trim slack, also in bf16
     # (576 x 2 B) on each MLA layer: what the engine's allocator holds (bench engine).
-    ("deepseek-ai__DeepSeek-V3", "macserve/int2"): 61 * 336 * 1152,
+    ("deepseek-ai__DeepSeek-V3", "macserve/int2"): 61 * 592 * 1152,
     ("deepseek-ai__DeepSeek-V3", "llama.cpp/f16"): 0,
     # DeepSeek-V4 in llama.cpp: a 768-cell K window on all 43 layers, f32 compressor states
     # (CSA 2 x 8 x 1024, HCA 2 x 128 x 512, indexer 2 x 8 x 256 floats).

@@ -27,7 +27,8 @@ def _feed(b, caches, ids) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["bf16", "int2"])
 def test_a_reused_prefix_gives_the_logits_of_a_cold_prefill(bundle, kind):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
-    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 420)
+    # 700 tokens: past the INT2 cache's bf16 windows (64 + 512), so its entry holds codes
+    base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
     more = prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
     pc = PromptCache(2**30)
     cs = bundle.caches(spec)
@@ -53,15 +54,16 @@ def test_int2_rollbacks_are_exact_or_not_taken(bundle):
     """An INT2 entry rolls back only within its bf16 window: a request that shares less than
     that with the only entry gets nothing, and one within reach gets an exact rollback."""
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 500)
+    ids = prompt_ids(bundle, "ROMEO.\nBut soft, what light through yonder window breaks? ", 800)
     cs = bundle.caches(spec)
     _feed(bundle, cs, ids)
+    assert cs[0].codes_lat.length > 0  # 800 tokens: codes past the 64 + 512 bf16 rows
     reach = trimmable(cs[0])
-    assert 0 < reach < 200  # after a prefill chunk the window holds a little more than 256
+    assert 0 < reach < 200  # after a prefill chunk the window holds a little more than 512
     pc = PromptCache(2**30)
     pc.insert(ids, cs)
     other = prompt_ids(bundle, "JULIET.\nO Romeo, Romeo, wherefore art thou Romeo? ", 40)
-    assert pc.fetch(ids[:250] + other) is None  # 250 tokens back: out of reach
+    assert pc.fetch(ids[: len(ids) - 250] + other) is None  # 250 tokens back: out of reach
     keep = len(ids) - reach
     hit = pc.fetch(ids[:keep] + other)
     assert hit is not None and hit.cached == keep
@@ -81,7 +83,7 @@ def test_a_drafting_request_reuses_the_mtp_rows_too(bundle, kind):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
     mtp = bundle.mtp()
     dec = MTPDecoder(bundle.model, mtp, k=1, mtp_cache=bundle.mtp_cache_factory(spec))
-    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 330)
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 700)
     follow = first + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 50)
     pc = PromptCache(2**30)
     caches, mcache = bundle.caches(spec), dec.mtp_cache()

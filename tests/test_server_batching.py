@@ -226,14 +226,16 @@ def test_int2_and_drafting_with_the_prompt_cache(tmp_path):
     its MTP rows (one token less: re-fed); a rollback past the INT2 window gives nothing;
     concurrent requests are all answered."""
     with serve(tmp_path, "--ctx", "1024", "--kv", "int2", "--mtp", "on", "--mtp-k", "1") as s:
-        p, q, r = _ids(0, 400), _ids(3, 20), _ids(5, 30)
+        # 700 tokens: past the bf16 rows (sink 64 + recent 512), so the entries hold codes
+        p, q, r = _ids(0, 700), _ids(3, 20), _ids(5, 30)
         assert _complete(s, p)["prompt_tokens_details"]["cached_tokens"] == 0
         c = _client(s)
         out = c.completions.create(model="m", prompt=p + q, max_tokens=12, temperature=0)
-        assert out.usage.prompt_tokens_details.cached_tokens == 399
+        assert out.usage.prompt_tokens_details.cached_tokens == 699
         assert out.model_extra["timings"]["draft_n"] > 0
         # 200 tokens back from either entry: further than INT2's window allows.
-        assert _complete(s, p[:200] + r)["prompt_tokens_details"]["cached_tokens"] == 0
+        back = p[: len(p) - 200] + r
+        assert _complete(s, back)["prompt_tokens_details"]["cached_tokens"] == 0
         got = _together(lambda i: _ask(c, i, stream=bool(i % 2)), 4)
         assert all(text for text, _ in got.values())
         assert s.health()["failed"] == 0

@@ -22,7 +22,7 @@ INT2 = ("--kv", "int2", "--mtp", "off")
 SYSTEM = (
     "You are the prompter of a company of players. When an actor forgets his line you give "
     "him the next words of the play, no more, and you keep the book open at the scene. "
-) * 4
+) * 10  # about 650 tokens with the template: past the INT2 bf16 rows (64 + 512)
 TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Line, sir!"}]
 FOLLOW = "And the next line after that?"
 

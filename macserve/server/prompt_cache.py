@@ -9,9 +9,9 @@ none at all.
 
 `fetch` reuses the entry with the longest usable common prefix: a clone of it, rolled back to
 that prefix with `trim`, exactly or not at all. mlx-lm's caches trim anything; the INT2
-latent cache only as far back as its bf16 window still covers the last 256 tokens
-(`trimmable()`), so an entry that would need a longer rollback is passed over for a shorter
-one (or none). At least one prompt token is always left to prefill: its logits start the
+latent cache only as far back as its bf16 window still covers the last `recent` (512)
+tokens (`trimmable()`), so an entry that would need a longer rollback is passed over for a
+shorter one (or none). At least one prompt token is always left to prefill: its logits start the
 answer.
 
 A drafting (MTP) request also needs the MTP layer's cache: its rows (h_i, token i+1) for
@@ -209,7 +209,7 @@ class PromptCache:
 
     def keep_on_disk(self, tokens: list[int], caches: list) -> None:
         """A prefill's state at a chunk's end, for the disk tier alone: the INT2 cache's state
-        after P tokens exists only there (its bf16 window of tokens [P - 256, P) is codes
+        after P tokens exists only there (its bf16 window of tokens [P - recent, P) is codes
         later), so a chat that shares only those P tokens (a system prompt) can start from it.
         Not for caches whose prefix blocks serve any boundary (bf16: disk_blocks.py)."""
         if self.disk is None or self.max_bytes <= 0 or self.disk.cuttable:

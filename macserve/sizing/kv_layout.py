@@ -39,7 +39,7 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
 - macserve/int2 (MLA only): latent as 2-bit affine groups of 64 with a bf16 scale and bias
   (L/4 + L/64 x 4 B), or per layer the format a calibration's plan names (int2_format.py:
   INT2 g128, INT3, INT4, bf16 with no bf16 windows), rope key as 8-bit groups of 64 (R + ceil(R/64) x 4 B); the first 64
-  and last 256 tokens of a sequence, and 16 rows of slack for an exact trim, also kept in
+  and last 512 tokens of a sequence, and 16 rows of slack for an exact trim, also kept in
   bf16 (a fixed per-sequence cost); a DSA
   indexer key as 8-bit groups of 64 (D + ceil(D/64) x 4 B); every other cache as in mlx/bf16.
 """
@@ -334,7 +334,7 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
             what = f"latent + rope ({format_name(q)}/{'bf16' if q.bits is None else 'int8'})"
             out = [Buffer(i, what, q.row_bytes(l.latent, l.rope), "token")]
             # what the engine holds after a prefill (the allocator's figure, bench engine):
-            # 64 + 256 tokens and the 16 rows kept for an exact trim (none for a bf16 layer)
+            # 64 + 512 tokens and the 16 rows kept for an exact trim (none for a bf16 layer)
             bf = BF16_LATENT.row_bytes(l.latent, l.rope)
             if q.bf16_rows():
                 out.append(
