@@ -104,8 +104,9 @@ def test_held_bytes_per_token_follow_the_layout(v3):
         codes = -(-(n - INT2.window_tokens()) // CODE_STEP) * CODE_STEP
         return (codes * INT2.row_bytes(512, 64) + INT2.bf16_rows() * 1152) / n
 
-    assert at4k["int2"] == pytest.approx(layout(4096), abs=0.05)
-    assert at32k["int2"] == pytest.approx(layout(32768), abs=0.05)
+    # the bench rounds to 0.1 B (245.25 prints as 245.2)
+    assert at4k["int2"] == pytest.approx(layout(4096), abs=0.1)
+    assert at32k["int2"] == pytest.approx(layout(32768), abs=0.1)
     assert at32k["int2"] >= INT2.row_bytes(512, 64)
 
 

@@ -22,6 +22,17 @@ TURN1 = [
     {"role": "user", "content": "Line, sir! What comes after 'to be or not to be'?"},
 ]
 FOLLOW = "And the next line after that?"
+# The engine's turn 1: about 700 tokens, past the INT2 cache's bf16 rows (sink 64 + recent
+# 512 + slack 16), so the state the disk tier keeps across a stop holds codes.
+ENGINE_TURN1 = [
+    {
+        "role": "system",
+        "content": TURN1[0]["content"]
+        + " Speak the speech, I pray you, as I pronounced it to you, trippingly on the tongue."
+        * 24,
+    },
+    TURN1[1],
+]
 
 
 def _client(port):
@@ -36,8 +47,8 @@ def _ask(port, messages, n=12, model="m"):
     )
 
 
-def _turn2(r1):
-    return TURN1 + [
+def _turn2(r1, turn1=TURN1):
+    return turn1 + [
         {"role": "assistant", "content": r1.choices[0].message.content},
         {"role": "user", "content": FOLLOW},
     ]
@@ -134,18 +145,18 @@ def test_engine_prompt_cache_survives_restart_and_set(services, macserve_home):
     services.append(status("eng")["pid"])
     cache_dir = macserve_home / "state" / "eng" / "prompt-cache"
     assert _health(port)["prompt_cache"]["tiers"]["disk"]["dir"].startswith(str(cache_dir))
-    r1 = _ask(port, TURN1)
+    r1 = _ask(port, ENGINE_TURN1)
     r = cli("restart", "eng")  # SIGTERM: drain, then the disk tier's flush
     assert r.returncode == 0, r.stderr
     services.append(status("eng")["pid"])
-    r2 = _ask(port, _turn2(r1))
+    r2 = _ask(port, _turn2(r1, ENGINE_TURN1))
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert _health(port)["prompt_cache"]["tiers"]["disk"]["hits"] == 1
     # cold: the disk tier off (a `set`, so a restart) and nothing in memory after it
     r = cli("set", "eng", "--", "PROMPT_CACHE_DISK=0")
     assert r.returncode == 0, r.stderr
     services.append(status("eng")["pid"])
-    cold = _ask(port, _turn2(r1))
+    cold = _ask(port, _turn2(r1, ENGINE_TURN1))
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.choices[0].message.content == cold.choices[0].message.content
     # warm: the two turns on one process that never stopped (memory emptied by a restart).
@@ -153,8 +164,8 @@ def test_engine_prompt_cache_survives_restart_and_set(services, macserve_home):
     r = cli("restart", "eng")
     assert r.returncode == 0, r.stderr
     services.append(status("eng")["pid"])
-    _ask(port, TURN1)
-    warm = _ask(port, _turn2(r1)).usage.prompt_tokens_details.cached_tokens
+    _ask(port, ENGINE_TURN1)
+    warm = _ask(port, _turn2(r1, ENGINE_TURN1)).usage.prompt_tokens_details.cached_tokens
     assert cached == warm > 0
     # and the bad value is one line, nothing written
     before = (macserve_home / "profiles" / "eng.env").read_bytes()
@@ -189,10 +200,12 @@ def test_engine_prompt_cache_survives_a_router_ttl_stop(services, macserve_home)
             line = 'macserve_router_stops_total{profile="eng",reason="ttl"}'
             return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0)
 
-        r1 = _ask(rport, TURN1, model="eng")  # a cold start
+        r1 = _ask(rport, ENGINE_TURN1, model="eng")  # a cold start
         services.append(status("eng")["pid"])
         poll(lambda: stops() == 1 and status("eng")["state"] != "running", "the TTL stop", 120)
-        r2 = _ask(rport, _turn2(r1), model="eng")  # a second cold start, the disk tier warm
+        r2 = _ask(
+            rport, _turn2(r1, ENGINE_TURN1), model="eng"
+        )  # a second cold start, the disk tier warm
         services.append(status("eng")["pid"])
         engine = httpx.get(router.url + "/metrics/eng", timeout=30).text  # starts nothing
     cached = r2.usage.prompt_tokens_details.cached_tokens
@@ -207,6 +220,6 @@ def test_engine_prompt_cache_survives_a_router_ttl_stop(services, macserve_home)
     if status("eng")["state"] != "running":
         assert cli("start", "eng").returncode == 0
     services.append(status("eng")["pid"])
-    cold = _ask(port, _turn2(r1))
+    cold = _ask(port, _turn2(r1, ENGINE_TURN1))
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.choices[0].message.content == cold.choices[0].message.content
