@@ -157,10 +157,15 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
     if isinstance(l, NoCache):
         return []
     if isinstance(l, Full):
-        return [
+        out = [
             Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token"),
             Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token"),
         ]
+        if l.indexer:
+            # MiniMax-M3's MSA indexer key (mlx-lm has no module for it: modelled on the
+            # KVCache-held key of deepseek_v32's indexer, without its zero-filled values).
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+        return out
     if isinstance(l, Sliding):
         k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
         if l.chunked:

@@ -24,6 +24,15 @@ def _llama_layer(i: int, l, t: str, ubatch: int, swa_full: bool) -> list[Buffer]
         return []
     if isinstance(l, (Full, Sliding)):
         k, v = _ggml_row(l.kv_heads * l.k_dim, t), _ggml_row(l.kv_heads * l.v_dim, t)
+        if isinstance(l, Full) and l.indexer:
+            # llama_kv_cache_msa: its indexer cache is a second llama_kv_cache with one KV head
+            # of the indexer's key width, which also allocates one V head of the model's width.
+            return [
+                Buffer(i, "K", k, "token"),
+                Buffer(i, "V", v, "token"),
+                Buffer(i, "indexer key", _ggml_row(l.indexer, t), "token"),
+                Buffer(i, "indexer V (1 head)", _ggml_row(l.v_dim, t), "token"),
+            ]
         if isinstance(l, Full) or swa_full:
             return [Buffer(i, "K", k, "token"), Buffer(i, "V", v, "token")]
         # llama_kv_cache_iswa: SWA cache of min(n_ctx_seq, n_swa + n_ubatch) cells, padded.
