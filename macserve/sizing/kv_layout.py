@@ -25,7 +25,9 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   Full attention: K and V rows per cell. MLA (`is_mla`): K only, kv_lora_rank + rope wide;
   DSA: plus an indexer-key row on layers that own an indexer (3 x 128 wide with GLM-5.3's
   k-pool: key | gate | pooled). Sliding layers: min(ctx, window + ubatch) cells per
-  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32. DeepSeek-V4: a
+  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32 (MiniMax-01's lightning
+  layers: s only, head_dim^2 x heads). MiniMax-M3 (llama_kv_cache_msa): plus an indexer cache
+  of one key head and one V head per token on its sparse layers. DeepSeek-V4: a
   K-only window cache on every layer, compressed K rows every 4 (CSA) or 128 (HCA) tokens
   plus CSA indexer rows, each padded to 256 cells, and f32 compressor states. nextn (MTP)
   layers are filtered out of the main context's cache.
