@@ -166,6 +166,10 @@ def shape_from_config(config: dict) -> ModelShape:
 
     if c.get("compress_ratios") is not None:
         layers, mtp = _compressed(c, mt, n, mtp_n)
+    elif isinstance(c.get("sparse_attention_config"), dict):
+        # Before `layer_types`: MiniMax-M3's (full_attention / minimax_m3_sparse) would not say
+        # which layers llama.cpp gives an indexer cache; moe_layer_freq does (_msa_layers).
+        layers = _msa_layers(c, mt, n)
     elif "layer_types" in c:
         layers = _from_layer_types(c, mt, n)
     elif isinstance(c.get("linear_attn_config"), dict) and "kda_layers" in c["linear_attn_config"]:
@@ -226,8 +230,6 @@ def shape_from_config(config: dict) -> ModelShape:
             if t not in (0, 1):
                 raise MacserveError(f"{mt}: unknown {t!r} at attn_type_list[{i}]")
             layers.append(full_layer(c, mt) if t == 1 else linear_layer(c, mt))
-    elif isinstance(c.get("sparse_attention_config"), dict):
-        layers = _msa_layers(c, mt, n)
     elif has_mla(c) or mt in _DSA_TYPES:
         dsa = mt in _DSA_TYPES or "index_topk" in c
         shared = shared_indexers(c, mt, n) or [False] * n
