@@ -83,6 +83,19 @@ ADDED = {
     # LFM2.5-VL (lfm2 text model): 6 attention layers x 8 KV heads x (64 + 64) x 2 B; the 10
     # short-conv layers are state ((3 - 1) x 2,048 values each, f32 in llama.cpp).
     "LiquidAI__LFM2.5-VL-1.6B": (12288, 12288, 6 * 2 * 8 * 68, 6 * 2 * 8 * 36, _),
+    # MiniMax-M1 (attn_type_list): 10 softmax layers x 8 KV heads x (128 + 128) x 2 B; the 70
+    # lightning layers are state (llama.cpp's models/minimax-01.cpp, recurrent memory).
+    "MiniMaxAI__MiniMax-M1": (40960, 40960, 10 * 2 * 8 * 136, 10 * 2 * 8 * 72, _),
+    # MiniMax-M3 (reconstructed): 60 layers x 8 KV heads x (128 + 128) x 2 B, and on the 57
+    # past the 3 dense ones llama_kv_cache_msa's indexer cache: a 128-wide key and one
+    # 128-wide V head (llama.cpp); mlx (no module) the key only.
+    "MiniMaxAI__MiniMax-M3.RECONSTRUCTED": (
+        60 * 8 * 256 * 2 + 57 * 128 * 2,
+        60 * 8 * 256 * 2 + 57 * 256 * 2,
+        60 * 2 * 8 * 136 + 57 * 2 * 136,
+        60 * 2 * 8 * 72 + 57 * 2 * 72,
+        _,
+    ),
 }
 # EXPECTED.md gives a range for GLM-5.3-Flash's mlx/bf16 figure.
 GLM53_MLX_RANGE = (11264, 14080)
@@ -193,6 +206,13 @@ def test_kinds_of_layers():
     assert (ratios.count(0), ratios.count(4), ratios.count(128)) == (2, 21, 20)
 
 
+def test_kinds_of_layers_of_minimax():
+    assert _shape("MiniMaxAI__MiniMax-M1").counts() == {"linear": 70, "full": 10}
+    m3 = _shape("MiniMaxAI__MiniMax-M3.RECONSTRUCTED")
+    assert m3.counts() == {"full": 60}
+    assert [l.indexer for l in m3.layers] == [0] * 3 + [128] * 57
+
+
 def test_kinds_of_layers_of_published_exaone4():
     assert _shape("LGAI-EXAONE__EXAONE-4.0-32B").counts() == {"sliding": 48, "full": 16}
 
@@ -242,6 +262,11 @@ STATE = {  # bytes per sequence that do not grow with context
     # plus the 256-row step it grows by before trimming; llama.cpp 8,192 + 512 cells.
     ("meta-llama__Llama-4-Scout-17B-16E-Instruct", "mlx/bf16"): 36 * (8192 + 256) * 4096,
     ("meta-llama__Llama-4-Scout-17B-16E-Instruct", "llama.cpp/f16"): 36 * 8704 * 4096,
+    # MiniMax-M1 lightning layers: no conv; a 128 x 128 state per head (64 heads) in f32
+    # (llama.cpp's n_embd_s with n_embd_head_la = head_dim), 70 layers.
+    ("MiniMaxAI__MiniMax-M1", "llama.cpp/f16"): 70 * 64 * 128 * 128 * 4,
+    ("MiniMaxAI__MiniMax-M1", "mlx/bf16"): 70 * 64 * 128 * 128 * 4,
+    ("MiniMaxAI__MiniMax-M3.RECONSTRUCTED", "llama.cpp/f16"): 0,
 }
 
 

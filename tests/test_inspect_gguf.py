@@ -419,6 +419,31 @@ def test_nemotron_h_gguf_is_sized_as_its_config(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "name, arch, state",
+    [
+        # minimax-01: 70 lightning layers, a 64 x 128 x 128 f32 state each, per sequence.
+        ("MiniMaxAI__MiniMax-M1", "minimax-01", 70 * 64 * 128 * 128 * 4),
+        # minimax-m3: no state; K and V plus the MSA indexer cache on 57 of 60 layers.
+        ("MiniMaxAI__MiniMax-M3.RECONSTRUCTED", "minimax-m3", 0),
+    ],
+)
+def test_minimax_ggufs_are_sized_as_their_configs(tmp_path, name, arch, state):
+    """The GGUF header llama-truth's skeleton writes (as llama.cpp's converter would): inspect
+    of the .gguf gives the config's llama.cpp figures, which llama-server agreed with
+    (tests/test_llama_truth.py)."""
+    cfg = CONFIGS / f"{name}.json"
+    write_header(json.loads(cfg.read_text()), tmp_path / "m.gguf")
+    g = inspect_json(str(tmp_path / "m.gguf"))
+    c = inspect_json(str(cfg), "--modelled")
+    assert g["model_type"] == arch
+    for key in ("kv_bytes_per_token", "state_bytes_per_sequence"):
+        for cache in ("llama.cpp/f16", "llama.cpp/q8_0"):
+            assert g[key][cache] == c[key][cache], (key, cache)
+    assert g["state_bytes_per_sequence"]["llama.cpp/f16"] == state
+    assert g["layers"] == c["layers"]
+
+
+@pytest.mark.parametrize(
     "meta,field",
     [
         ({"general.architecture": "llama"}, "block_count"),

@@ -26,6 +26,8 @@ NO_MODULE = {
     "deepseek-ai__DeepSeek-V4-Flash",
     "zai-org__GLM-5.3-Flash.RECONSTRUCTED",
     "LiquidAI__LFM2.5-VL-1.6B",  # lfm2_vl: a VLM type mlx-lm leaves to mlx-vlm
+    "MiniMaxAI__MiniMax-M1",  # minimax_m1 (remote code; mlx-lm's minimax is MiniMax-M2)
+    "MiniMaxAI__MiniMax-M3.RECONSTRUCTED",  # minimax_m3
 }
 # Published abridged: mlx-lm's glm4_moe ModelArgs requires fields (rope_theta, rms_norm_eps,
 # partial_rotary_factor, ...) the abridged copy leaves out, so it cannot build it; the row

@@ -3,10 +3,10 @@ skeleton (macserve/dev/gguf_skeleton.py, skeleton_tensors.py) that the real llam
 loads, and the caches it logs (macserve/dev/llama_truth.py) must be what inspect computes for
 the same `-c`.
 
-Runs 18 of the 27 configs in tests/configs, one per llama.cpp architecture and kind of
+Runs 20 of the 29 configs in tests/configs, one per llama.cpp architecture and kind of
 memory, plus mlx-lm's own test configs of mixtral, smollm3 and nemotron_h (no published
 config of those was found verbatim); `macserve dev llama-truth tests/configs/*.json` runs all
-27. At -c 4096 with one sequence, Llama 4 and EXAONE 4 also past their window; a few seconds
+29. At -c 4096 with one sequence, Llama 4 and EXAONE 4 also past their window; a few seconds
 each (tensor discovery: one llama-server start per kind of tensor)."""
 
 import json
@@ -51,6 +51,10 @@ ONE_PER_ARCH = [
     "Qwen__Qwen2.5-7B-Instruct",  # qwen2: a sliding_window the config turns off
     "zai-org__GLM-4.7.ABRIDGED",  # glm4moe: GQA, partial rotary, leading dense blocks
     "LiquidAI__LFM2.5-VL-1.6B",  # lfm2: KV + short-conv recurrent (R in f32), VLM wrapper
+    # minimax-01: KV on every 8th layer + the lightning layers' f32 state (S only) per sequence
+    "MiniMaxAI__MiniMax-M1",
+    # minimax-m3: KV + llama_kv_cache_msa's indexer cache (key + one V head) past dense layers
+    "MiniMaxAI__MiniMax-M3.RECONSTRUCTED",
 ]
 # Architectures whose only config here is the small one mlx-lm's own tests build the model
 # type from (no published config.json found verbatim; tests/configs/README.md).
@@ -75,6 +79,8 @@ GGUF_ALSO = {
     "Qwen__Qwen2.5-7B-Instruct",
     "zai-org__GLM-4.7.ABRIDGED",
     "LiquidAI__LFM2.5-VL-1.6B",
+    "MiniMaxAI__MiniMax-M1",
+    "MiniMaxAI__MiniMax-M3.RECONSTRUCTED",
 }
 # Contexts past the window + ubatch (a window no shorter than -c 4096 is not seen at 4096):
 # Llama 4's chunk, 8,192 + 512 cells; EXAONE 4's window, 4,096 + 512 = 4,608 cells.
@@ -148,14 +154,28 @@ def test_unmapped_types_are_one_line_errors():
     "cfg, why",
     [
         ({"model_type": "step3"}, "no text architecture in this llama.cpp build"),
-        ({"model_type": "minimax_m1"}, "lightning attention"),
-        # transformers' `minimax` type also covers MiniMax-Text-01 / M1: not written as M2.
-        ({"model_type": "minimax", "attn_type_list": [0, 0, 1]}, "lightning attention"),
+        # convert_hf_to_gguf writes no layer pattern for minimax-01: llama.cpp assumes 1 in 8.
+        ({"model_type": "minimax_m1", "attn_type_list": [0, 0, 1]}, "7 lightning"),
     ],
 )
 def test_what_cannot_be_checked_says_why(cfg, why):
     with pytest.raises(MacserveError, match=why):
         skeleton_metadata({"num_hidden_layers": 3, **cfg})
+
+
+def test_transformers_minimax_with_lightning_layers_is_minimax_01_not_m2():
+    """transformers' `minimax` type covers MiniMax-Text-01 / M1 (layer_types with linear
+    attention) as well as M2-style configs: the first is written as minimax-01."""
+    m1 = json.loads((CONFIGS / "MiniMaxAI__MiniMax-M1.json").read_text())
+    types = ["full_attention" if t else "linear_attention" for t in m1.pop("attn_type_list")]
+    sk = skeleton_metadata({**m1, "model_type": "minimax", "layer_types": types})
+    assert sk.arch == "minimax-01"
+    assert shape_from_config({**m1, "model_type": "minimax", "layer_types": types}).counts() == {
+        "linear": 70,
+        "full": 10,
+    }
+    m2 = json.loads((CONFIGS / "MiniMaxAI__MiniMax-M2.5.json").read_text())
+    assert skeleton_metadata({**m2, "model_type": "minimax"}).arch == "minimax-m2"
 
 
 def test_the_dev_command_prints_both_figures(llama_server):

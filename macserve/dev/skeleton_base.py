@@ -88,10 +88,4 @@ UNMAPPED = {
     "encoder in tools/mtmd)",
     "step3_vl": "llama-truth: step3 (Step-3, MFA attention) has no text architecture in this "
     "llama.cpp build (src/models/ has step35 for Step-3.5/3.7 only)",
-    "minimax_m1": "llama-truth: MiniMax-M1 / Text-01 (lightning attention) is not mapped: "
-    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
-    "minimax_text_01": "llama-truth: MiniMax-Text-01 (lightning attention) is not mapped: "
-    "llama.cpp has minimax-01, but inspect does not size lightning-attention layers yet",
-    "minimax_m3": "llama-truth: minimax_m3 is not mapped yet (llama.cpp has minimax-m3; no "
-    "published config of it was found to check against)",
 }

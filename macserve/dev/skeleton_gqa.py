@@ -5,8 +5,8 @@ chunks, exaone4, deci, glm4moe, ...), as llama.cpp's converter writes them.
 
 from __future__ import annotations
 
-from ..errors import MacserveError
-from .skeleton_base import SMALL_FF, UNMAPPED, Skeleton, base_keys, moe_keys
+from .skeleton_base import SMALL_FF, Skeleton, base_keys, moe_keys, need
+from .skeleton_hybrid import minimax01
 
 
 def _llama(c):
@@ -47,7 +47,7 @@ def _minimax(c):
     types = c.get("layer_types") or c.get("attn_type_list") or []
     if "linear_attention" in types or 0 in types:
         # transformers' `minimax` type is also MiniMax-Text-01 / M1 (lightning attention).
-        raise MacserveError(UNMAPPED["minimax_m1"])
+        return minimax01({**c, "attn_type_list": [int(t in (1, "full_attention")) for t in types]})
     kv = base_keys(c)
     moe_keys(kv, c)
     kv["rope.dimension_count"] = int(c.get("rotary_dim") or kv["attention.key_length"])
@@ -178,7 +178,30 @@ def _glm4_moe(c):
     return Skeleton("glm4moe", kv)
 
 
+def _minimax_m3(c):
+    # conversion/minimax.py MiniMaxM3Model: MiniMax-M2's keys, the shared experts, the MSA
+    # indexer (src/models/minimax-m3.cpp reads all five), and the leading dense blocks (the
+    # leading zeros of moe_layer_freq), which have no indexer cache.
+    kv = base_keys(c)
+    moe_keys(kv, c)
+    kv["rope.dimension_count"] = int(c.get("rotary_dim") or kv["attention.key_length"])
+    kv["expert_shared_count"] = int(need(c, "n_shared_experts"))
+    kv["expert_weights_scale"] = float(c.get("routed_scaling_factor") or 1.0)
+    kv["expert_weights_norm"] = True
+    kv["expert_gating_func"] = 2  # sigmoid
+    sac = need(c, "sparse_attention_config")
+    kv["attention.indexer.head_count"] = int(need(sac, "sparse_num_index_heads"))
+    kv["attention.indexer.key_length"] = int(need(sac, "sparse_index_dim"))
+    kv["attention.indexer.top_k"] = int(need(sac, "sparse_topk_blocks"))
+    kv["attention.indexer.block_size"] = int(need(sac, "sparse_block_size"))
+    kv["attention.indexer.local_blocks"] = int(need(sac, "sparse_local_block"))
+    freq = need(c, "moe_layer_freq")
+    kv["leading_dense_block_count"] = next((i for i, v in enumerate(freq) if v != 0), len(freq))
+    return Skeleton("minimax-m3", kv)
+
+
 GQA_ARCHS = {
+    "minimax_m3": _minimax_m3,
     "exaone4": _exaone4,
     "gemma3": _gemma3,
     "gemma3_text": _gemma3,

@@ -1,11 +1,13 @@
 """config.json -> GGUF hyperparameters for the architectures with latent or recurrent layers:
 MLA (deepseek2 and kin), DSA indexers, DeepSeek-V4's compressed attention, KDA (kimi,
-glm5-next), gated DeltaNet (qwen3next, qwen35), short convs (lfm2) and Mamba-2 (nemotron_h),
+glm5-next), gated DeltaNet (qwen3next, qwen35), short convs (lfm2), Mamba-2 (nemotron_h) and
+MiniMax-01's lightning attention,
 as llama.cpp's converter writes them.
 """
 
 from __future__ import annotations
 
+from ..errors import MacserveError
 from .skeleton_base import SMALL_FF, Skeleton, base_keys, mla_keys, moe_keys, need
 
 
@@ -193,7 +195,28 @@ def _nemotron_h(c):
     return Skeleton("nemotron_h_moe" if "E" in pat else "nemotron_h", kv)
 
 
+def minimax01(c):
+    # conversion/minimax.py MiniMaxText01Model: the base keys, residual_scale and the rotary
+    # width; no layer pattern (src/models/minimax-01.cpp then makes every layer but each 8th
+    # a lightning-attention layer, as MiniMax-M1 / Text-01's attn_type_list has it). The
+    # lightning state is key_length^2 x head_count per sequence: both kept.
+    types = c.get("attn_type_list")
+    if isinstance(types, list) and any(t != int((i + 1) % 8 == 0) for i, t in enumerate(types)):
+        raise MacserveError(
+            "llama-truth: this attn_type_list is not 7 lightning + 1 softmax layers per 8: "
+            "convert_hf_to_gguf writes no layer pattern, and llama.cpp's minimax-01 loader "
+            "assumes that one"
+        )
+    kv = base_keys(c)
+    moe_keys(kv, c)
+    kv["residual_scale"] = float(c.get("layernorm_full_attention_alpha") or 1.0)
+    kv["rope.dimension_count"] = int(c.get("rotary_dim") or kv["attention.key_length"])
+    return Skeleton("minimax-01", kv)
+
+
 HYBRID_ARCHS = {
+    "minimax_m1": minimax01,
+    "minimax_text_01": minimax01,
     "deepseek_v4": _deepseek4,
     "glm5_next": _glm5_next,
     "glm5_next_text": _glm5_next,

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Full:
-    """Full attention (MHA/GQA/MQA): K and V per KV head, per token."""
+    """Full attention (MHA/GQA/MQA): K and V per KV head, per token. `indexer`: the width
+    of a MiniMax Sparse Attention (MSA) indexer key on this layer (0: none), one per token."""
 
     kv_heads: int
     k_dim: int
     v_dim: int
     kind: str = "full"
+    indexer: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Linear:
     state. Element counts, not bytes: engines keep them in different dtypes.
     """
 
-    flavour: str  # "gated_deltanet" | "kimi_delta" | "mamba2"
+    flavour: str  # "gated_deltanet" | "kimi_delta" | "mamba2" | "short_conv" | "lightning"
     conv_elems: int
     state_elems: int
     kind: str = "linear"

@@ -166,6 +166,10 @@ def shape_from_config(config: dict) -> ModelShape:
 
     if c.get("compress_ratios") is not None:
         layers, mtp = _compressed(c, mt, n, mtp_n)
+    elif isinstance(c.get("sparse_attention_config"), dict):
+        # Before `layer_types`: MiniMax-M3's (full_attention / minimax_m3_sparse) would not say
+        # which layers llama.cpp gives an indexer cache; moe_layer_freq does (_msa_layers).
+        layers = _msa_layers(c, mt, n)
     elif "layer_types" in c:
         layers = _from_layer_types(c, mt, n)
     elif isinstance(c.get("linear_attn_config"), dict) and "kda_layers" in c["linear_attn_config"]:
@@ -218,6 +222,14 @@ def shape_from_config(config: dict) -> ModelShape:
             if p not in (0, 1):
                 raise MacserveError(f"{mt}: unknown {p!r} at hybrid_layer_pattern[{i}]")
             layers.append(full_layer(c, mt) if p == 0 else sliding_layer(c, mt))
+    elif isinstance(c.get("attn_type_list"), list):
+        # MiniMax-01 / M1 remote code: 0 = lightning attention (a state per sequence), 1 =
+        # softmax attention. All 1: MiniMax-M2's configs, plain GQA.
+        layers = []
+        for i, t in enumerate(c["attn_type_list"]):
+            if t not in (0, 1):
+                raise MacserveError(f"{mt}: unknown {t!r} at attn_type_list[{i}]")
+            layers.append(full_layer(c, mt) if t == 1 else linear_layer(c, mt))
     elif has_mla(c) or mt in _DSA_TYPES:
         dsa = mt in _DSA_TYPES or "index_topk" in c
         shared = shared_indexers(c, mt, n) or [False] * n
@@ -254,6 +266,20 @@ def shape_from_config(config: dict) -> ModelShape:
             f"the config has no max_position_embeddings: {max_pos:,}, the default of {where}"
         )
     return ModelShape(mt, layers, mtp, int(max_pos) if max_pos else None, "config", notes)
+
+
+def _msa_layers(c: dict, mt: str, n: int) -> list:
+    """MiniMax-M3: GQA on every layer; the layers past the leading dense blocks (the leading
+    zeros of `moe_layer_freq`, which convert_hf_to_gguf writes as leading_dense_block_count
+    and llama.cpp's llama_kv_cache_msa reads as the layers with an indexer) also cache a
+    `sparse_index_dim`-wide indexer key per token."""
+    idx = uint(c["sparse_attention_config"], "sparse_index_dim", mt)
+    freq = c.get("moe_layer_freq")
+    if not isinstance(freq, list) or len(freq) != n:
+        raise MacserveError(f"{mt}: `moe_layer_freq` must list one entry per layer ({n})")
+    dense = next((i for i, v in enumerate(freq) if v != 0), n)
+    f = full_layer(c, mt)
+    return [f if i < dense else Full(f.kv_heads, f.k_dim, f.v_dim, indexer=idx) for i in range(n)]
 
 
 def _kimi_hybrid(c: dict, mt: str, n: int) -> list:

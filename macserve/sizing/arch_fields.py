@@ -8,6 +8,10 @@ from __future__ import annotations
 from ..errors import MacserveError
 from .arch import MLA, Full, Linear, Sliding
 
+# MiniMax-01 (Text-01, M1): transformers' `minimax` (layer_types) and the remote code's
+# `minimax_m1` / `minimax_text_01` (attn_type_list: 0 = lightning, 1 = softmax attention).
+MINIMAX01_TYPES = ("minimax", "minimax_m1", "minimax_text_01", "MiniMaxM1", "MiniMaxText01")
+
 
 def required(c: dict, key: str, mt: str):
     v = c.get(key)
@@ -110,7 +114,16 @@ def short_conv_layer(c: dict, mt: str) -> Linear:
     return Linear("short_conv", (uint(c, "conv_L_cache", mt) - 1) * uint(c, "hidden_size", mt), 0)
 
 
+def lightning_layer(c: dict, mt: str) -> Linear:
+    # MiniMax-01 / M1 lightning attention: no convolution; a head_dim x head_dim state per
+    # attention head (llama.cpp's n_embd_s with n_embd_head_la = head_dim).
+    hd = head_dim(c, mt)
+    return Linear("lightning", 0, uint(c, "num_attention_heads", mt) * hd * hd)
+
+
 def linear_layer(c: dict, mt: str) -> Linear:
+    if "attn_type_list" in c or mt in MINIMAX01_TYPES:
+        return lightning_layer(c, mt)
     if "linear_attn_config" in c:
         return kimi_delta_layer(c, mt)
     if "linear_num_value_heads" in c:
@@ -118,8 +131,8 @@ def linear_layer(c: dict, mt: str) -> Linear:
     if "mamba_num_heads" in c:
         return mamba2_layer(c, mt)
     raise MacserveError(
-        f"{mt}: linear-attention layers but no `linear_attn_config`, `linear_*` or `mamba_*` "
-        "fields to size their state"
+        f"{mt}: linear-attention layers but no `linear_attn_config`, `linear_*`, `mamba_*` or "
+        "`attn_type_list` fields to size their state"
     )
 
 

@@ -136,6 +136,33 @@ def shape_from_gguf(meta: dict) -> ModelShape:
             )
         return done(layers)
 
+    if arch == "minimax-01":
+        # src/models/minimax-01.cpp: lightning-attention layers are recurrent (from
+        # `attention.recurrent_layers`, else every layer but each `full_attention_interval`-th,
+        # 8 when absent: the converter writes neither); their state is n_embd_s =
+        # key_length^2 x head_count f32 values per sequence, with no conv state (n_embd_r 0).
+        recr = g("attention.recurrent_layers")
+        if isinstance(recr, list):
+            is_recr = [bool(x) for x in recr[:blocks]] + [False] * (blocks - len(recr))
+        else:
+            k = int(g("full_attention_interval", 8))
+            is_recr = [i < n and (i + 1) % k != 0 for i in range(blocks)]
+        lin = Linear("lightning", 0, k_len * k_len * heads[0])
+        return done([lin if is_recr[i] else Full(kv_heads[i], k_len, v_len) for i in range(blocks)])
+
+    if arch == "minimax-m3":
+        # src/llama-model.cpp, llama_kv_cache_msa: K and V on every layer, and an indexer
+        # cache (one head of `attention.indexer.key_length`) on the layers past the leading
+        # dense blocks.
+        idx = int(need("attention.indexer.key_length"))
+        dense = int(g("leading_dense_block_count", 0) or 0)
+        return done(
+            [
+                Full(kv_heads[i], k_len, v_len, indexer=idx if i >= dense else 0)
+                for i in range(blocks)
+            ]
+        )
+
     if arch in ("qwen3next", "qwen35", "qwen35moe"):
         recr = g("attention.recurrent_layers")
         if isinstance(recr, list):

@@ -25,7 +25,9 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
   Full attention: K and V rows per cell. MLA (`is_mla`): K only, kv_lora_rank + rope wide;
   DSA: plus an indexer-key row on layers that own an indexer (3 x 128 wide with GLM-5.3's
   k-pool: key | gate | pooled). Sliding layers: min(ctx, window + ubatch) cells per
-  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32. DeepSeek-V4: a
+  sequence, padded to 256, unless --swa-full. Recurrent r/s states: f32 (MiniMax-01's lightning
+  layers: s only, head_dim^2 x heads). MiniMax-M3 (llama_kv_cache_msa): plus an indexer cache
+  of one key head and one V head per token on its sparse layers. DeepSeek-V4: a
   K-only window cache on every layer, compressed K rows every 4 (CSA) or 128 (HCA) tokens
   plus CSA indexer rows, each padded to 256 cells, and f32 compressor states. nextn (MTP)
   layers are filtered out of the main context's cache.
@@ -47,83 +49,21 @@ Rules, each from the engine's own code (docs/inspect.md shows the reasoning and 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
 from ..errors import MacserveError
 from ..int2_format import BF16_LATENT, INT2, LatentQuant, format_name
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
+from .kv_buffers import Buffer, Layout
+from .kv_buffers import Unsupported as _Unsupported
+from .kv_buffers import unsupported as _unsupported
+from .kv_llama import llama_layout
 from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
 CACHE_KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
 LLAMA_UBATCH = 512  # llama-server's default -ub
-CELL_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256); mlx-lm: KVCache.step = 256
-DSV4_RATIOS = (4, 128)  # llama.cpp's DSV4_CSA_RATIO / DSV4_HCA_RATIO: the only ones it caches
-
-
-def _pad(n: int, to: int = CELL_PAD) -> int:
-    return -(-n // to) * to
-
-
-@dataclass(frozen=True)
-class Buffer:
-    """One cache tensor of one layer: `row` bytes per row, rows depending on `grow`:
-    "token": one row per `every` tokens of context; "window": min(ctx, rows);
-    "fixed": `rows` rows whatever the context."""
-
-    layer: int
-    what: str
-    row: int
-    grow: str
-    every: int = 1
-    rows: int = 0
-
-
-@dataclass
-class Layout:
-    key: str
-    buffers: list = field(default_factory=list)
-    supported: bool = True
-    reason: str = ""
-    pad: int = CELL_PAD
-    pad_compressed: bool = False  # llama.cpp pads every compressed cache to 256 cells too
-    pad_window: bool = False  # llama.cpp pads its SWA cache; mlx-lm's ring is exactly `window`
-    # "modelled": inspect's reading of the engine's code (this module); "measured": read
-    # from the caches the engine itself allocates (`engine` names it; mlx_measure.py).
-    origin: str = "modelled"
-    engine: str = ""
-
-    @property
-    def per_token(self) -> Fraction:
-        return sum(
-            (Fraction(b.row, b.every) for b in self.buffers if b.grow == "token"), Fraction(0)
-        )
-
-    @property
-    def state(self) -> int:
-        return sum(
-            b.row * (_pad(b.rows, self.pad) if b.grow == "window" and self.pad_window else b.rows)
-            for b in self.buffers
-            if b.grow != "token"
-        )
-
-    def bytes_at(self, ctx: int) -> int:
-        cells = _pad(ctx, self.pad) if ctx > 0 else 0
-        total = 0
-        for b in self.buffers:
-            if b.grow == "token":
-                rows = cells if b.every == 1 else -(-cells // b.every)
-                if b.every > 1 and self.pad_compressed:
-                    rows = _pad(max(1, rows), self.pad)
-            elif b.grow == "window":
-                rows = min(cells, b.rows)
-                if self.pad_window:
-                    rows = _pad(rows, self.pad)
-            else:
-                rows = b.rows
-            total += rows * b.row
-        return total
 
 
 def measured_layout(m, key: str = "mlx/bf16") -> Layout:
@@ -142,89 +82,8 @@ def measured_layout(m, key: str = "mlx/bf16") -> Layout:
     return Layout(key, bufs, origin="measured", engine=m.engine)
 
 
-def _unsupported(key: str, reason: str) -> Layout:
-    return Layout(key, supported=False, reason=reason)
-
-
 # ---------------------------------------------------------------------------------------
 # llama.cpp
-
-
-def _ggml_row(values: int, t: str) -> int:
-    if t == "f16":
-        return 2 * values
-    if values % 32:
-        raise _Unsupported(f"llama.cpp {t} needs rows divisible by 32 ({values} is not)")
-    return values // 32 * {"q8_0": 34, "q4_0": 18}[t]
-
-
-class _Unsupported(Exception):
-    pass
-
-
-def _llama_layer(i: int, l, t: str, ubatch: int, swa_full: bool) -> list[Buffer]:
-    if isinstance(l, NoCache):
-        return []
-    if isinstance(l, (Full, Sliding)):
-        k, v = _ggml_row(l.kv_heads * l.k_dim, t), _ggml_row(l.kv_heads * l.v_dim, t)
-        if isinstance(l, Full) or swa_full:
-            return [Buffer(i, "K", k, "token"), Buffer(i, "V", v, "token")]
-        # llama_kv_cache_iswa: SWA cache of min(n_ctx_seq, n_swa + n_ubatch) cells, padded.
-        w = l.window + ubatch
-        return [
-            Buffer(i, "K (window)", k, "window", rows=w),
-            Buffer(i, "V (window)", v, "window", rows=w),
-        ]
-    if isinstance(l, Linear):
-        # llama_memory_recurrent: r and s rows in GGML_TYPE_F32, one per sequence.
-        return [
-            Buffer(i, "conv state (f32)", 4 * l.conv_elems, "fixed", rows=1),
-            Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1),
-        ]
-    if isinstance(l, MLA):
-        out = [Buffer(i, "latent + rope K", _ggml_row(l.latent + l.rope, t), "token")]
-        if l.indexer and not l.indexer_shared:
-            # llama_memory_hybrid_idx keeps key | gate | pooled per token for a k-pool indexer.
-            width = l.indexer * (3 if l.indexer_pool > 1 else 1)
-            out.append(Buffer(i, "indexer key", _ggml_row(width, t), "token"))
-        return out
-    if isinstance(l, Compressed):
-        if l.ratio and l.ratio not in DSV4_RATIOS:
-            raise _Unsupported(
-                f"llama.cpp caches compress ratios {DSV4_RATIOS} only, not {l.ratio}"
-            )
-        row = _ggml_row(l.head_dim, t)
-        out = [Buffer(i, "K (window)", row, "window", rows=l.window + ubatch)]
-        if l.ratio:
-            out.append(Buffer(i, f"compressed K (1/{l.ratio})", row, "token", every=l.ratio))
-            # llama_dsv4_comp_state: f32 kv and score, state_size x n_embd_state each.
-            if l.ratio == 4:
-                out.append(
-                    Buffer(i, "compressor state (f32)", 2 * 4 * 8 * 2 * l.head_dim, "fixed", rows=1)
-                )
-            else:
-                out.append(
-                    Buffer(
-                        i, "compressor state (f32)", 2 * 4 * l.ratio * l.head_dim, "fixed", rows=1
-                    )
-                )
-        if l.indexer:
-            out.append(Buffer(i, "indexer key (1/4)", _ggml_row(l.indexer, t), "token", every=4))
-            out.append(
-                Buffer(
-                    i, "indexer compressor state (f32)", 2 * 4 * 8 * 2 * l.indexer, "fixed", rows=1
-                )
-            )
-        return out
-    raise TypeError(l)
-
-
-def _llama_layout(layers: list, key: str, t: str, ubatch: int, swa_full: bool) -> Layout:
-    try:
-        bufs = [b for i, l in enumerate(layers) for b in _llama_layer(i, l, t, ubatch, swa_full)]
-    except _Unsupported as e:
-        return _unsupported(key, str(e))
-    return Layout(key, bufs, pad_compressed=True, pad_window=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,10 +159,15 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
     if isinstance(l, NoCache):
         return []
     if isinstance(l, Full):
-        return [
+        out = [
             Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token"),
             Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token"),
         ]
+        if l.indexer:
+            # MiniMax-M3's MSA indexer key (mlx-lm has no module for it: modelled on the
+            # KVCache-held key of deepseek_v32's indexer, without its zero-filled values).
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+        return out
     if isinstance(l, Sliding):
         k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
         if l.chunked:
@@ -433,7 +297,7 @@ def layout(
     layers = shape.mtp_layers if mtp else shape.layers
     engine, _, t = key.partition("/")
     if engine == "llama.cpp" and t in ("f16", "q8_0", "q4_0"):
-        return _llama_layout(layers, key, t, ubatch, swa_full)
+        return llama_layout(layers, key, t, ubatch, swa_full)
     if engine in ("mlx", "macserve") and shape.source_format == "gguf":
         return _unsupported(key, "MLX engines load safetensors, not GGUF")
     if key == "mlx/bf16":
