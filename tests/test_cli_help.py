@@ -219,3 +219,23 @@ def test_profile_names_complete_without_loading_a_wing(tmp_path):
         got = sorted(x.split(",", 1)[1] for x in r.stdout[:cut].splitlines() if "," in x)
         assert got == names, (line, r.stdout[:cut])
         assert _heavy(ast.literal_eval(r.stdout[cut + len("LOADED") :].strip())) == [], line
+
+
+def test_every_body_imports_and_exits_quietly():
+    """Every command's body module imported in one interpreter, which then exits: nothing on
+    stderr. A struct_passwd held in a module global (services/supervisors/launchd_files.py)
+    made CPython print "Exception ignored in tp_clear ... SystemError" at the exit of every
+    `macserve dev` command."""
+    modules = sorted(
+        {
+            cmd.callback.runs.split(":")[0]
+            for _, cmd in walk(main)
+            if not isinstance(cmd, click.Group)
+        }
+    )
+    code = "".join(f"import {m}\n" for m in modules)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert "macserve.cli.dev" in modules

@@ -169,7 +169,7 @@ def test_every_key_is_a_launchd_plist5_key(macserve_home):
     spec = _spec(_profile())
     for dom in (DOMAIN, f"user/{UID}"):
         plists.append(plistlib.loads(render_plist(spec, dom)))
-    plists.append(plistlib.loads(render_plist(spec, launchd.SYSTEM, launchd_files.USER)))
+    plists.append(plistlib.loads(render_plist(spec, launchd.SYSTEM, launchd_files.user())))
     for d in plists:
         assert _bad_keys(d) == [], d["Label"]
     assert {"UserName", "LimitLoadToSessionType"} <= {k for d in plists for k in d}

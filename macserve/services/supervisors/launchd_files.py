@@ -34,7 +34,16 @@ PYTHON = f"{REPO}/.venv/bin/python3"
 # The gui domain of the first user on a Mac; only its session type (Aqua) reaches the plist.
 DOMAIN = "gui/501"
 # A LaunchDaemon's UserName (MACSERVE_HOME's owner), as macOS makes the first user.
-USER = pwd.struct_passwd(("you", "*", 501, 20, "You", USER_HOME, "/bin/zsh"))
+
+
+def user() -> pwd.struct_passwd:
+    """The Mac user the daemon plists run as. Made on each use: a struct_passwd kept in a
+    module global until the interpreter exits made CPython 3.11 print "Exception ignored in
+    tp_clear ... SystemError: Objects/longobject.c:575" at the exit of every `macserve dev`
+    command (which imports this module)."""
+    return pwd.struct_passwd(("you", "*", 501, 20, "You", USER_HOME, "/bin/zsh"))
+
+
 DAEMONS = "LaunchDaemons"  # launchd/'s subfolder for the SYSTEM=1 form
 DEMO_PROFILE = "tiny-mla"
 ROUTER_PROFILE = "router"
@@ -76,7 +85,7 @@ def render(repo: Path) -> dict[str, bytes]:
         spec = placeholder_spec(spec_for(p, providers.for_profile(p).env(p)))
         out[f"{label(p.name)}.plist"] = render_plist(spec, DOMAIN)
         daemon = replace(spec, system=True)
-        out[f"{DAEMONS}/{label(p.name)}.plist"] = render_plist(daemon, SYSTEM, USER)
+        out[f"{DAEMONS}/{label(p.name)}.plist"] = render_plist(daemon, SYSTEM, user())
     return out
 
 
