@@ -42,13 +42,12 @@ def greedy(port) -> list[tuple[int, float]]:
 
 
 def ranks(pid) -> list[psutil.Process]:
-    """The mlx_lm.server processes under the supervised mlx.launch (plain, or under the
-    SPLIT shim, which runs mlx-lm's server in-process)."""
+    """The mlx_lm.server processes under the supervised mlx.launch: each runs mlx-lm's server
+    under the drain shim (through the SPLIT shim with a SPLIT), in-process."""
     return [
         c
         for c in psutil.Process(pid).children(recursive=True)
-        if ("mlx_lm" in c.cmdline() and "server" in c.cmdline())
-        or "macserve.engine.pipeline" in c.cmdline()
+        if "macserve.services.providers.mlx_drain" in c.cmdline()
     ]
 
 
@@ -285,8 +284,9 @@ def test_argv_wraps_mlx_launch():
     ]
     assert argv[i + 1 :] == [
         "-m",
-        "mlx_lm",
-        "server",
+        mlx_lm.DRAIN_SHIM,
+        "x",
+        "60",
         "--model",
         "/m",
         "--host",
@@ -302,10 +302,16 @@ def test_argv_wraps_mlx_launch():
         "--hostfile",
         "/etc/hosts.json",
     ]
-    # SPLIT: mlx-lm's server under the split shim, same arguments
-    split = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\n", "x"))
+    # SPLIT: mlx-lm's server under the split shim, under the drain shim, same arguments
+    split = mlx_lm.PROVIDER.argv(
+        parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\nDRAIN=5\n", "x")
+    )
     i = split.index("--")
     assert split[i + 1 :] == [
+        "-m",
+        mlx_lm.DRAIN_SHIM,
+        "x",
+        "5",
         "-m",
         "macserve.engine.pipeline",
         "41,20",
