@@ -12,7 +12,10 @@ import httpx
 import psutil
 import pytest
 
+from macserve.services.supervisors.supervisord import SupervisorBackend
+
 from .fixtures import cli, free_port, poll, status
+from .test_drain_mlx import _stream_with_stop
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("mlx.launch") is None
@@ -42,13 +45,12 @@ def greedy(port) -> list[tuple[int, float]]:
 
 
 def ranks(pid) -> list[psutil.Process]:
-    """The mlx_lm.server processes under the supervised mlx.launch (plain, or under the
-    SPLIT shim, which runs mlx-lm's server in-process)."""
+    """The mlx_lm.server processes under the supervised mlx.launch: each runs mlx-lm's server
+    under the drain shim (through the SPLIT shim with a SPLIT), in-process."""
     return [
         c
         for c in psutil.Process(pid).children(recursive=True)
-        if ("mlx_lm" in c.cmdline() and "server" in c.cmdline())
-        or "macserve.engine.pipeline" in c.cmdline()
+        if "macserve.services.providers.mlx_drain" in c.cmdline()
     ]
 
 
@@ -245,6 +247,33 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     log = cli("logs", "two", "-n", "400").stdout
     assert "rank 1: loaded; following rank 0" in log
 
+    # a restart during a stream (the default DRAIN): rank 1 keeps stepping it while rank 0
+    # drains, the stream ends with a finish_reason, and the group exits 0 and comes back
+    log_file = macserve_home / "logs" / "two.log"
+    sv_log = macserve_home / "supervisor" / "supervisord.log"
+    at, sv_at = len(log_file.read_text()), len(sv_log.read_text())
+    body = {"messages": PROMPT, "max_tokens": 300, "temperature": 1.0, "seed": 5}
+    sv = SupervisorBackend(macserve_home)
+    seen = _stream_with_stop(multi, body, lambda: sv.restart("two"), log_file)
+    text = log_file.read_text()[at:]
+    assert seen["chunks"] > 5 and seen["done"] and seen["finish"] in ("length", "stop"), seen
+    assert seen["dropped"] is None and seen["error_event"] is None, seen
+    assert "rank 1: stop: following rank 0's drain" in text, text[-3000:]
+    assert "rank 1: stop: rank 0 ended" in text, text[-3000:]
+    said = sv_log.read_text()[sv_at:]
+    assert "stopped: macserve-two (exit status 0)" in said and "SIGKILL" not in said, said
+    back = poll(
+        lambda: (lambda x: x if x["healthy"] and x["pid"] != s["pid"] else None)(status("two")),
+        "the group to come back healthy",
+        timeout=180,
+    )
+    services.append(back["pid"])
+    services.extend(
+        c.pid
+        for c in psutil.Process(back["pid"]).children(recursive=True)
+        if c.cmdline()[1:4] == ["-m", "macserve", "serve"]
+    )
+
     # an uneven split on the engine too; the calibration's rotations follow each rank's layers
     r = cli("set", "two", "--", "SPLIT=1,3", timeout=300)
     assert r.returncode == 0, r.stderr
@@ -285,8 +314,9 @@ def test_argv_wraps_mlx_launch():
     ]
     assert argv[i + 1 :] == [
         "-m",
-        "mlx_lm",
-        "server",
+        mlx_lm.DRAIN_SHIM,
+        "x",
+        "60",
         "--model",
         "/m",
         "--host",
@@ -302,10 +332,16 @@ def test_argv_wraps_mlx_launch():
         "--hostfile",
         "/etc/hosts.json",
     ]
-    # SPLIT: mlx-lm's server under the split shim, same arguments
-    split = mlx_lm.PROVIDER.argv(parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\n", "x"))
+    # SPLIT: mlx-lm's server under the split shim, under the drain shim, same arguments
+    split = mlx_lm.PROVIDER.argv(
+        parse(BASE + "HOSTS=10.0.0.1,10.0.0.2\nSPLIT=41,20\nDRAIN=5\n", "x")
+    )
     i = split.index("--")
     assert split[i + 1 :] == [
+        "-m",
+        mlx_lm.DRAIN_SHIM,
+        "x",
+        "5",
         "-m",
         "macserve.engine.pipeline",
         "41,20",

@@ -425,7 +425,7 @@ def run(settings: Settings) -> None:
     )
     ranks = Ranks()
     if ranks.rank > 0:  # under mlx.launch: only rank 0 answers HTTP
-        follow(settings.model, settings.options, ranks, settings.split)
+        follow(settings.model, settings.options, ranks, settings.split, settings.shutdown_grace)
         return
     sock = listen.bind(settings.host, settings.port)
     failure: list[str] = []

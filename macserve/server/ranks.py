@@ -6,6 +6,7 @@ summed over the group, as mlx_lm.server does), and sends `None` as a heartbeat w
 the other ranks never block for long and a dead peer surfaces within a second. The other
 ranks run `follow`: receive, generate, discard. Cancellation (a client that went away) must
 stop every rank at the same token, so the stop callback is a collective too (`synced_stop`).
+A planned stop signals every rank at once; the others follow rank 0's drain to its end.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 import os
 import pickle
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,6 +31,7 @@ from . import grammar
 log = logging.getLogger("macserve.server")
 
 HEARTBEAT = 0.5  # seconds rank 0 waits for a job before telling the others "nothing yet"
+FOLLOW_SECS = 10.0  # a rank > 0 outlives rank 0's drain by this much at most (SIGKILL: +20 s)
 STOP_EVERY = 8  # tokens between collective stop checks: a cancelled job runs at most this far
 
 
@@ -112,14 +116,47 @@ def processors(constraint, top_k: int, vocab) -> list | None:
     return out or None
 
 
-def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None:
-    """Ranks other than 0: load the model's share, then run whatever rank 0 runs, forever."""
+def _follow_stops(rank: int, grace: float) -> threading.Event:
+    """A stop signal reaches every rank at once (the supervisor signals mlx.launch's process
+    group), but rank 0 drains for up to `grace` and cannot step a generation without the
+    others: so here it only arms a deadline, and the rank ends when rank 0 does (`follow`)."""
+    stopping = threading.Event()
+    limit = grace + FOLLOW_SECS
+
+    def on_signal(*_):
+        if stopping.is_set():
+            return
+        stopping.set()
+        log.info(
+            "rank %d: stop: following rank 0's drain; ending with it (at most %gs)", rank, limit
+        )
+        timer = threading.Timer(limit, os._exit, args=(0,))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    return stopping
+
+
+def follow(
+    model: str, options: EngineOptions, ranks: Ranks, split=None, grace: float = 10.0
+) -> None:
+    """Ranks other than 0: load the model's share, then run whatever rank 0 runs until rank 0
+    ends (a stop before the load ends the rank at once: nothing is in flight without it)."""
     log.info("rank %d of %d: loading %s", ranks.rank, ranks.size, model)
     bundle = load(model, split)
     vocab = grammar.Vocab(bundle)
+    stopping = _follow_stops(ranks.rank, grace)
     log.info("rank %d: loaded; following rank 0", ranks.rank)
     while True:
-        req = ranks.share(None)
+        try:
+            req = ranks.share(None)
+        except Exception as e:
+            if not stopping.is_set():
+                raise
+            log.info("rank %d: stop: rank 0 ended (%s); exiting", ranks.rank, e)
+            os._exit(0)
         if req is None:
             continue
         mx.random.seed(req["seed"])
@@ -139,5 +176,8 @@ def follow(model: str, options: EngineOptions, ranks: Ranks, split=None) -> None
             ):
                 pass
         except Exception as e:  # noqa: BLE001 - see Ranks.abort
+            if stopping.is_set():  # rank 0 cut it at its drain's end and exited
+                log.info("rank %d: stop: rank 0 ended (%s); exiting", ranks.rank, e)
+                os._exit(0)
             log.error("rank %d: generation failed: %s", ranks.rank, e)
             ranks.abort()

@@ -1,5 +1,6 @@
-"""`python -m macserve.services.providers.mlx_drain NAME DRAIN [mlx_lm.server arguments]`:
-mlx-lm's own server, run in this process, with a drain on a planned stop.
+"""`python -m macserve.services.providers.mlx_drain NAME DRAIN [-m ENTRY ...] [mlx_lm.server
+arguments]`: mlx-lm's own server, run in this process, with a drain on a planned stop. (With
+`-m ENTRY`, a module that runs mlx-lm's server itself: the SPLIT shim, engine/pipeline.py.)
 
 What mlx-lm 0.32.2's server (mlx_lm/server.py) does on a stop: it installs no signal handler,
 so SIGTERM ends the process at once (Python's default action) and a stream in flight is cut
@@ -27,13 +28,22 @@ port taken), that thread, not a daemon, keeps the process alive serving nothing;
 failure is exit 1, which the supervisor sees. The supervisor's SIGKILL comes DRAIN +
 values.STOP_MARGIN after its SIGTERM. `macserve run`
 still execs this (one process: the supervisor's pid is the server's).
+
+Several hosts (mlx.launch, MLX_RANK): every rank runs this. Rank 0 answers HTTP and drains as
+above. A rank > 0 (`Follower`) takes part in every step of rank 0's generations, so the stop
+signal, which reaches it at the same moment (the supervisor signals the process group), must
+not end it while it generates: it keeps going until rank 0 exits, which it sees as its next
+collective failing, then exits 0; DRAIN + FOLLOW_SECS at most. mlx_launch.py turns the
+group's end after a stop into exit 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import runpy
 import signal
 import sys
 import threading
@@ -46,8 +56,22 @@ from ...web.openai_api import error_body, error_event
 from ..graceful import wait_idle
 
 SETTLE_SECS = 2.0  # after the drain: the 503s being written, the GETs, a slow client's headers
+FOLLOW_SECS = 10.0  # a rank > 0 outlives rank 0's drain by this much at most (< STOP_MARGIN)
 LOCK_SECS = 1.0  # a write stuck on a client that does not read is not waited for longer
 MAX_REFUSED_BODY = 1 << 24  # read (and drop) a refused request's body up to this much
+
+
+def _say(line: str) -> None:
+    # a rank started over ssh loses its terminal when the supervisor's SIGTERM ends its ssh
+    # client (mlx.launch): its output is gone then, its drain must go on
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _flush() -> None:
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            f.flush()
 
 
 class _Cut(Exception):
@@ -102,7 +126,7 @@ class Drain:
         self.running: dict = {}
 
     def log(self, msg: str) -> None:
-        print(f"macserve run {self.name}: {msg}", file=sys.stderr, flush=True)
+        _say(f"macserve run {self.name}: {msg}")
 
     def busy(self) -> int:
         with self.lock:
@@ -191,8 +215,7 @@ class Drain:
             if not pending:
                 break
             time.sleep(0.05)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         os._exit(0)
 
     def on_signal(self, *_) -> None:
@@ -204,11 +227,73 @@ class Drain:
         threading.Thread(target=self.stop, daemon=True).start()
 
 
+class Follower:
+    """A rank > 0 under mlx.launch (several hosts). It answers no HTTP, but takes part in every
+    step of rank 0's generations, so it must outlive rank 0's drain: once its generation loop
+    runs, the stop signal only arms a deadline (DRAIN + FOLLOW_SECS, past rank 0's drain and
+    settle). It ends with rank 0: its next collective fails (`[ring] connection to a peer was
+    lost`) and it exits 0. Still loading or connecting, it exits at the signal: nothing can be
+    in flight without it."""
+
+    def __init__(self, name: str, drain: float, rank: int):
+        self.name, self.drain, self.rank = name, drain, rank
+        self.generating = self.stopping = False
+
+    def log(self, msg: str) -> None:
+        _say(f"macserve run {self.name}: rank {self.rank}: {msg}")
+
+    def on_signal(self, *_) -> None:
+        if not self.generating:
+            os._exit(0)
+        if self.stopping:
+            return
+        self.stopping = True
+        limit = self.drain + FOLLOW_SECS
+        self.log(f"stop: following rank 0's drain; ending with it (at most {limit:g}s)")
+
+        def deadline():
+            time.sleep(limit)
+            self.log(f"stop: rank 0 still running after {limit:g}s: exiting")
+            os._exit(0)
+
+        threading.Thread(target=deadline, daemon=True).start()
+
+    def follow(self, server) -> None:
+        """mlx-lm's generation loop, marked as running, and ended quietly once rank 0 is gone
+        after a stop (before a stop, its own log of the death, as before)."""
+        own = server.ResponseGenerator._generate
+        follower = self
+
+        def generate(gen):
+            follower.generating = True
+            try:
+                own(gen)
+            except Exception as e:
+                if not follower.stopping:
+                    raise
+                follower.log(f"stop: rank 0 ended ({e}); exiting")
+                os._exit(0)
+
+        server.ResponseGenerator._generate = generate
+
+
+def _rank() -> int:
+    """This process's rank: mlx.launch exports MLX_RANK to each; one host has none (0)."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
-        sys.exit("usage: python -m macserve.services.providers.mlx_drain NAME DRAIN [ARGS...]")
-    drain = Drain(argv[0], float(argv[1]))
+        sys.exit(
+            "usage: python -m macserve.services.providers.mlx_drain NAME DRAIN "
+            "[-m ENTRY ...] [ARGS...]"
+        )
+    rank = _rank()
+    drain = Drain(argv[0], float(argv[1])) if rank == 0 else Follower(argv[0], float(argv[1]), rank)
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     for sig in signals:  # before mlx-lm's slow import: a stop then is a clean exit 0 too
         signal.signal(sig, drain.on_signal)
@@ -216,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     from mlx_lm import server
 
     own = server._run_http_server
-    if "handler_class" not in inspect.signature(own).parameters:
+    if isinstance(drain, Follower):
+        drain.follow(server)
+    elif "handler_class" not in inspect.signature(own).parameters:
         drain.log("this mlx-lm's server takes no handler class: a stop cuts its generations")
         for sig in signals:
             signal.signal(
@@ -230,9 +317,17 @@ def main(argv: list[str] | None = None) -> None:
             return own(host, port, response_generator, *args, **kwargs)
 
         server._run_http_server = run_http_server
-    sys.argv = ["mlx_lm.server", *argv[2:]]
+    rest = argv[2:]
     try:
-        server.main()
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            # an entry that runs mlx-lm's server itself (the SPLIT shim, engine/pipeline.py):
+            # named, not imported (services do not import the engine); it finds the server
+            # patched above
+            sys.argv = [rest[1], *rest[2:]]
+            runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["mlx_lm.server", *rest]
+            server.main()
     except Exception:
         # e.g. its port taken: mlx-lm's generation thread (not a daemon) would keep the process
         # alive, serving nothing, where the supervisor must see a failed start

@@ -11,8 +11,10 @@ launcher, `--backend ring|jaccl`), one rank per host; mlx-lm shards the model it
 (`--pipeline` for SHARDING=pipeline, its tensor parallelism otherwise) and only rank 0 answers
 HTTP, on HOST:PORT of the first host, so health, readiness and chat are unchanged. When a rank
 dies mlx.launch stops the others and exits; `mlx_launch.py` (which runs it) turns that into a
-non-zero exit, so the supervisor restarts the whole group. SPLIT (uneven layers per host) runs
-the same server under `macserve.engine.pipeline`, which passes the split to mlx-lm.
+non-zero exit, so the supervisor restarts the whole group. Each rank runs the server under
+`mlx_drain.py` too: on a planned stop rank 0 drains as one host does, the others keep stepping
+its generations and end with it, and `mlx_launch.py` exits 0. SPLIT (uneven layers per host)
+runs the same server under `macserve.engine.pipeline`, which passes the split to mlx-lm.
 The ring backend listens on PORT+1.. (one port per rank), not on its default 32323, so two
 services on one machine do not collide.
 """
@@ -66,23 +68,24 @@ class MlxLm(BaseProvider):
 
     def argv(self, profile: Profile) -> list[str]:
         argv = super().argv(profile)
+        # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which gives
+        # a planned stop's generations in flight up to DRAIN (mlx_drain.py); on several hosts
+        # every rank runs it (rank 0 drains, the others follow it)
+        drain = ["-m", DRAIN_SHIM, profile.name, f"{drain_secs(profile.drain):g}"]
         if not profile.multi_host:
-            # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which
-            # gives a planned stop's generations in flight up to DRAIN (mlx_drain.py)
-            drain = f"{drain_secs(profile.drain):g}"
-            return [argv[0], "-m", DRAIN_SHIM, profile.name, drain, *argv[4:]]
+            return [argv[0], *drain, *argv[4:]]
         if profile.sharding == "pipeline":
             argv.append("--pipeline")
-        rest = argv[1:]
-        if profile.split:
-            # [-m, mlx_lm, server, ...] -> mlx-lm's server under our uneven-split shim
-            rest = ["-m", SPLIT_SHIM, _split_text(profile)] + rest[3:]
+        # SPLIT: the drain shim runs mlx-lm's server through our uneven-split shim
+        split = ["-m", SPLIT_SHIM, _split_text(profile)] if profile.split else []
         # mlx.launch runs `--python` + the arguments after `--` on each host.
         return (
             [sys.executable, "-m", LAUNCH_SHIM]
             + launch_command(profile)
             + ["--python", argv[0], "--"]
-            + rest
+            + drain
+            + split
+            + argv[4:]
         )
 
     def binary_path(self) -> str:
