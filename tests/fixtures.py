@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -427,3 +428,64 @@ def launchctl(tmp_path, monkeypatch):
 
     take.state = tmp_path / "launchctl.state"
     return take
+
+
+# A stream with a planned stop in the middle (the drain tests of mlx profiles, one host and two).
+def wait_for_text(path, offset, text, deadline_s=120.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if text in path.read_text()[offset:]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stream_with_stop(port, body, stop, log, probe=False) -> dict:
+    """Stream `body`; after its fifth chunk call `stop` (a planned stop of the service) while it
+    runs. With `probe`, once the log says the drain waits, send a new request. What the
+    clients saw."""
+    seen = {"chunks": 0, "finish": None, "error_event": None, "done": False, "dropped": None}
+    at = len(log.read_text())
+    out = {}
+
+    def refused():
+        if wait_for_text(log, at, "stop: waiting for 1 generation(s) in flight"):
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={**body, "max_tokens": 2},
+                timeout=60,
+            )
+            out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
+
+    threads = [threading.Thread(target=stop)]
+    if probe:
+        threads.append(threading.Thread(target=refused))
+    try:
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={**body, "stream": True},
+            timeout=httpx.Timeout(120, connect=10),
+        ) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    seen["done"] = True
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    seen["error_event"] = event["error"]
+                    continue
+                seen["chunks"] += 1
+                if seen["chunks"] == 5:
+                    for t in threads:
+                        t.start()
+                choices = event.get("choices") or [{}]
+                seen["finish"] = choices[0].get("finish_reason") or seen["finish"]
+    except httpx.HTTPError as e:  # the connection dropped under the stream
+        seen["dropped"] = type(e).__name__
+    for t in threads:
+        t.join(300)
+        assert not t.is_alive()
+    seen.update(probe=out.get("probe"))
+    return seen

@@ -24,7 +24,7 @@ import pytest
 from macserve.services import values
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
-from .fixtures import cli, free_port, poll, status
+from .fixtures import cli, free_port, poll, status, stream_with_stop, wait_for_text
 
 launch_missing = shutil.which("mlx.launch") is None and not os.access(
     os.path.join(os.path.dirname(sys.executable), "mlx.launch"), os.X_OK
@@ -45,66 +45,6 @@ def _body(model) -> dict:
         "temperature": 0,
         "logit_bias": {str(t): -100 for t in eos},
     }
-
-
-def _wait_for(path, offset, text, deadline_s=120.0) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if text in path.read_text()[offset:]:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _stream_with_stop(port, body, stop, log, probe=False) -> dict:
-    """Stream `body`; after its fifth chunk call `stop` (a planned stop of the service) while it
-    runs. With `probe`, once the log says the drain waits, send a new request. What the
-    clients saw."""
-    seen = {"chunks": 0, "finish": None, "error_event": None, "done": False, "dropped": None}
-    at = len(log.read_text())
-    out = {}
-
-    def refused():
-        if _wait_for(log, at, "stop: waiting for 1 generation(s) in flight"):
-            r = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={**body, "max_tokens": 2},
-                timeout=60,
-            )
-            out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
-
-    threads = [threading.Thread(target=stop)]
-    if probe:
-        threads.append(threading.Thread(target=refused))
-    try:
-        with httpx.stream(
-            "POST",
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={**body, "stream": True},
-            timeout=httpx.Timeout(120, connect=10),
-        ) as r:
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    seen["done"] = True
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    seen["error_event"] = event["error"]
-                    continue
-                seen["chunks"] += 1
-                if seen["chunks"] == 5:
-                    for t in threads:
-                        t.start()
-                choices = event.get("choices") or [{}]
-                seen["finish"] = choices[0].get("finish_reason") or seen["finish"]
-    except httpx.HTTPError as e:  # the connection dropped under the stream
-        seen["dropped"] = type(e).__name__
-    for t in threads:
-        t.join(300)
-        assert not t.is_alive()
-    seen.update(probe=out.get("probe"))
-    return seen
 
 
 def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
@@ -144,8 +84,8 @@ def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
 
     beside = threading.Thread(target=answered_whole)
     beside.start()
-    assert _wait_for(log, at, "Prompt processing progress")  # mlx-lm has it in hand
-    seen = _stream_with_stop(port, body, lambda: sv.restart("tiny"), log)
+    assert wait_for_text(log, at, "Prompt processing progress")  # mlx-lm has it in hand
+    seen = stream_with_stop(port, body, lambda: sv.restart("tiny"), log)
     beside.join(300)
     text = log.read_text()[at:]
     assert seen["chunks"] >= 5 and seen["finish"] is None, seen  # it did not run to its end
@@ -169,7 +109,7 @@ def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
     services.append(status("tiny")["pid"])
     assert f"stopwaitsecs={values.stop_wait(None)}\n" in program.read_text()
     at, sv_at = len(log.read_text()), len(sv_log.read_text())
-    seen = _stream_with_stop(port, body, lambda: sv.stop("tiny"), log, probe=True)
+    seen = stream_with_stop(port, body, lambda: sv.stop("tiny"), log, probe=True)
     text = log.read_text()[at:]
     assert seen["finish"] == "length" and seen["done"], seen
     assert seen["dropped"] is None and seen["error_event"] is None, seen
@@ -231,7 +171,7 @@ def test_mlx_drain_on_two_ranks_under_mlx_launch(tiny_mlx_f32, services, macserv
     # the default DRAIN, a restart: the stream finishes on both ranks, a request meanwhile
     # gets a 503, and the group exits 0 and comes back
     at, sv_at = len(log.read_text()), len(sv_log.read_text())
-    seen = _stream_with_stop(port, body, lambda: sv.restart("pair"), log, probe=True)
+    seen = stream_with_stop(port, body, lambda: sv.restart("pair"), log, probe=True)
     text = log.read_text()[at:]
     assert seen["finish"] == "length" and seen["done"], seen
     assert seen["dropped"] is None and seen["error_event"] is None, seen
@@ -262,7 +202,7 @@ def test_mlx_drain_on_two_ranks_under_mlx_launch(tiny_mlx_f32, services, macserv
     services.extend(_rank_pids(s["pid"]))
     assert "macserve: pipeline rank 0 of 2: layers 1-3" in log.read_text()[at:]
     at, sv_at = len(log.read_text()), len(sv_log.read_text())
-    seen = _stream_with_stop(port, body, lambda: sv.stop("pair"), log)
+    seen = stream_with_stop(port, body, lambda: sv.stop("pair"), log)
     text = log.read_text()[at:]
     assert seen["chunks"] >= 5 and seen["finish"] is None, seen  # it did not run to its end
     assert seen["dropped"] is None and seen["done"], seen  # it ended, not dropped

@@ -7,6 +7,8 @@ and a rank killed with SIGKILL must bring the whole group back healthy.
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import httpx
 import psutil
@@ -14,8 +16,8 @@ import pytest
 
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
-from .fixtures import cli, free_port, poll, status
-from .test_drain_mlx import _stream_with_stop
+from .conftest import REPO
+from .fixtures import cli, free_port, poll, status, stream_with_stop
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("mlx.launch") is None
@@ -254,7 +256,7 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     at, sv_at = len(log_file.read_text()), len(sv_log.read_text())
     body = {"messages": PROMPT, "max_tokens": 300, "temperature": 1.0, "seed": 5}
     sv = SupervisorBackend(macserve_home)
-    seen = _stream_with_stop(multi, body, lambda: sv.restart("two"), log_file)
+    seen = stream_with_stop(multi, body, lambda: sv.restart("two"), log_file)
     text = log_file.read_text()[at:]
     assert seen["chunks"] > 5 and seen["done"] and seen["finish"] in ("length", "stop"), seen
     assert seen["dropped"] is None and seen["error_event"] is None, seen
@@ -395,3 +397,28 @@ def test_check_hosts_one_line_errors(extra, msg):
     with pytest.raises(MacserveError, match=re.escape(msg)) as e:
         mlx_lm.check_hosts(parse(BASE + extra, "x"))
     assert "\n" not in str(e.value)
+
+
+def test_mlx_launch_found_from_a_venv_with_the_system_packages(tmp_path):
+    """A venv made with --system-site-packages imports the base interpreter's mlx, but mlx's
+    scripts stay in the base interpreter's bin, which a service's PATH does not hold: the
+    launcher is found where the installed mlx recorded it. (The fresh-clone sweeps of issue 31
+    ran the suite in such venvs: every multi-host service failed with "mlx.launch not found".)"""
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+        timeout=120,
+    )
+    assert not (venv / "bin" / "mlx.launch").exists()
+    code = "from macserve.services.providers.mlx_lm import launcher; print(launcher())"
+    r = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+    assert r.returncode == 0, r.stderr
+    found = r.stdout.strip()
+    assert os.path.basename(found) == "mlx.launch" and os.access(found, os.X_OK), found

@@ -10,6 +10,7 @@ import threading
 
 import httpx
 import openai
+import psutil
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, poll, router_process, status
@@ -66,6 +67,29 @@ def _llama(name, gguf, port, services):
     return s["pid"]
 
 
+def _restart_while_generating(run_pid: int, port: int, restarter: threading.Thread) -> None:
+    """Start the restart so that its stop finds the generation still running, whatever the
+    machine's load. The 900 tokens take a second or two; the restart is a new process (its
+    start took longer than the whole stream once, under load), so llama-server is paused
+    (SIGSTOP) until the drain's first `GET /slots` is on its way: `macserve run` holds a
+    connection to the server's port. Then it runs on, mid-generation, and the drain sees it."""
+    server = next(c for c in psutil.Process(run_pid).children() if "llama-server" in c.name())
+
+    def drain_asks() -> bool:
+        return any(
+            c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+            for c in psutil.Process(run_pid).net_connections(kind="tcp")
+        )
+
+    assert not drain_asks()  # while it serves, `macserve run` holds no connection to it
+    server.suspend()
+    try:
+        restarter.start()
+        poll(drain_asks, "the drain's first look at the slots", timeout=300)
+    finally:
+        server.resume()
+
+
 def test_llama_restart_during_a_stream_finishes_it(
     llama_server, model_gguf, services, macserve_home
 ):
@@ -85,7 +109,7 @@ def test_llama_restart_during_a_stream_finishes_it(
     for chunk in stream:  # a dropped connection raises here: the test fails
         chunks.append(chunk)
         if len(chunks) == 5:
-            restarter.start()  # the restart's SIGTERM comes while the stream is running
+            _restart_while_generating(pid1, port, restarter)
         if chunk.choices and chunk.choices[0].finish_reason:
             finish.append(chunk.choices[0].finish_reason)
     restarter.join(600)

@@ -21,6 +21,7 @@ services on one machine do not collide.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import ipaddress
 import os
@@ -164,12 +165,29 @@ def _split_text(profile: Profile) -> str:
 
 
 def launcher() -> str:
-    """mlx.launch of the interpreter running macserve (not a pyenv shim), else the one on PATH."""
+    """mlx.launch of the interpreter running macserve (not a pyenv shim): beside it, else where
+    the mlx it imports installed it (a venv made with --system-site-packages has mlx's scripts
+    in the base interpreter's bin, which a service's PATH does not hold), else the one on PATH."""
     here = Path(sys.executable).parent / "mlx.launch"
-    found = str(here) if os.access(here, os.X_OK) else shutil.which("mlx.launch")
+    found = str(here) if os.access(here, os.X_OK) else _installed_with_mlx()
+    found = found or shutil.which("mlx.launch")
     if not found:
         raise MacserveError("mlx.launch not found (it comes with mlx: pip install mlx)")
     return found
+
+
+def _installed_with_mlx() -> str | None:
+    """The mlx.launch script the installed mlx package recorded (its RECORD's path), if any."""
+    try:
+        dist = importlib.metadata.distribution("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == "mlx.launch":
+            path = Path(dist.locate_file(f)).resolve()
+            if os.access(path, os.X_OK):
+                return str(path)
+    return None
 
 
 def launch_command(profile: Profile) -> list[str]:
