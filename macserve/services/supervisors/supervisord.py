@@ -82,6 +82,7 @@ class SupervisorBackend:
             h = hashlib.sha256(str(self.dir).encode()).hexdigest()[:12]
             sock = Path(f"/tmp/macserve-{os.getuid()}-{h}.sock")
         self.sock = sock
+        self.started_now = False  # ensure_running() started supervisord (apply, restart)
 
     # ---- files -------------------------------------------------------------------------------
 
@@ -266,6 +267,7 @@ class SupervisorBackend:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if self.running():
+                    self.started_now = True
                     return self.rpc()
                 time.sleep(0.1)
             raise MacserveError(f"supervisord did not answer on {self.sock} within {timeout:.0f}s")
@@ -304,12 +306,19 @@ class SupervisorBackend:
     def apply(self, spec: ServiceSpec) -> None:
         before = self.stop_wait(spec.name)  # a lower DRAIN: the old process stops with the old
         self.install(spec)
+        self.started_now = False
         self.ensure_running()
         rpc = self.rpc(at_least=before)
         added, changed, _ = self._update(rpc)
         group = PREFIX + spec.name
-        if group in added or group in changed:
-            return  # (re)added with the new config and started
+        if group in added or group in changed or self.started_now:
+            # (re)added with the new config and started; or supervisord itself was just
+            # started, with this config, and started the program (autostart=true). A stop
+            # now would come within milliseconds of its spawn, where supervisord's forked
+            # child, not yet exec'd, takes the SIGTERM with supervisord's own handler and
+            # loses it: the program then runs on until stopwaitsecs and a SIGKILL (seen in a
+            # loaded test run: 80 s, then `terminated by SIGKILL`).
+            return
         self._restart(rpc, spec.name)
 
     def start(self, name: str) -> None:
@@ -337,9 +346,10 @@ class SupervisorBackend:
 
     def restart(self, name: str) -> None:
         self._need(name)
+        self.started_now = False
         rpc = self.ensure_running()
         added, changed, _ = self._update(rpc)
-        if PREFIX + name not in added + changed:
+        if PREFIX + name not in added + changed and not self.started_now:  # see apply()
             self._restart(rpc, name)
 
     def _restart(self, rpc, name: str) -> None:
