@@ -6,6 +6,7 @@ on loopback. Every wait polls with a deadline; supervisord is shut down in teard
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -214,7 +215,12 @@ def test_api_key_enforced_and_kept_secret(llama_server, model_gguf, services, ma
     """`set API_KEY=` (and HF_TOKEN=): the key is enforced and reaches the server only through
     its environment: not in argv (ps), show, ls, the logs, or any file that is not 0600."""
     port = free_port()
-    key, token = "sk-macserve-test-6f1d0c", "hf_macservetesttoken42"
+    # fresh per run: the argv scan below sees every process on the machine, and a suite running
+    # beside this one passes its own key to `macserve set` in argv (as this test does)
+    key, token = (
+        f"sk-macserve-test-{secrets.token_hex(6)}",
+        f"hf_macservetest{secrets.token_hex(6)}",
+    )
     r = cli("new", str(model_gguf), "--name", "tiny", "--port", str(port), "--extra-args", "-t 1")
     assert r.returncode == 0, r.stderr
     services.append(status("tiny")["pid"])
@@ -232,8 +238,8 @@ def test_api_key_enforced_and_kept_secret(llama_server, model_gguf, services, ma
     environ = open(f"/proc/{server.pid}/environ", "rb").read().split(b"\0")
     assert f"LLAMA_API_KEY={key}".encode() in environ
     assert f"HF_TOKEN={token}".encode() in environ
-    secrets = macserve_home / "profiles" / "tiny.secrets"
-    assert (secrets.stat().st_mode & 0o777) == 0o600
+    secrets_file = macserve_home / "profiles" / "tiny.secrets"
+    assert (secrets_file.stat().st_mode & 0o777) == 0o600
     # chat finds the key in the profile's secrets
     r = cli("chat", "tiny", "Who's there?")
     assert r.returncode == 0, r.stderr
@@ -253,7 +259,7 @@ def test_api_key_enforced_and_kept_secret(llama_server, model_gguf, services, ma
     assert r.returncode == 0, r.stderr
     assert "moved API_KEY out of EXTRA_ARGS" in r.stdout
     assert "sk-other-key-77" not in (macserve_home / "profiles" / "tiny.env").read_text()
-    assert "API_KEY=sk-other-key-77" in secrets.read_text()
+    assert "API_KEY=sk-other-key-77" in secrets_file.read_text()
     services.append(status("tiny")["pid"])
     ok = httpx.get(models, headers={"Authorization": "Bearer sk-other-key-77"}, timeout=10)
     assert ok.status_code == 200
@@ -262,7 +268,7 @@ def test_api_key_enforced_and_kept_secret(llama_server, model_gguf, services, ma
     assert r.returncode == 0, r.stderr
     services.append(status("tiny")["pid"])
     assert httpx.get(models, timeout=10).status_code == 200
-    assert not secrets.exists()
+    assert not secrets_file.exists()
     assert cli("rm", "tiny").returncode == 0
 
 
@@ -354,6 +360,20 @@ def test_launchd_log_rotates_by_size_while_running(llama_server, model_gguf, mac
         MACSERVE_LOG_CHECK_SECONDS="0.2",
     )
     run_cmd = [sys.executable, "-m", "macserve", "run", "rot"]
+
+    def ours() -> list:
+        # this test's processes only: a suite running beside this one runs the same command
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.info["cmdline"] == run_cmd and p.environ().get("MACSERVE_HOME") == str(
+                    macserve_home
+                ):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
     with open(log, "ab") as f:
         server = subprocess.Popen(run_cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
@@ -381,13 +401,12 @@ def test_launchd_log_rotates_by_size_while_running(llama_server, model_gguf, mac
         assert server.poll() is None
         assert [c.name() for c in psutil.Process(server.pid).children()] == ["llama-server"]
         assert "macserve run rot:" in log.with_name("rot.log.2").read_text()
-        watchers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == run_cmd]
-        assert len(watchers) == 2  # `macserve run` (the server's parent) and the watcher
+        assert len(ours()) == 2  # `macserve run` (the server's parent) and the watcher
     finally:
         server.terminate()
         server.wait(30)
     poll(
-        lambda: not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == run_cmd],
+        lambda: not ours(),
         "the log watcher to exit with its server",
         30,
     )
