@@ -17,6 +17,7 @@ supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serv
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -440,22 +441,59 @@ def wait_for_text(path, offset, text, deadline_s=120.0) -> bool:
     return False
 
 
+def _held_post(port, body) -> tuple[socket.socket, bytes]:
+    """A POST sent whole but for its body's last byte: the server's handler has begun it (a
+    generation in flight, for a drain) and waits for that byte, so a drain cannot end before
+    the caller sends it. The socket, and the byte."""
+    data = json.dumps(body).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    s.sendall(head.encode() + data[:-1])
+    return s, data[-1:]
+
+
+def _answer_status(s: socket.socket) -> int | None:
+    """The status of the (HTTP/1.0, closed after) answer on `s`, read to its end."""
+    raw = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            raw += chunk
+    line = raw.split(b"\r\n", 1)[0].split()
+    return int(line[1]) if len(line) > 1 and line[1].isdigit() else None
+
+
 def stream_with_stop(port, body, stop, log, probe=False) -> dict:
     """Stream `body`; after its fifth chunk call `stop` (a planned stop of the service) while it
-    runs. With `probe`, once the log says the drain waits, send a new request. What the
-    clients saw."""
+    runs. With `probe`, once the log says the drain waits, send a new request, which must be
+    refused. So that the drain lasts until that answer whatever the machine's load (the stream
+    alone may end a moment after the stop), a second request is held: sent before the stream
+    but for its body's last byte, a generation in flight the drain waits for, and completed
+    once the probe is answered. What the clients saw (`waiting`: the generations the drain
+    said it waits for; `held`: the held request's status)."""
     seen = {"chunks": 0, "finish": None, "error_event": None, "done": False, "dropped": None}
     at = len(log.read_text())
     out = {}
+    held = _held_post(port, {**body, "max_tokens": 2}) if probe else None
 
     def refused():
-        if wait_for_text(log, at, "stop: waiting for 1 generation(s) in flight"):
-            r = httpx.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                json={**body, "max_tokens": 2},
-                timeout=60,
-            )
-            out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
+        try:
+            if wait_for_text(log, at, "generation(s) in flight"):
+                m = re.search(
+                    r"stop: waiting for (\d+) generation\(s\) in flight", log.read_text()[at:]
+                )
+                out["waiting"] = int(m.group(1)) if m else None
+                r = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={**body, "max_tokens": 2},
+                    timeout=60,
+                )
+                out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
+        finally:  # the held request's last byte: the drain can end
+            held[0].sendall(held[1])
+            out["held"] = _answer_status(held[0])
 
     threads = [threading.Thread(target=stop)]
     if probe:
@@ -484,8 +522,12 @@ def stream_with_stop(port, body, stop, log, probe=False) -> dict:
                 seen["finish"] = choices[0].get("finish_reason") or seen["finish"]
     except httpx.HTTPError as e:  # the connection dropped under the stream
         seen["dropped"] = type(e).__name__
-    for t in threads:
-        t.join(300)
-        assert not t.is_alive()
-    seen.update(probe=out.get("probe"))
+    finally:
+        for t in threads:
+            if t.ident is not None:  # started
+                t.join(300)
+                assert not t.is_alive()
+        if held:
+            held[0].close()
+    seen.update(probe=out.get("probe"), waiting=out.get("waiting"), held=out.get("held"))
     return seen

@@ -116,6 +116,8 @@ def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
     code, retry_after, answer = seen["probe"]
     assert (code, retry_after) == (503, "1"), seen["probe"]
     assert answer["error"]["type"] == "unavailable_error", answer
+    # the drain waited for the stream and the request held open beside it, which was served
+    assert (seen["waiting"], seen["held"]) == (2, 200), seen
     m = re.search(r"stop: generations finished after ([0-9.]+)s", text)
     assert m, text[-3000:]
     assert float(m.group(1)) > short, (m.group(1), short)  # longer than the DRAIN that cut it
@@ -178,6 +180,8 @@ def test_mlx_drain_on_two_ranks_under_mlx_launch(tiny_mlx_f32, services, macserv
     code, retry_after, answer = seen["probe"]
     assert (code, retry_after) == (503, "1"), seen["probe"]
     assert answer["error"]["type"] == "unavailable_error", answer
+    # the drain waited for the stream and the request held open beside it, which was served
+    assert (seen["waiting"], seen["held"]) == (2, 200), seen
     assert re.search(r"stop: generations finished after [0-9.]+s", text), text[-3000:]
     assert "rank 1: stop: following rank 0's drain" in text, text[-3000:]
     assert "macserve: stop: every rank has ended; exiting 0" in text, text[-3000:]
