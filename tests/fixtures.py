@@ -441,28 +441,48 @@ def wait_for_text(path, offset, text, deadline_s=120.0) -> bool:
     return False
 
 
+def raw_post_head(path: str, framing: str) -> bytes:
+    """A POST's head for a raw socket, its body's framing given (Content-Length or chunked)."""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        f"{framing}\r\n\r\n"
+    ).encode()
+
+
+def raw_read_all(s: socket.socket) -> bytes:
+    """Everything the server sends on `s` until it closes (or resets) the connection."""
+    s.settimeout(60)
+    got = b""
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            return got  # what arrived before the reset: raw_response says what was lost
+        if not data:
+            return got
+        got += data
+
+
+def raw_response(got: bytes) -> tuple[int, dict]:
+    """(status, JSON body); fails unless the whole body that Content-Length announces is in."""
+    head, sep, body = got.partition(b"\r\n\r\n")
+    assert sep, f"no complete response head: {got[:200]!r}"
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    length = int({k.lower(): v for k, v in headers.items()}["content-length"])
+    assert len(body) == length, f"{len(body)} of {length} body bytes arrived: {got[:300]!r}"
+    return status, json.loads(body)
+
+
 def _held_post(port, body) -> tuple[socket.socket, bytes]:
     """A POST sent whole but for its body's last byte: the server's handler has begun it (a
     generation in flight, for a drain) and waits for that byte, so a drain cannot end before
     the caller sends it. The socket, and the byte."""
     data = json.dumps(body).encode()
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
-    s.sendall(head.encode() + data[:-1])
+    s.sendall(raw_post_head("/v1/chat/completions", f"Content-Length: {len(data)}") + data[:-1])
     return s, data[-1:]
-
-
-def _answer_status(s: socket.socket) -> int | None:
-    """The status of the (HTTP/1.0, closed after) answer on `s`, read to its end."""
-    raw = b""
-    with contextlib.suppress(OSError):
-        while chunk := s.recv(65536):
-            raw += chunk
-    line = raw.split(b"\r\n", 1)[0].split()
-    return int(line[1]) if len(line) > 1 and line[1].isdigit() else None
 
 
 def stream_with_stop(port, body, stop, log, probe=False) -> dict:
@@ -493,7 +513,7 @@ def stream_with_stop(port, body, stop, log, probe=False) -> dict:
                 out["probe"] = (r.status_code, r.headers.get("retry-after"), r.json())
         finally:  # the held request's last byte: the drain can end
             held[0].sendall(held[1])
-            out["held"] = _answer_status(held[0])
+            out["held"] = raw_response(raw_read_all(held[0]))[0]
 
     threads = [threading.Thread(target=stop)]
     if probe:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from .fixtures import free_port, router_process
+from .fixtures import free_port, raw_post_head, raw_read_all, raw_response, router_process
 from .serverproc import serve
 
 BODY = 9 * 2**20  # over web.body.MAX_BODY (8 MB)
@@ -39,38 +39,6 @@ def cpu_load(n=2, seconds=600):
             p.wait()
 
 
-def _headers(path: str, framing: str) -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-        f"{framing}\r\n\r\n"
-    ).encode()
-
-
-def _read_all(s: socket.socket) -> bytes:
-    s.settimeout(60)
-    got = b""
-    while True:
-        try:
-            data = s.recv(65536)
-        except ConnectionResetError:
-            return got  # what arrived before the reset: the assertion below says what was lost
-        if not data:
-            return got
-        got += data
-
-
-def _response(got: bytes) -> tuple[int, dict]:
-    """(status, JSON body); fails unless the whole body that Content-Length announces is in."""
-    head, sep, body = got.partition(b"\r\n\r\n")
-    assert sep, f"no complete response head: {got[:200]!r}"
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    length = int({k.lower(): v for k, v in headers.items()}["content-length"])
-    assert len(body) == length, f"{len(body)} of {length} body bytes arrived: {got[:300]!r}"
-    return status, json.loads(body)
-
-
 def _send(port: int, head: bytes, pieces, pause: float = 0.0) -> bytes:
     """Send `head` then every piece, then read to the end. The send must not be reset: a
     server that closes with the body unread resets the connection, and whether the answer
@@ -85,11 +53,11 @@ def _send(port: int, head: bytes, pieces, pause: float = 0.0) -> bytes:
                     time.sleep(pause)
         except (ConnectionResetError, BrokenPipeError) as e:
             pytest.fail(f"the server reset the connection while the body was sent: {e!r}")
-        return _read_all(s)
+        return raw_read_all(s)
 
 
 def whole_body(port: int, path: str) -> bytes:
-    return _send(port, _headers(path, f"Content-Length: {BODY}"), [b"a" * BODY])
+    return _send(port, raw_post_head(path, f"Content-Length: {BODY}"), [b"a" * BODY])
 
 
 def chunked_body(port: int, path: str) -> bytes:
@@ -97,7 +65,7 @@ def chunked_body(port: int, path: str) -> bytes:
     chunk = f"{piece:x}\r\n".encode() + b"a" * piece + b"\r\n"
     return _send(
         port,
-        _headers(path, "Transfer-Encoding: chunked"),
+        raw_post_head(path, "Transfer-Encoding: chunked"),
         [chunk] * (BODY // piece) + [b"0\r\n\r\n"],
     )
 
@@ -106,14 +74,14 @@ def slow_pieces(port: int, path: str) -> bytes:
     piece = 64 * 1024
     return _send(
         port,
-        _headers(path, f"Content-Length: {BODY}"),
+        raw_post_head(path, f"Content-Length: {BODY}"),
         [b"a" * piece] * (BODY // piece),
         pause=0.002,
     )
 
 
 def _check_413(got: bytes, anthropic: bool) -> None:
-    status, body = _response(got)
+    status, body = raw_response(got)
     assert status == 413, body
     if anthropic:
         assert body["type"] == "error" and body["error"]["type"] == "request_too_large"
@@ -154,6 +122,6 @@ def test_a_body_within_the_limit_still_reaches_the_route(tmp_path, size, macserv
     with router_process(macserve_home, ["router", "--port", str(port)], port):
         doc = json.dumps({"prompt": "a" * size}).encode()
         framing = f"Content-Length: {len(doc)}\r\nConnection: close"
-        got = _send(port, _headers("/v1/completions", framing), [doc])
-        status, body = _response(got)
+        got = _send(port, raw_post_head("/v1/completions", framing), [doc])
+        status, body = raw_response(got)
         assert status == 400 and "`model` is required" in body["error"]["message"]
