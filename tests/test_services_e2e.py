@@ -19,7 +19,15 @@ import psutil
 from macserve.services.profiles import Profile, ProfileStore
 
 from .conftest import REPO, TINY_MODEL
-from .fixtures import cli, free_port, interruptible, poll, status, supervisord_pid
+from .fixtures import (
+    cli,
+    free_port,
+    interruptible,
+    poll,
+    runs_in,
+    status,
+    supervisord_pid,
+)
 
 
 def n_ctx(port) -> int:
@@ -363,16 +371,11 @@ def test_launchd_log_rotates_by_size_while_running(llama_server, model_gguf, mac
 
     def ours() -> list:
         # this test's processes only: a suite running beside this one runs the same command
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if p.info["cmdline"] == run_cmd and p.environ().get("MACSERVE_HOME") == str(
-                    macserve_home
-                ):
-                    found.append(p)
-            except psutil.Error:
-                pass
-        return found
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] == run_cmd and runs_in(p, macserve_home)
+        ]
 
     with open(log, "ab") as f:
         server = subprocess.Popen(run_cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

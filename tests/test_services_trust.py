@@ -18,7 +18,7 @@ import httpx
 import psutil
 
 from .conftest import REPO
-from .fixtures import cli, free_port, poll, status, supervisord_pid
+from .fixtures import cli, free_port, poll, runs_in, status, supervisord_pid
 
 
 def one_line_error(r) -> str:
@@ -343,17 +343,10 @@ def test_supervisord_stopped_then_killed(llama_server, model_gguf, services, mac
         "orphan gone",
     )
     servers = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
-    ours = [p.pid for p in servers if _env(p).get("MACSERVE_HOME") == str(macserve_home)]
+    ours = [p.pid for p in servers if runs_in(p, macserve_home)]
     # one llama-server: the new service's (a child of `macserve run`, which drains it on a stop)
     assert ours == [c.pid for c in psutil.Process(new).children() if c.name() == "llama-server"]
     assert len(ours) == 1
-
-
-def _env(p) -> dict:
-    try:
-        return p.environ()
-    except psutil.Error:
-        return {}
 
 
 def test_crash_loop_in_ls_then_start_fails(
