@@ -431,7 +431,6 @@ def launchctl(tmp_path, monkeypatch):
     return take
 
 
-# A stream with a planned stop in the middle (the drain tests of mlx profiles, one host and two).
 def runs_in(p: psutil.Process, home) -> bool:
     """Whether process `p` runs with MACSERVE_HOME `home`: this test's own, when a suite running
     beside this one starts the same commands. A process gone or not ours to read is not."""
@@ -441,6 +440,7 @@ def runs_in(p: psutil.Process, home) -> bool:
         return False
 
 
+# A stream with a planned stop in the middle (the drain tests of mlx profiles, one host and two).
 def wait_for_text(path, offset, text, deadline_s=120.0) -> bool:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
