@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from macserve.server import tools
-from macserve.server.protocol import Tool
+from macserve.server.events import Text, ToolCall
+from macserve.server.request import Tool
 
 from .serverproc import serve
 
@@ -319,14 +320,15 @@ def test_splitter_finds_calls_across_pieces_and_keeps_other_text():
         for i in range(0, len(text), size):
             events += s.feed(text[i : i + size])
         events += s.flush()
-        said = "".join(e[1] for e in events if e[0] == "text")
-        calls = [e[1] for e in events if e[0] == "call"]
+        said = "".join(e.text for e in events if isinstance(e, Text))
+        calls = [e for e in events if isinstance(e, ToolCall)]
         assert said == "Let me look."  # whitespace around a call is dropped
-        assert events[-1][0] == "call" and len(calls) == 1
+        assert isinstance(events[-1], ToolCall) and len(calls) == 1
         assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"q": "a<b"}
     s = tools.Splitter(tools.OURS, t)  # not a call: kept as text, nothing lost
     bad = "<tool_call>\nnot json\n</tool_call> and <tool"
-    assert "".join(e[1] for e in s.feed(bad) + s.flush()) == bad
+    events = s.feed(bad) + s.flush()
+    assert all(isinstance(e, Text) for e in events) and "".join(e.text for e in events) == bad
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,8 @@
-"""macserve's OpenAI-compatible HTTP server for the MLX engine (`macserve serve MODEL`).
+"""macserve's OpenAI- and Anthropic-compatible HTTP server for the MLX engine
+(`macserve serve MODEL`).
 
-app.py (routes, auth, streaming, uvicorn), protocol.py (request validation and response
-shapes), worker.py (the single thread that owns the model and runs one generation at a time).
+app.py (routes, auth, uvicorn), serving.py (a request's way through the engine), openai/ and
+anthropic/ (one folder per API: request parsing, response shapes, streaming), request.py and
+events.py (the neutral request and the typed events between the APIs and the engine),
+worker.py (the thread that owns the model).
 """

@@ -1,39 +1,67 @@
-"""A running job's Steps -> what an answer is made of, whatever the API: ("text", str,
-logprobs) and ("call", ToolCall) events, then one Finish. Stop strings are cut here, tool
-calls split out of the text, and the job's end (done, deadline, shutdown, failure, client
-gone) becomes a finish or an HttpError."""
+"""A running job's Steps -> what an answer is made of, whatever the API: `Text` and
+`ToolCall` events, then one `Finish` (events.py). Stop strings are cut here, tool calls split
+out of the text, and the job's end (done, deadline, shutdown, failure, client gone) becomes
+a Finish or an HttpError. Each dialect's serving module renders the events."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from ..web.errors import HttpError
-from . import protocol as P
-from . import responses as R
 from . import tools
+from .events import Event, Finish, Text, TokenLogprob
+from .request import GenerationRequest
 from .worker import END, Job
 
 log = logging.getLogger("macserve.server")
 
 
-@dataclass
-class Finish:
-    reason: str  # stop | length | tool_calls | stop_sequence (a stop string matched)
-    stop_sequence: str | None
-    stats: dict
-    logprobs: list  # entries not yet sent with text
+class StopMatcher:
+    """Cuts the output at the first stop string. Text that might be the start of a stop
+    string is held back until the next token decides, so a streamed stop string never leaks."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+        self.hit: str | None = None  # the stop string that matched
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, hit a stop string)."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            i, self.hit = min(hits)
+            return buf[:i], True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
 
 
-async def read_steps(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) -> AsyncIterator:
-    """("text", str, [TokenLogprob]) and ("call", ToolCall) events, then one Finish. Stop
-    strings are cut (and never streamed, even split across tokens); with tools, calls are
-    split out of the text. Raises HttpError when the job fails or the server stopped it."""
-    matcher = P.StopMatcher(req.stop)
+async def read_steps(
+    job: Job, req: GenerationRequest, vocab, fmt, id_prefix: str
+) -> AsyncIterator[Event]:
+    """Text and ToolCall events, then one Finish. Stop strings are cut (and never streamed,
+    even split across tokens); with tools, calls are split out of the text. Raises HttpError
+    when the job fails or the server stopped it."""
+    matcher = StopMatcher(req.stop)
     splitter = tools.Splitter(fmt, req.tools, id_prefix) if req.uses_tools else None
-    pending: list[R.TokenLogprob] = []
+    pending: list[TokenLogprob] = []
     stats: dict = {}
     while True:
         item = await job.out.get()
@@ -59,17 +87,18 @@ async def read_steps(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) ->
                     (vocab.token_bytes(t), v) for t, v in item.top_logprobs if math.isfinite(v)
                 )
                 lp = item.logprob if math.isfinite(item.logprob) else -1e30
-                pending.append(R.TokenLogprob(vocab.token_bytes(item.token), lp, top))
+                pending.append(TokenLogprob(vocab.token_bytes(item.token), lp, top))
             text, hit = matcher.feed(item.text)
             finish = "stop" if hit else item.finish_reason
         if finish and not hit:
             text = (text if item is not None else "") + matcher.flush()
-        events = splitter.feed(text) if splitter else ([("text", text)] if text else [])
+        events = splitter.feed(text) if splitter else ([Text(text)] if text else [])
         if finish and splitter:
             events += splitter.flush()
         for ev in events:
-            if ev[0] == "text":
-                yield ("text", ev[1], pending)
+            if isinstance(ev, Text):
+                # The tokens read so far go with the first text they wrote.
+                yield dataclasses.replace(ev, logprobs=tuple(pending))
                 pending = []
             else:
                 yield ev
@@ -78,11 +107,29 @@ async def read_steps(job: Job, req: P.GenRequest, vocab, fmt, id_prefix: str) ->
                 finish = "tool_calls"
             elif hit:
                 finish = "stop_sequence"
-            yield Finish(finish, matcher.hit if hit else None, stats, pending)
+            yield Finish(finish, matcher.hit if hit else None, stats, tuple(pending))
             return
 
 
-def log_done(req: P.GenRequest, finish: str, stats: dict) -> None:
+def cancelled_on_disconnect(events):
+    """A stream that stops its generation when the client goes: Starlette cancels the
+    response then (CancelledError / GeneratorExit), and the job is cancelled however the
+    stream ends."""
+
+    async def stream(job, *args):
+        try:
+            async for b in events(job, *args):
+                yield b
+        except (asyncio.CancelledError, GeneratorExit):
+            job.disconnect()
+            raise
+        finally:
+            job.cancel()
+
+    return stream
+
+
+def log_done(req: GenerationRequest, finish: str, stats: dict) -> None:
     log.info(
         "%s: %d prompt + %d completion tokens, %.1f tok/s, draft %d/%d accepted, %s",
         req.kind,

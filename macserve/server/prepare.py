@@ -5,13 +5,13 @@ forced tool call, compiled once so a grammar llguidance cannot take is the clien
 from __future__ import annotations
 
 from ..web.errors import HttpError
-from . import protocol as P
 from . import tools
 from .grammar import ConstraintSpec, json_grammar
+from .request import GenerationRequest
 from .worker import Worker
 
 
-def prompt_ids(bundle, req: P.GenRequest) -> list[int]:
+def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
     tok = bundle.tokenizer
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
@@ -41,7 +41,7 @@ def _n(k: int) -> str:
     return f"{k} token" + ("" if k == 1 else "s")
 
 
-def token_budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> int:
+def token_budget(req: GenerationRequest, n_prompt: int, ctx: int, default: int) -> int:
     if n_prompt == 0:
         raise HttpError(400, "the prompt is empty after tokenization", "prompt")
     if n_prompt >= ctx:
@@ -64,7 +64,7 @@ def token_budget(req: P.GenRequest, n_prompt: int, ctx: int, default: int) -> in
     return req.max_tokens
 
 
-def constraint(worker: Worker, req: P.GenRequest, max_tokens: int) -> ConstraintSpec | None:
+def constraint(worker: Worker, req: GenerationRequest, max_tokens: int) -> ConstraintSpec | None:
     """The grammar the answer must follow, checked by compiling it once (a schema llguidance
     cannot take is the client's 400, before the request queues)."""
     if req.json_schema is not None:

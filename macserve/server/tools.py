@@ -26,7 +26,8 @@ from mlx_lm.tool_parsers import json_tools
 
 from ..web.errors import HttpError
 from . import grammar
-from .protocol import Tool
+from .events import Text, ToolCall
+from .request import Tool
 
 TOOLS_PROMPT = """# Tools
 
@@ -42,21 +43,6 @@ For each function call, return a json object with function name and arguments wi
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def input(self) -> dict:
-        """The arguments as an object (Anthropic's `input`)."""
-        try:
-            v = json.loads(self.arguments)
-        except ValueError:
-            return {}
-        return v if isinstance(v, dict) else {"value": v}
 
 
 @dataclass(frozen=True)
@@ -198,7 +184,7 @@ class Splitter:
         self.space = ""  # whitespace waiting for non-whitespace text
         self.calls = 0
 
-    def _text(self, s: str) -> list:
+    def _text(self, s: str) -> list[Text]:
         """Text out, except trailing whitespace: held until more text follows (then sent
         before it) or a call does (then dropped), however the text was split into pieces."""
         body = s.rstrip()
@@ -206,9 +192,9 @@ class Splitter:
             self.space += s
             return []
         out, self.space = self.space + body, s[len(body) :]
-        return [("text", out)]
+        return [Text(out)]
 
-    def _calls(self, body: str) -> list | None:
+    def _calls(self, body: str) -> list[ToolCall] | None:
         try:
             parsed = self.fmt.parse(body, [t.spec() for t in self.tools])
         except (ValueError, KeyError, TypeError, AttributeError, IndexError):
@@ -220,12 +206,12 @@ class Splitter:
                 return None
             args = p.get("arguments", {})
             text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            out.append(("call", ToolCall(p.get("id") or new_call_id(self.prefix), p["name"], text)))
+            out.append(ToolCall(p.get("id") or new_call_id(self.prefix), p["name"], text))
         self.calls += len(out)
         self.space = ""
         return out
 
-    def feed(self, text: str) -> list:
+    def feed(self, text: str) -> list[Text | ToolCall]:
         self.buf += text
         out = []
         while True:
@@ -246,7 +232,7 @@ class Splitter:
             out += calls if calls is not None else self._text(self.fmt.start + body + self.fmt.end)
             self.buf, self.inside = self.buf[j + len(self.fmt.end) :], False
 
-    def flush(self) -> list:
+    def flush(self) -> list[Text | ToolCall]:
         """The end of the text: a call cut short (max_tokens) is parsed if it can be, else kept
         as text."""
         buf, self.buf = self.buf, ""
@@ -259,7 +245,7 @@ class Splitter:
             buf = self.fmt.start + buf
         out = self._text(buf)
         if self.space and not self.calls:
-            out.append(("text", self.space))
+            out.append(Text(self.space))
         self.space = ""
         return out
 

@@ -1,14 +1,16 @@
 """OpenAI's response shapes: a whole answer, a stream's chunks, usage (with llama-server's
-`timings`, which `macserve chat` reads), log-probabilities and tool calls."""
+`timings`, which `macserve chat` reads), log-probabilities and tool calls. (Its errors'
+shape is web/openai_api.py's, shared with the router.)"""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from .protocol import GenRequest
+from ..events import TokenLogprob, ToolCall
+from ..request import GenerationRequest
 
 
 def new_id(kind: str) -> str:
@@ -44,24 +46,11 @@ def timings(stats: dict) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's log-probability, with the most likely alternatives."""
-
-    raw: bytes
-    logprob: float
-    top: tuple[tuple[bytes, float], ...] = ()
-
-    @property
-    def text(self) -> str:
-        return self.raw.decode("utf-8", errors="replace")
-
-
 def _lp_entry(raw: bytes, lp: float) -> dict:
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:
     return {
         "content": [
             {**_lp_entry(e.raw, e.logprob), "top_logprobs": [_lp_entry(r, v) for r, v in e.top]}
@@ -71,7 +60,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict:
     offsets = []
     for e in entries:
         offsets.append(offset)
@@ -86,7 +75,7 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
     }
 
 
-def tool_call_json(call, index: int | None = None) -> dict:
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     out = {
         "id": call.id,
         "type": "function",
@@ -98,14 +87,14 @@ def tool_call_json(call, index: int | None = None) -> dict:
 
 
 def full_response(
-    req: GenRequest,
+    req: GenerationRequest,
     rid: str,
     model: str,
     text: str,
     finish: str,
     stats: dict,
-    calls: list | None = None,
-    logprobs: list[TokenLogprob] | None = None,
+    calls: list[ToolCall] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict:
     if req.kind == "chat":
         msg: dict = {"role": "assistant", "content": text if (text or not calls) else None}
@@ -138,16 +127,16 @@ def full_response(
 
 
 def chunk(
-    req: GenRequest,
+    req: GenerationRequest,
     rid: str,
     model: str,
     text: str | None,
     finish: str | None = None,
     stats: dict | None = None,
     role: bool = False,
-    calls: list | None = None,
+    calls: list[ToolCall] | None = None,
     first_call: int = 0,
-    logprobs: list[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
 ) -> dict:
     """One streamed chunk. `first_call`: the index of calls[0] among the answer's calls;
@@ -181,7 +170,7 @@ def chunk(
     return out
 
 
-def usage_chunk(req: GenRequest, rid: str, model: str, stats: dict) -> dict:
+def usage_chunk(req: GenerationRequest, rid: str, model: str, stats: dict) -> dict:
     """OpenAI's stream_options.include_usage: a last chunk with no choices."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     return {

@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (`POST /v1/messages`) on the same engine: its request in, the
-shared GenRequest out; its message and its stream of events back.
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): its request
+body in, the neutral GenerationRequest (../request.py) out, parsed once.
 
 Content blocks map onto the OpenAI-shaped messages the chat template path takes: text blocks
 join into the content, `tool_use` blocks become an assistant's tool_calls, `tool_result`
@@ -11,19 +11,9 @@ rendered by web/anthropic_api.py, as the router's are.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 
-from ..web.errors import HttpError
-from .protocol import (
-    GenRequest,
-    Tool,
-    _is_int,
-    _opt,
-    sampling,
-    schema_of,
-    stop_list,
-)
+from ...web.errors import HttpError
+from ..request import GenerationRequest, Tool, is_int, opt, sampling, schema_of, stop_list
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -150,18 +140,18 @@ def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
     return {"auto": "auto", "any": "required", "none": "none"}[kind], None, parallel
 
 
-def parse(body: dict) -> GenRequest:
+def parse(body: dict) -> GenerationRequest:
     mt = body.get("max_tokens")
     if mt is None:
         raise HttpError(400, "max_tokens is required", "max_tokens")
-    if not _is_int(mt) or mt < 1:
+    if not is_int(mt) or mt < 1:
         raise HttpError(
             400, f"max_tokens must be a positive integer, got {json.dumps(mt)[:60]}", "max_tokens"
         )
-    _opt(body, "model", lambda v: isinstance(v, str), "a string")
+    opt(body, "model", lambda v: isinstance(v, str), "a string")
     tools = _tools(body.get("tools"))
     choice, name, parallel = _tool_choice(body.get("tool_choice"), tools)
-    return GenRequest(
+    return GenerationRequest(
         kind="chat",
         messages=tuple(_messages(body.get("system"), body.get("messages"))),
         max_tokens=mt,
@@ -174,141 +164,6 @@ def parse(body: dict) -> GenRequest:
     )
 
 
-def count_tokens_request(body: dict) -> GenRequest:
+def count_tokens_request(body: dict) -> GenerationRequest:
     """/v1/messages/count_tokens: the same body without max_tokens."""
     return parse({**body, "max_tokens": 1, "stream": False})
-
-
-# ---- responses --------------------------------------------------------------------------------
-
-
-def new_id() -> str:
-    return "msg_" + uuid.uuid4().hex[:24]
-
-
-def stop_reason(finish: str, calls: int) -> str:
-    if calls and finish in ("stop", "tool_calls"):
-        return "tool_use"
-    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(finish, "end_turn")
-
-
-def usage(stats: dict) -> dict:
-    """Anthropic's split: `input_tokens` are those not read from the cache."""
-    cached = stats.get("cached_tokens", 0)
-    return {
-        "input_tokens": stats.get("prompt_tokens", 0) - cached,
-        "output_tokens": stats.get("completion_tokens", 0),
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-    }
-
-
-def message(
-    rid: str, model: str, text: str, calls: list, finish: str, stop_seq: str | None, stats: dict
-) -> dict:
-    content: list[dict] = []
-    if text or not calls:
-        content.append({"type": "text", "text": text})
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()} for c in calls]
-    return {
-        "id": rid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": stop_reason(finish, len(calls)),
-        "stop_sequence": stop_seq,
-        "usage": usage(stats),
-    }
-
-
-def event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-class Stream:
-    """The Messages API's event sequence: message_start, then content blocks (start, deltas,
-    stop), then message_delta (stop_reason, usage) and message_stop."""
-
-    def __init__(self, rid: str, model: str, prompt_tokens: int, cached: int = 0):
-        self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
-        self.cached = cached  # prompt tokens the prompt cache gave (known once the job starts)
-        self.index = -1
-        self.open: str | None = None  # the type of the block being written
-        self.calls = 0
-
-    def start(self) -> list[bytes]:
-        msg = {
-            "id": self.rid,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": usage({"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached}),
-        }
-        return [
-            event("message_start", {"type": "message_start", "message": msg}),
-            event("ping", {"type": "ping"}),
-        ]
-
-    def _close(self) -> list[bytes]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
-
-    def _begin(self, block: dict) -> list[bytes]:
-        out = self._close()
-        self.index += 1
-        self.open = block["type"]
-        start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return out + [event("content_block_start", start)]
-
-    def text(self, text: str) -> list[bytes]:
-        out = [] if self.open == "text" else self._begin({"type": "text", "text": ""})
-        delta = {
-            "type": "content_block_delta",
-            "index": self.index,
-            "delta": {"type": "text_delta", "text": text},
-        }
-        return out + [event("content_block_delta", delta)]
-
-    def call(self, c) -> list[bytes]:
-        self.calls += 1
-        out = self._begin({"type": "tool_use", "id": c.id, "name": c.name, "input": {}})
-        delta = {
-            "type": "content_block_delta",
-            "index": self.index,
-            "delta": {
-                "type": "input_json_delta",
-                "partial_json": json.dumps(c.input(), ensure_ascii=False),
-            },
-        }
-        return out + [event("content_block_delta", delta)] + self._close()
-
-    def finish(self, finish: str, stop_seq: str | None, stats: dict) -> list[bytes]:
-        out = (
-            self._close()
-            if self.index >= 0
-            else self._begin({"type": "text", "text": ""}) + self._close()
-        )
-        delta = {
-            "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(finish, self.calls), "stop_sequence": stop_seq},
-            "usage": usage(stats),
-        }
-        return out + [
-            event("message_delta", delta),
-            event("message_stop", {"type": "message_stop"}),
-        ]
-
-
-def models_entry(model_id: str) -> dict:
-    """The fields Anthropic's models API adds to an entry (its clients read these)."""
-    return {
-        "type": "model",
-        "display_name": model_id,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(0)),
-    }

@@ -1,19 +1,20 @@
-"""OpenAI request bodies in, a validated GenRequest out (the response shapes: responses.py).
+"""OpenAI's request bodies (/v1/chat/completions, /v1/completions) in, a validated
+GenerationRequest (../request.py) out.
 
 Validation names the field and what was expected, as OpenAI's own 400s do, so a client
 author sees the mistake without reading the server log (an HttpError, rendered by
-web/openai_api.py or web/anthropic_api.py for the path the request came through). Unknown fields are ignored (clients
-send penalties, logit_bias, user, ...), but fields whose meaning we would silently change
-(n > 1, echo, best_of, the old `functions`) are refused.
+web/openai_api.py). Unknown fields are ignored (clients send penalties, logit_bias, user,
+...), but fields whose meaning we would silently change (n > 1, echo, best_of, the old
+`functions`) are refused.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from ..web.errors import HttpError
+from ...web.errors import HttpError
+from ..request import GenerationRequest, Tool, is_int, opt, sampling, schema_of, stop_list
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -24,70 +25,6 @@ _REFUSED = {
     "echo": (None, False),
     "best_of": (None, 1),
 }
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str
-    parameters: dict  # the arguments' JSON schema
-
-    def spec(self) -> dict:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One generation request, whichever API it came through (OpenAI chat or completions,
-    Anthropic messages), parsed once."""
-
-    kind: str  # "chat" | "completion"
-    messages: tuple[dict, ...] = ()  # OpenAI's shape: roles system/user/assistant/tool
-    prompt: str | tuple[int, ...] | None = None
-    max_tokens: int | None = None  # None: the server's default cap
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    stream: bool = False
-    include_usage: bool = False
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    tools: tuple[Tool, ...] = ()
-    tool_choice: str = "auto"  # auto | none | required | function (then tool_name)
-    tool_name: str | None = None
-    parallel_tool_calls: bool = True
-    json_schema: dict | None = None  # response_format: {"type": "object"} for json_object
-    logprobs: bool = False
-    top_logprobs: int = 0
-    mtp: str | None = None  # ours: auto | on | off for this request (None: the server's --mtp)
-
-    @property
-    def uses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _opt(body: dict, key: str, check, expected: str, default=None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not check(v):
-        raise HttpError(400, f"{key} must be {expected}, got {json.dumps(v)[:60]}", key)
-    return v
 
 
 def _text(content, where: str) -> str:
@@ -102,25 +39,6 @@ def _text(content, where: str) -> str:
             parts.append(p["text"])
         return "".join(parts)
     raise HttpError(400, f"{where} must be a string or a list of text parts", where)
-
-
-def stop_list(stop, key: str, most: int | None = 4) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (
-        isinstance(stop, list)
-        and (most is None or len(stop) <= most)
-        and all(isinstance(s, str) and s for s in stop)
-    ):
-        n = f"up to {most} " if most else ""
-        raise HttpError(400, f"{key} must be a string or a list of {n}non-empty strings", key)
-    return tuple(stop or ())
-
-
-def schema_of(v, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise HttpError(400, f"{where} must be a JSON schema object", where)
-    return v
 
 
 def _tool_list(body: dict) -> tuple:
@@ -203,44 +121,22 @@ def _response_format(v) -> dict | None:
     )
 
 
-def sampling(body: dict, temperature_max: float = 2) -> dict:
-    """temperature, top_p, top_k and seed, checked (shared by the OpenAI and Anthropic APIs)."""
-    out = {}
-    out["temperature"] = float(
-        _opt(
-            body,
-            "temperature",
-            lambda v: _is_num(v) and 0 <= v <= temperature_max,
-            f"a number from 0 to {temperature_max:g}",
-            1.0,
-        )
-    )
-    out["top_p"] = float(
-        _opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    )
-    out["top_k"] = _opt(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0)
-    out["seed"] = _opt(body, "seed", _is_int, "an integer")
-    out["stream"] = _opt(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
-    out["mtp"] = _opt(body, "mtp", lambda v: v in ("auto", "on", "off"), '"auto", "on" or "off"')
-    return out
-
-
 def _common(body: dict, kind: str) -> dict:
     kw: dict[str, Any] = {"kind": kind}
-    _opt(body, "model", lambda v: isinstance(v, str), "a string")
+    opt(body, "model", lambda v: isinstance(v, str), "a string")
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if mt is not None:
-        if not _is_int(mt) or mt < 1:
+        if not is_int(mt) or mt < 1:
             raise HttpError(
                 400, f"{key} must be a positive integer, got {json.dumps(mt)[:60]}", key
             )
         kw["max_tokens"] = mt
     kw.update(sampling(body))
-    so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    so = opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     kw["include_usage"] = bool(so.get("include_usage"))
     kw["stop"] = stop_list(body.get("stop"), "stop")
-    if _opt(body, "n", _is_int, "an integer", 1) != 1:
+    if opt(body, "n", is_int, "an integer", 1) != 1:
         raise HttpError(400, "only n=1 is supported", "n")
     for key, harmless in _REFUSED.items():
         if body.get(key) not in harmless:
@@ -289,7 +185,7 @@ def _message(m, i: int) -> dict:
     return out
 
 
-def parse_chat(body: dict) -> GenRequest:
+def parse_chat(body: dict) -> GenerationRequest:
     msgs = body.get("messages")
     if msgs is None:
         raise HttpError(400, "messages is required", "messages")
@@ -299,34 +195,34 @@ def parse_chat(body: dict) -> GenRequest:
     kw["messages"] = tuple(_message(m, i) for i, m in enumerate(msgs))
     kw["tools"] = _tool_list(body)
     kw["tool_choice"], kw["tool_name"] = _tool_choice(body.get("tool_choice"), kw["tools"])
-    kw["parallel_tool_calls"] = _opt(
+    kw["parallel_tool_calls"] = opt(
         body, "parallel_tool_calls", lambda v: isinstance(v, bool), "true or false", True
     )
     if kw["json_schema"] is not None and kw["tool_choice"] in ("required", "function"):
         raise HttpError(
             400, "response_format cannot be combined with a forced tool call", "tool_choice"
         )
-    kw["logprobs"] = _opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
-    kw["top_logprobs"] = _opt(
+    kw["logprobs"] = opt(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+    kw["top_logprobs"] = opt(
         body,
         "top_logprobs",
-        lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
+        lambda v: is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS,
         f"an integer from 0 to {MAX_TOP_LOGPROBS}",
         0,
     )
     if kw["top_logprobs"] and not kw["logprobs"]:
         raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return GenRequest(**kw)
+    return GenerationRequest(**kw)
 
 
-def parse_completion(body: dict) -> GenRequest:
+def parse_completion(body: dict) -> GenerationRequest:
     p = body.get("prompt")
     if p is None:
         raise HttpError(400, "prompt is required", "prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]  # the one-prompt batch form clients send
     if isinstance(p, list):
-        if not p or not all(_is_int(t) and t >= 0 for t in p):
+        if not p or not all(is_int(t) and t >= 0 for t in p):
             raise HttpError(
                 400, "prompt must be a string, or a non-empty list of token ids", "prompt"
             )
@@ -338,39 +234,6 @@ def parse_completion(body: dict) -> GenRequest:
         if body.get(key) not in (None, [], "none"):
             raise HttpError(400, f"{key} needs /v1/chat/completions (a chat template)", key)
     # The legacy API: logprobs is how many alternatives to list (0..5), null for none.
-    lp = _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= 5, "an integer from 0 to 5")
+    lp = opt(body, "logprobs", lambda v: is_int(v) and 0 <= v <= 5, "an integer from 0 to 5")
     kw["logprobs"], kw["top_logprobs"] = lp is not None, lp or 0
-    return GenRequest(prompt=p, **kw)
-
-
-class StopMatcher:
-    """Cuts the output at the first stop string. Text that might be the start of a stop
-    string is held back until the next token decides, so a streamed stop string never leaks."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.pending = ""
-        self.hit: str | None = None  # the stop string that matched
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, hit a stop string)."""
-        if not self.stops:
-            return text, False
-        buf = self.pending + text
-        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            i, self.hit = min(hits)
-            return buf[:i], True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    return GenerationRequest(prompt=p, **kw)

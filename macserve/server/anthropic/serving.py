@@ -1,0 +1,67 @@
+"""Anthropic's Messages API on the engine: a body parsed into a GenerationRequest, the job's
+events (../events.py) rendered as a whole `message` or as the Messages API's stream of
+events; an error after the 200 as web/anthropic_api.py's `event: error`. `MESSAGES` serves
+/v1/messages."""
+
+from __future__ import annotations
+
+from ...web import anthropic_api
+from ...web.errors import HttpError
+from ..answers import cancelled_on_disconnect, log_done, read_steps
+from ..events import Finish, Text, ToolCall
+from ..request import GenerationRequest
+from . import render
+from .request import parse
+
+
+class Anthropic:
+    call_prefix = "toolu_"
+    kind = "chat"
+
+    def parse(self, body: dict) -> GenerationRequest:
+        return parse(body)
+
+    def new_id(self) -> str:
+        return render.new_id()
+
+    async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
+        parts: list[str] = []
+        calls: list[ToolCall] = []
+        async for ev in read_steps(job, req, vocab, fmt, self.call_prefix):
+            match ev:
+                case Text():
+                    parts.append(ev.text)
+                case ToolCall():
+                    calls.append(ev)
+                case Finish():
+                    log_done(req, ev.reason, ev.stats)
+                    text = "".join(parts)
+                    return render.message(
+                        rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats
+                    )
+        raise HttpError(500, "generation ended without a result")
+
+    def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
+        return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt, n_prompt)
+
+    async def _events(self, job, req, rid, model, vocab, fmt, n_prompt: int):
+        s = render.Stream(rid, model, n_prompt, job.cached_tokens)
+        for b in s.start():
+            yield b
+        try:
+            async for ev in read_steps(job, req, vocab, fmt, self.call_prefix):
+                match ev:
+                    case Text():
+                        out = s.text(ev.text)
+                    case ToolCall():
+                        out = s.call(ev)
+                    case Finish():
+                        out = s.finish(ev.reason, ev.stop_sequence, ev.stats)
+                        log_done(req, ev.reason, ev.stats)
+                for b in out:
+                    yield b
+        except HttpError as e:
+            yield anthropic_api.error_event(e)
+
+
+MESSAGES = Anthropic()
