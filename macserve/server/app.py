@@ -19,7 +19,6 @@ import time
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,15 +28,11 @@ from .. import listen
 from ..engine.model import read_config
 from ..errors import MacserveError
 from ..web import dialects, guards
-from ..web.body import read_body
 from ..web.errors import HttpError
-from ..web.jsonbody import parse_object
 from .anthropic import serving as anthropic
 from .anthropic.render import models_entry
-from .anthropic.request import count_tokens_request
 from .metrics import CONTENT_TYPE, CountRequests
 from .openai import serving as openai
-from .prepare import prompt_ids
 from .ranks import Ranks, follow
 from .serving import Engine, generate
 from .settings import Settings
@@ -55,18 +50,6 @@ async def completions(request: Request) -> Response:
 
 async def messages(request: Request) -> Response:
     return await generate(request, anthropic.MESSAGES)
-
-
-async def count_tokens(request: Request) -> Response:
-    eng: Engine = request.app.state.engine
-    try:
-        bundle = eng.bundle()
-        body = parse_object(await read_body(request, eng.settings.read_timeout))
-        req = count_tokens_request(body)
-        ids = await run_in_threadpool(prompt_ids, bundle, req)
-        return JSONResponse({"input_tokens": len(ids)})
-    except HttpError as e:
-        return dialects.error_response(e, request.url.path)
 
 
 def _model_entry(eng: Engine) -> dict:
@@ -167,7 +150,7 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,

@@ -1,8 +1,8 @@
 """The neutral request between the API dialects and the engine: `GenerationRequest`, what
 openai/request.py and anthropic/request.py each parse a body into (once), and what
-prepare.py, answers.py and the worker's Job read. Also the field checks both dialects share
-(sampling, stop strings, a schema), so each names the field and what was expected, as the
-APIs' own 400s do."""
+prepare.py, answers.py and serving.py (the worker's Job) read. Also the field checks both
+dialects share (sampling, stop strings, a schema), so each names the field and what was
+expected, as the APIs' own 400s do."""
 
 from __future__ import annotations
 

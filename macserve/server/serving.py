@@ -112,9 +112,9 @@ class Engine:
                 503, "the server is shutting down", type_="unavailable_error", retry_after=1
             )
 
-    async def read_request(self, request: Request, api: Dialect) -> GenerationRequest:
-        """The body, read within the time and size bounds, parsed by the endpoint's API."""
-        return api.parse(parse_object(await read_body(request, self.settings.read_timeout)))
+    async def body(self, request: Request) -> dict:
+        """The request's JSON object, read within the time, size and nesting bounds."""
+        return parse_object(await read_body(request, self.settings.read_timeout))
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -146,7 +146,7 @@ async def _admitted(eng: Engine, job: Job) -> None:
 async def _prepare(eng: Engine, request: Request, api: Dialect) -> Prepared:
     bundle = eng.bundle()
     eng.refuse_if_draining()
-    req = await eng.read_request(request, api)
+    req = api.parse(await eng.body(request))
     # Templates and grammars take a while on long inputs: off the event loop, so other
     # streams keep flowing.
     ids = await run_in_threadpool(prompt_ids, bundle, req)

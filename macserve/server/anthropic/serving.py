@@ -1,17 +1,23 @@
 """Anthropic's Messages API on the engine: a body parsed into a GenerationRequest, the job's
 events (../events.py) rendered as a whole `message` or as the Messages API's stream of
 events; an error after the 200 as web/anthropic_api.py's `event: error`. `MESSAGES` serves
-/v1/messages."""
+/v1/messages, `count_tokens` /v1/messages/count_tokens."""
 
 from __future__ import annotations
 
-from ...web import anthropic_api
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ...web import anthropic_api, dialects
 from ...web.errors import HttpError
 from ..answers import cancelled_on_disconnect, log_done, read_steps
 from ..events import Finish, Text, ToolCall
+from ..prepare import prompt_ids
 from ..request import GenerationRequest
+from ..serving import Engine
 from . import render
-from .request import parse
+from .request import count_tokens_request, parse
 
 
 class Anthropic:
@@ -65,3 +71,15 @@ class Anthropic:
 
 
 MESSAGES = Anthropic()
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's length as this model's chat template writes it (no generation)."""
+    eng: Engine = request.app.state.engine
+    try:
+        bundle = eng.bundle()
+        req = count_tokens_request(await eng.body(request))
+        ids = await run_in_threadpool(prompt_ids, bundle, req)
+        return JSONResponse({"input_tokens": len(ids)})
+    except HttpError as e:
+        return dialects.error_response(e, request.url.path)
