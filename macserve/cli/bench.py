@@ -3,7 +3,6 @@ engine` is cli/bench_engine.py. Each prints ratios against a baseline measured i
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
-Each command's arguments, options and help: cli/commands/bench.py.
 """
 
 from __future__ import annotations
@@ -13,23 +12,65 @@ from pathlib import Path
 
 import click
 
-from ..dev.tiny import data as tiny_data
-from ..engine import gate
-from ..engine.bench import dsa as dsa_bench
-from ..engine.bench import generation as gen_bench
-from ..engine.bench import kv as kv_bench
-from ..engine.bench import mtp as mtp_bench
-from ..engine.bench import serve as serve_bench
-from ..engine.caches import CacheSpec, shipped_rotation
-from ..engine.calibration import collect, fit
-from ..engine.mla_attention import mla_attentions
-from ..engine.model import load
-from ..engine.mtp_auto import describe
 from ..errors import MacserveError
-from ..int2_format import INT2
 from .engine import held_out_chats, held_out_prompts, load_mla, progress_bar, text_windows
+from .lazy import lazy
+
+caches = lazy("macserve.engine.caches")
+calibration = lazy("macserve.engine.calibration")
+dsa_bench = lazy("macserve.engine.bench.dsa")
+engine_model = lazy("macserve.engine.model")
+gate = lazy("macserve.engine.gate")
+int2_format = lazy("macserve.int2_format")
+gen_bench = lazy("macserve.engine.bench.generation")
+kv_bench = lazy("macserve.engine.bench.kv")
+mla_attention = lazy("macserve.engine.mla_attention")
+mtp_auto = lazy("macserve.engine.mtp_auto")
+mtp_bench = lazy("macserve.engine.bench.mtp")
+serve_bench = lazy("macserve.engine.bench.serve")
+tiny_data = lazy("macserve.dev.tiny.data")
+
+KV_SETS = ("all", "gate", "windows")  # engine/bench/kv.py's SETS, not imported: it loads mlx
 
 
+@click.command("kv")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--rotation",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration file (default: the model folder's latent-rotation.safetensors, "
+    "else calibrate now on the training plays)",
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="held-out text (default: the demo model's held-out plays)",
+)
+@click.option("--windows", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True)
+@click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option(
+    "--variants",
+    "which",
+    type=click.Choice(KV_SETS),
+    default="all",
+    show_default=True,
+    help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
+    "calibration's per-layer plan; windows: the served cache at sink 64/128 x recent 256/512 "
+    "and with no codes (a control)",
+)
+@click.option(
+    "--gen-prompts",
+    type=click.IntRange(0),
+    default=4,
+    show_default=True,
+    help="held-out chat prompts each cache generates from freely (greedy, until end of turn "
+    "or --gen-max-tokens), set against bf16's generation; 0 skips",
+)
+@click.option("--gen-prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--gen-max-tokens", type=click.IntRange(1), default=700, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
 def bench_kv(
     model,
     rotation,
@@ -44,9 +85,10 @@ def bench_kv(
     gen_max_tokens,
     as_json,
 ):
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
-    rotation = rotation or shipped_rotation(model)
+    rotation = rotation or caches.shipped_rotation(model)
     if rotation is not None:
         cal = b.calibration(rotation)
         if which == "gate" and cal.default_method != "gate":
@@ -54,14 +96,14 @@ def bench_kv(
                 f"{rotation}: no gate plan in this calibration (make one with macserve calibrate)"
             )
     else:  # no calibration given or shipped: fit one now on the training plays
-        stats = collect(
+        stats = calibration.collect(
             m,
             text_windows(tok, None, 8, seq_len, held_out=False),
             progress=progress_bar("calibrating"),
         )
-        cal = fit(stats, INT2)
+        cal = calibration.fit(stats, int2_format.INT2)
         if which == "gate":
-            rope = mla_attentions(m)[0].qk_rope_head_dim
+            rope = mla_attention.mla_attentions(m)[0].qk_rope_head_dim
             gate.attach(cal, gate.gate(stats, rope), gate.DEFAULT_TARGET)
     ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
     try:
@@ -138,7 +180,17 @@ def bench_kv(
     )
 
 
+@click.command("dsa")
+@click.option(
+    "--contexts",
+    default="4096,16384",
+    show_default=True,
+    help="cached tokens before the timed decode steps",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_dsa(contexts, as_json):
+    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
+    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
     try:
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
@@ -155,9 +207,33 @@ def bench_dsa(contexts, as_json):
         )
 
 
+@click.command("mtp")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "-k",
+    "ks",
+    type=int,
+    multiple=True,
+    default=[1, 2, 3],
+    show_default=True,
+    help="draft lengths to measure",
+)
+@click.option("--prompts", type=int, default=8, show_default=True)
+@click.option("--prompt-tokens", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--llama-server",
+    "llama_url",
+    help="URL of a llama-server running the GGUF twin "
+    "with --spec-type draft-mtp: its acceptance on the same prompts is reported",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
-    bundle = load(model)
-    spec = CacheSpec.for_model(model, kv, rotation)
+    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
+    bundle = engine_model.load(model)
+    spec = caches.CacheSpec.for_model(model, kv, rotation)
     mtp = bundle.mtp()
     ps = held_out_prompts(bundle.tokenizer, prompts, prompt_tokens)
     rows = []
@@ -183,7 +259,7 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
         a = r["auto"]
         if a["figures"]:
             click.echo(
-                f"  --mtp auto: {describe(a['figures'])} -> drafting "
+                f"  --mtp auto: {mtp_auto.describe(a['figures'])} -> drafting "
                 f"{'on' if a['drafting'] else 'off'}; it ran at {a['speedup']:.2f}x plain"
             )
     if llama_url:
@@ -209,6 +285,54 @@ def _user_messages(n: int, chars: int = 80) -> list[str]:
     return out
 
 
+@click.command("serve")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option("--turns", type=click.IntRange(2), default=10, show_default=True)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1),
+    default=5,
+    show_default=True,
+    help="each: a chat, one client, then the concurrent clients, on every server in turn; "
+    "medians are reported",
+)
+@click.option("--answer-tokens", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--clients", type=click.IntRange(2), default=8, show_default=True)
+@click.option("--requests", type=click.IntRange(1), default=3, show_default=True, help="per client")
+@click.option(
+    "--load-tokens",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    help="max_tokens of each load request",
+)
+@click.option("--logs", type=click.Path(file_okay=False), help="keep the servers' logs here")
+@click.option(
+    "--restart-rounds",
+    type=click.IntRange(0),
+    default=3,
+    show_default=True,
+    help="rounds of the restart scenario (a long turn, a server restart, the follow-up from "
+    "the disk cache); 0 skips it",
+)
+@click.option(
+    "--capacity-clients",
+    type=click.IntRange(0),
+    default=32,
+    show_default=True,
+    help="clients at once against serve's default --max-batch and each --capacity-batch; "
+    "0 skips it",
+)
+@click.option(
+    "--capacity-batch",
+    "capacity_batches",
+    type=click.IntRange(1),
+    multiple=True,
+    default=(8, 16, 32),
+    show_default=True,
+    help="a fixed --max-batch measured beside the default (repeatable)",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_serve(
     model,
     turns,
@@ -223,6 +347,9 @@ def bench_serve(
     capacity_batches,
     as_json,
 ):
+    """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
+    HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
+    clients; ratios against mlx_lm.server."""
     plan = serve_bench.Plan(
         Path(model).resolve(),
         (),

@@ -2,7 +2,6 @@
 rm.
 
 Parsing and printing only; the work is in services/manager.py.
-Each command's arguments, options and help: cli/commands/services.py.
 """
 
 from __future__ import annotations
@@ -15,16 +14,28 @@ import sys
 import click
 
 from ..errors import MacserveError
-from ..services import manager, usage
-from ..services import pull as hub
-from ..services.doctor import doctor as doctor_report
-from ..services.run import exec_profile
-from ..services.supervisors import log_path
-from ..services.supervisors import logs as service_logs
-from ..services.views import outcome_line
-from ..sizing.budget import parse_size
+from .complete import profile_names
 from .fmt import context as _context
 from .fmt import size as _size
+from .lazy import lazy
+
+budget = lazy("macserve.sizing.budget")
+hub = lazy("macserve.services.pull")
+manager = lazy("macserve.services.manager")
+service_doctor = lazy("macserve.services.doctor")
+service_logs = lazy("macserve.services.supervisors.logs")
+service_run = lazy("macserve.services.run")
+service_views = lazy("macserve.services.views")
+supervisors = lazy("macserve.services.supervisors")
+usage = lazy("macserve.services.usage")
+
+TIMEOUT = click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the service to become healthy.",
+)
 
 
 class Waiting:
@@ -90,7 +101,39 @@ def _ctx(value):
     return int(value)
 
 
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
+@click.option("--name", help="Profile name (default: from the model).")
+@click.option(
+    "--provider",
+    type=click.Choice(["llama.cpp", "mlx", "macserve"]),
+    help="Default: llama.cpp for GGUF, mlx for MLX/safetensors.",
+)
+@click.option(
+    "--ctx",
+    default="auto",
+    show_default=True,
+    help="Context tokens, or auto: the most that fits the memory budget.",
+)
+@click.option(
+    "--kv",
+    help="Cache type, in the provider's names (llama.cpp f16, q8_0, q4_0, ...; mlx bf16, q8, "
+    "q4; macserve bf16, int2). Default: the provider's own.",
+)
+@click.option("--port", type=click.IntRange(1, 65535), help="Default: the first free from 8080.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--extra-args", default="", help="More server flags, e.g. '--threads 8'.")
+@click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option(
+    "--api-key",
+    help="Require this key (Authorization: Bearer KEY); kept in the profile's 0600 secrets "
+    "file and given to the server in its environment. '-' reads it from stdin.",
+)
+@TIMEOUT
 def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start, timeout, api_key):
+    """Write a profile for SOURCE sized to this Mac, install the service and start it.
+    A Hugging Face repo is downloaded first (macserve pull), with progress."""
     ctx = _ctx(ctx)
     if api_key == "-":
         api_key = _read_secret("API_KEY")
@@ -117,10 +160,34 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
     if no_start:
         click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
     else:
-        click.echo(outcome_line(out.name, "started", out.url, out.pid))
+        click.echo(service_views.outcome_line(out.name, "started", out.url, out.pid))
 
 
+@click.command()
+@click.argument("name")
+@click.option(
+    "--host",
+    required=True,
+    help="Address to bind: the one the head Mac reaches this "
+    "Mac on (a Thunderbolt bridge or private LAN IP). RPC has no authentication.",
+)
+@click.option("--port", type=click.IntRange(1, 65535), help="Default: 50052 (rpc-server's).")
+@click.option(
+    "--extra-args",
+    default="",
+    help="More rpc-server flags, e.g. '-c' (cache received weights on disk) or '-t 8'.",
+)
+@click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the worker to listen.",
+)
 def worker(name, host, port, extra_args, no_start, timeout):
+    """Run llama.cpp's rpc-server here as a supervised service. It is an RPC worker that
+    another Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
     out = _run_waiting(
         name,
         manager.new_worker,
@@ -140,7 +207,23 @@ def worker(name, host, port, extra_args, no_start, timeout):
         )
 
 
+@click.command(name="set", context_settings={"ignore_unknown_options": True})
+@click.argument("name", shell_complete=profile_names)
+@click.argument("items", nargs=-1, type=click.UNPROCESSED)
+@click.option("--no-restart", is_flag=True, help="Only write the profile (batch edits).")
+@TIMEOUT
 def set_(name, items, no_restart, timeout):
+    """Change a profile and restart its service: set NAME -- KEY=VALUE ... | set NAME KEY VALUE.
+
+    The new values are checked first (keys, ports, provider, and EXTRA_ARGS against the
+    server). If the restarted service does not become healthy (or the wait is interrupted),
+    the previous profile is put back, restarted and checked, the failed run's log is shown and
+    the exit code is 2. An empty value (KEY=) removes an optional key.
+
+    EXTRA_ARGS+='FLAG VALUE ...' sets or replaces single flags; EXTRA_ARGS-='FLAG ...' removes
+    them. API_KEY=... and HF_TOKEN=... go to the profile's 0600 secrets file ('-' reads the
+    value from stdin).
+    """
     changes = manager.parse_assignments(items)
     secrets = {k: (_read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
     changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
@@ -161,15 +244,31 @@ def set_(name, items, no_restart, timeout):
     for n in out.notes:
         click.echo(f"{name}: {n}")
     if out.pid:
-        click.echo(outcome_line(name, "restarted", out.url, out.pid))
+        click.echo(service_views.outcome_line(name, "restarted", out.url, out.pid))
 
 
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
 def pull(source, quant):
+    """Download a Hugging Face model (org/name or org/name:QUANT) into the Hugging Face cache:
+    only the files that quant or the MLX layout needs, with progress, resuming a partial
+    download. `new` and `inspect` then use the cached copy, also offline."""
     p = hub.pull(source, quant)
     click.echo(f"{p.repo}{':' + p.quant if p.quant else ''}: {p.model_path}")
 
 
+@click.command(
+    name="parse-args",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+)
+@click.argument("command")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
 def parse_args(ctx, command, args):
+    """Parse ARGS with `macserve COMMAND`'s own click options, without running it: how the
+    services check a `macserve serve` profile (services never import the CLI)."""
     cmd = ctx.find_root().command.get_command(ctx, command)
     if cmd is None:
         raise MacserveError(f"no command {command!r}")
@@ -188,32 +287,55 @@ def parse_args(ctx, command, args):
         raise MacserveError(f"{what}: {e.format_message()}") from None
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
 def run(name):
-    exec_profile(name)
+    """Run a profile's server in the foreground (what the service runs)."""
+    service_run.exec_profile(name)
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
+@click.option("--no-wait", is_flag=True, help="Do not wait for health.")
+@TIMEOUT
 def start(name, no_wait, timeout):
+    """Install (if needed) and start a profile's service."""
     out = _run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
     usage.touch(name)  # a running router's idle clock starts again
     what = "already running" if "already running" in out.notes else "started"
-    click.echo(outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
+    click.echo(service_views.outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
 def stop(name):
+    """Stop a profile's service (it stays stopped until start)."""
     url = manager.base_url(manager.store().load(name))
     pid = manager.get_backend().status(name).pid
     manager.stop(name)
-    click.echo(outcome_line(name, "stopped", url, pid))
+    click.echo(service_views.outcome_line(name, "stopped", url, pid))
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
+@click.option("--no-wait", is_flag=True, help="Do not wait for health.")
+@TIMEOUT
 def restart(name, no_wait, timeout):
+    """Restart a profile's service (reloading its unit if that changed)."""
     out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
     usage.touch(name)
-    click.echo(outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
+    click.echo(service_views.outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
 
 
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--memory", help="Check for a Mac with this much RAM (e.g. 192GB), not this one.")
 def doctor(as_json, memory):
-    rep = doctor_report(parse_size(memory) if memory else None)
+    """Do the services that start at login fit the GPU memory?
+
+    The wired limit and RAM, each profile's weights + cache at its context (inspect's
+    figures), and the sysctl to raise it."""
+    rep = service_doctor.doctor(budget.parse_size(memory) if memory else None)
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
         return
@@ -258,9 +380,14 @@ def doctor(as_json, memory):
         click.echo(f"note: {n}")
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "lines", type=click.IntRange(0), default=50, show_default=True)
 def logs(name, follow, lines):
+    """A service's log (server output, plus one line per start)."""
     manager.store().load(name)
-    path = log_path(name)
+    path = supervisors.log_path(name)
     if not path.exists():
         raise MacserveError(f"no log yet for {name} ({path})")
     if follow:
@@ -271,6 +398,9 @@ def logs(name, follow, lines):
         click.echo(line)
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
 def rm(name):
+    """Stop and uninstall a profile's service, then delete the profile (logs are kept)."""
     manager.remove(name)
     click.echo(f"{name}: removed")

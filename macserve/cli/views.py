@@ -1,6 +1,5 @@
 """`macserve ls`, `status` and `show`: what the services are doing, as a table or JSON.
-Parsing and printing only; the rows are services/views.py's.
-Each command's arguments, options and help: cli/commands/views.py."""
+Parsing and printing only; the rows are services/views.py's."""
 
 from __future__ import annotations
 
@@ -9,10 +8,13 @@ import shlex
 
 import click
 
-from ..services import manager
-from ..services.supervisors import backend_name
+from .complete import profile_names
 from .fmt import age as _age
 from .fmt import short_size as _mem
+from .lazy import lazy
+
+manager = lazy("macserve.services.manager")
+supervisors = lazy("macserve.services.supervisors")
 
 
 def _seconds(s: float) -> str:
@@ -64,7 +66,10 @@ def _table(rows, health=False):
         click.echo("  ".join(c.ljust(w) for c, w in zip(l, widths)) + "  " + l[-1])
 
 
+@click.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def ls(as_json):
+    """Profiles with their service state, pid, port, uptime and memory."""
     rows = manager.rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -83,20 +88,28 @@ def _journal_notes(rows) -> None:
             click.echo(f"note: {r['name']}: {r['state']}: {r['detail']}", err=True)
 
 
+@click.command()
+@click.argument("name", required=False, shell_complete=profile_names)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(name, as_json):
+    """Service state plus a live health probe, for one profile or all."""
     if name is not None:
         manager.store().load(name)  # unknown name (or ""): one-line error
     rows = [manager.row(name, health=True)] if name is not None else manager.rows(health=True)
     if as_json:
-        click.echo(json.dumps({"backend": backend_name(), "services": rows}, indent=2))
+        click.echo(json.dumps({"backend": supervisors.backend_name(), "services": rows}, indent=2))
         return
-    click.echo(f"backend: {backend_name()}")
+    click.echo(f"backend: {supervisors.backend_name()}")
     if rows:
         _table(rows, health=True)
     _journal_notes(rows)
 
 
+@click.command()
+@click.argument("name", shell_complete=profile_names)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(name, as_json):
+    """A profile: its file, the exact server command, and its service."""
     r = manager.show(name)
     if as_json:
         click.echo(json.dumps(r, indent=2))
