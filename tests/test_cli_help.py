@@ -231,6 +231,7 @@ def _lazy_reads() -> dict[str, set[str]]:
             continue
         mod = sys.modules[name]
         names = {k: v.name for k, v in vars(mod).items() if isinstance(v, Lazy)}
+        unread = set(names)
         for node in ast.walk(ast.parse(Path(mod.__file__).read_text())):
             if (
                 isinstance(node, ast.Attribute)
@@ -238,6 +239,8 @@ def _lazy_reads() -> dict[str, set[str]]:
                 and node.value.id in names
             ):
                 reads.setdefault(names[node.value.id], set()).add(node.attr)
+                unread.discard(node.value.id)
+        assert not unread, (name, unread)  # what ruff's unused-import check would say
     return reads
 
 

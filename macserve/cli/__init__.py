@@ -20,11 +20,13 @@ from ..errors import MacserveError
 from . import (
     bench,
     bench_engine,
+    bench_serve,
     bench_startup,
     chat,
     dev,
     engine,
     inspect,
+    lifecycle,
     preflight,
     router,
     serve,
@@ -55,7 +57,7 @@ class _Main(click.Group):
 
 bench_group = click.Group(
     "bench",
-    commands=commands_in(bench, bench_engine, bench_startup),
+    commands=commands_in(bench, bench_engine, bench_serve, bench_startup),
     help="Benchmarks to run on your own Mac (ratios against a baseline in the same run).",
 )
 dev_group = click.Group(
@@ -68,7 +70,9 @@ dev_group = click.Group(
 @click.group(
     cls=_Main,
     commands=[
-        *commands_in(services, views, inspect, chat, router, ui, preflight, serve, engine),
+        *commands_in(
+            services, lifecycle, views, inspect, chat, router, ui, preflight, serve, engine
+        ),
         bench_group,
         dev_group,
     ],

@@ -10,7 +10,7 @@ import click
 from .. import env
 from ..errors import MacserveError
 from .lazy import lazy
-from .services import _read_secret, _run_waiting
+from .services import read_secret, run_waiting
 
 budget = lazy("macserve.sizing.budget")
 manager = lazy("macserve.services.manager")
@@ -151,8 +151,8 @@ def router(
             args += ["--allowed-hosts", allowed_hosts]
         key = api_key if given("api_key") else None  # not one exported for `chat`
         if key == "-":
-            key = _read_secret("API_KEY")
-        out = _run_waiting(
+            key = read_secret("API_KEY")
+        out = run_waiting(
             name,
             manager.new_router,
             name,

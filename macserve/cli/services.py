@@ -1,33 +1,23 @@
-"""Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs,
-rm.
-
-Parsing and printing only; the work is in services/manager.py.
+"""The commands that write a profile: `new`, `worker`, `set`, and `pull` (new's download
+step) and the hidden `parse-args` (how the services check a `macserve serve` profile's flags);
+and the progress and secret prompts the service commands share (also cli/lifecycle.py,
+cli/router.py, cli/chat.py). Parsing and printing only; the work is in services/manager.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import sys
 
 import click
 
 from ..errors import MacserveError
 from .complete import profile_names
-from .fmt import context as _context
-from .fmt import size as _size
 from .lazy import lazy
 
-budget = lazy("macserve.sizing.budget")
 hub = lazy("macserve.services.pull")
 manager = lazy("macserve.services.manager")
-service_doctor = lazy("macserve.services.doctor")
-service_logs = lazy("macserve.services.supervisors.logs")
-service_run = lazy("macserve.services.run")
 service_views = lazy("macserve.services.views")
-supervisors = lazy("macserve.services.supervisors")
-usage = lazy("macserve.services.usage")
 
 TIMEOUT = click.option(
     "--timeout",
@@ -64,7 +54,7 @@ class Waiting:
             click.echo("\r\033[K", nl=False, err=True)
 
 
-def _run_waiting(label, fn, *args, **kw):
+def run_waiting(label, fn, *args, **kw):
     w = Waiting(label)
     try:
         return fn(*args, tick=w, **kw)
@@ -80,7 +70,7 @@ def _run_waiting(label, fn, *args, **kw):
         w.done()
 
 
-def _read_secret(key: str) -> str:
+def read_secret(key: str) -> str:
     """A secret from stdin: prompted without echo on a terminal, else the first line."""
     if sys.stdin.isatty():
         return click.prompt(key, hide_input=True, err=True)
@@ -136,9 +126,9 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
     A Hugging Face repo is downloaded first (macserve pull), with progress."""
     ctx = _ctx(ctx)
     if api_key == "-":
-        api_key = _read_secret("API_KEY")
+        api_key = read_secret("API_KEY")
     nm = name or manager.default_name(source, quant)
-    out = _run_waiting(
+    out = run_waiting(
         nm,
         manager.new,
         source,
@@ -188,7 +178,7 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
 def worker(name, host, port, extra_args, no_start, timeout):
     """Run llama.cpp's rpc-server here as a supervised service. It is an RPC worker that
     another Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
-    out = _run_waiting(
+    out = run_waiting(
         name,
         manager.new_worker,
         name,
@@ -225,12 +215,12 @@ def set_(name, items, no_restart, timeout):
     value from stdin).
     """
     changes = manager.parse_assignments(items)
-    secrets = {k: (_read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
+    secrets = {k: (read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
     changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
     st = manager.store()
     before = st.text(name)
     try:
-        out = _run_waiting(
+        out = run_waiting(
             name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
         )
     except KeyboardInterrupt:
@@ -285,122 +275,3 @@ def parse_args(ctx, command, args):
         raise MacserveError(f"{what}: {e.format_message()}") from None
     except click.ClickException as e:
         raise MacserveError(f"{what}: {e.format_message()}") from None
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-def run(name):
-    """Run a profile's server in the foreground (what the service runs)."""
-    service_run.exec_profile(name)
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-@click.option("--no-wait", is_flag=True, help="Do not wait for health.")
-@TIMEOUT
-def start(name, no_wait, timeout):
-    """Install (if needed) and start a profile's service."""
-    out = _run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
-    usage.touch(name)  # a running router's idle clock starts again
-    what = "already running" if "already running" in out.notes else "started"
-    click.echo(service_views.outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-def stop(name):
-    """Stop a profile's service (it stays stopped until start)."""
-    url = manager.base_url(manager.store().load(name))
-    pid = manager.get_backend().status(name).pid
-    manager.stop(name)
-    click.echo(service_views.outcome_line(name, "stopped", url, pid))
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-@click.option("--no-wait", is_flag=True, help="Do not wait for health.")
-@TIMEOUT
-def restart(name, no_wait, timeout):
-    """Restart a profile's service (reloading its unit if that changed)."""
-    out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
-    usage.touch(name)
-    click.echo(service_views.outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
-
-
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--memory", help="Check for a Mac with this much RAM (e.g. 192GB), not this one.")
-def doctor(as_json, memory):
-    """Do the services that start at login fit the GPU memory?
-
-    The wired limit and RAM, each profile's weights + cache at its context (inspect's
-    figures), and the sysctl to raise it."""
-    rep = service_doctor.doctor(budget.parse_size(memory) if memory else None)
-    if as_json:
-        click.echo(json.dumps(rep.to_dict(), indent=2))
-        return
-    limit = (
-        "not a Mac"
-        if rep.wired_limit_mb is None
-        else f"iogpu.wired_limit_mb={rep.wired_limit_mb}"
-        + (" (macOS default)" if rep.wired_limit_mb == 0 else "")
-    )
-    click.echo(f"memory:   {_size(rep.total_memory_bytes)} RAM; {limit}")
-    click.echo(f"budget:   {_size(rep.budget_bytes)} for the GPU ({rep.budget_source})")
-    if rep.profiles:
-        head = ["PROFILE", "STATE", "AT LOGIN", "CONTEXT", "CACHE", "WEIGHTS", "KV", "TOTAL"]
-        lines = [head]
-        for p in rep.profiles:
-            lines.append(
-                [
-                    p["name"],
-                    p["state"],
-                    "yes" if p["at_login"] else "no",
-                    _context(p["ctx"]),
-                    p["cache_key"] or "-",
-                    _size(p["weights_bytes"]),
-                    _size(p["cache_bytes"]),
-                    _size(p["total_bytes"]),
-                ]
-            )
-        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        for line in lines:
-            click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-        for p in rep.profiles:
-            for why in filter(None, (p["error"], p["note"])):
-                click.echo(f"  {p['name']}: {why}")
-    verdict = "fits" if rep.fits else "DOES NOT FIT"
-    click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")
-    if not rep.fits:  # the sysctl only when something does not fit
-        click.echo(
-            f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; "
-            f"to keep it: {rep.persist})"
-        )
-    for n in rep.notes:
-        click.echo(f"note: {n}")
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "lines", type=click.IntRange(0), default=50, show_default=True)
-def logs(name, follow, lines):
-    """A service's log (server output, plus one line per start)."""
-    manager.store().load(name)
-    path = supervisors.log_path(name)
-    if not path.exists():
-        raise MacserveError(f"no log yet for {name} ({path})")
-    if follow:
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a follow ends
-            service_logs.follow(path, lines, click.echo)
-        return
-    for line in service_logs.tail(path, lines):
-        click.echo(line)
-
-
-@click.command()
-@click.argument("name", shell_complete=profile_names)
-def rm(name):
-    """Stop and uninstall a profile's service, then delete the profile (logs are kept)."""
-    manager.remove(name)
-    click.echo(f"{name}: removed")
