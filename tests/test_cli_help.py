@@ -77,18 +77,13 @@ def test_each_listed_summary_is_how_its_command_begins(group):
     rows = dict(
         line.strip().split(None, 1) for line in out.split("Commands:")[1].splitlines() if line
     )
-    listed = [path[-1] for path, cmd in walk(main) if path[:-1] == group and not cmd.hidden]
-    assert sorted(rows) == sorted(listed)
+    cmds = {path[-1]: cmd for path, cmd in walk(main) if path[:-1] == group and not cmd.hidden}
+    assert sorted(rows) == sorted(cmds)
     for name, summary in rows.items():
-        cmd = main.get_command(None, name) if not group else None
-        cmd = cmd or main.get_command(None, group[0]).get_command(None, name)
-        first = " ".join((cmd.help or "").split("\n\n")[0].split())
-        assert summary.removesuffix("...") and first.startswith(summary.removesuffix("...")), (
-            name,
-            summary,
-            first,
-        )
-        assert summary.endswith(("...", ".", "?")), (name, summary)
+        first = " ".join((cmds[name].help or "").split("\n\n")[0].split())
+        short = summary.removesuffix("...")
+        assert short and first.startswith(short), (name, summary, first)
+        assert summary.endswith(("...", ".", "?")), (name, summary)  # a sentence, or its start
 
 
 def test_dash_h_everywhere_and_the_list_complete():
@@ -164,7 +159,9 @@ def test_each_command_takes_its_declared_parameters():
         context = declared[: len(declared) - len(cmd.params)]
         assert context in ([], ["ctx"]), (path, declared)
         assert sorted(declared[len(context) :]) == sorted(p.name for p in cmd.params), path
-    assert len(COMMANDS) > 20
+    assert {("inspect",), ("set",), ("bench", "engine"), ("dev", "llama-truth")} <= {
+        path for path, _ in COMMANDS
+    }
 
 
 def test_declared_defaults_agree_with_their_wings():
@@ -253,7 +250,7 @@ def test_every_lazy_module_imports_quietly_with_what_bodies_read():
     `macserve dev` command.)"""
     reads = _lazy_reads()
     assert "macserve.services.supervisors.launchd_files" in reads
-    assert sum(map(len, reads.values())) > len(COMMANDS)
+    assert {"start", "SetFailed"} <= reads["macserve.services.manager"]
     code = (
         "import importlib, json, sys\n"
         "missing = [f'{m}.{a}' for m, attrs in json.loads(sys.argv[1]).items()\n"
