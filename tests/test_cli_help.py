@@ -220,12 +220,10 @@ def test_profile_names_complete_without_loading_a_wing(tmp_path):
 
 
 def _lazy_reads() -> dict[str, set[str]]:
-    """{module path: the attributes read of it} for every `x = lazy("module")` of a cli
+    """{module path: the attributes read of it} for every `x = lazy("module")` of a family
     module, read from their source: `manager.start(...)` reads `start` of services.manager."""
     reads: dict[str, set[str]] = {}
-    for name in sorted(sys.modules):
-        if not name.startswith("macserve.cli"):
-            continue
+    for name in sorted({cmd.callback.__module__ for _, cmd in COMMANDS}):
         mod = sys.modules[name]
         names = {k: v.name for k, v in vars(mod).items() if isinstance(v, Lazy)}
         unread = set(names)

@@ -2,12 +2,14 @@
 
 Each command is one click function in its family's module (cli/<family>.py): arguments,
 options, help (the docstring, whose first sentence is its line in `macserve --help`) and body.
-The families are registered here, a module each; every click command a family defines is a
-subcommand of its group. A family imports click and the leaves only; the wing modules its
-bodies use are imported when a body first uses them (cli/lazy.py). So `macserve --help`, every
-command's own `--help` and shell completion import no wing, and `macserve inspect` never
-imports httpx or the service machinery. tests/test_cli_help.py checks the modules each help
-loads and that every lazily named module attribute a body reads exists.
+The families are named here, a module each, under the group they belong to; every click
+command a family defines is a subcommand of that group, and a family is imported only when a
+command is looked for there and not yet found (cli/lazy.py: `Families`). A family imports click
+and the leaves only; the wing modules its bodies use are imported when a body first uses them
+(cli/lazy.py: `lazy`). So `macserve --help`, every command's own `--help` and shell completion
+import no wing, and `macserve inspect` never imports httpx or the service machinery.
+tests/test_cli_help.py checks the modules each help loads and that every lazily named module
+attribute a body reads exists.
 """
 
 from __future__ import annotations
@@ -17,29 +19,12 @@ import sys
 import click
 
 from ..errors import MacserveError
-from . import (
-    bench,
-    bench_engine,
-    bench_serve,
-    bench_startup,
-    chat,
-    dev,
-    engine,
-    inspect,
-    lifecycle,
-    preflight,
-    router,
-    serve,
-    services,
-    ui,
-    views,
-)
-from .lazy import commands_in
+from .lazy import Families
 
 HELP = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand's context
 
 
-class _Main(click.Group):
+class _Main(Families):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -55,29 +40,41 @@ class _Main(click.Group):
             sys.exit(2)
 
 
-bench_group = click.Group(
-    "bench",
-    commands=commands_in(bench, bench_engine, bench_serve, bench_startup),
-    help="Benchmarks to run on your own Mac (ratios against a baseline in the same run).",
-)
-dev_group = click.Group(
-    "dev",
-    commands=commands_in(dev),
-    help="Developer commands: train the demo model, export GGUF twins, render launchd/.",
-)
+def _families(*names: str) -> tuple[str, ...]:
+    return tuple(f"macserve.cli.{n}" for n in names)
 
 
+# The most used first: a family is imported only until the command named is found.
 @click.group(
     cls=_Main,
-    commands=[
-        *commands_in(
-            services, lifecycle, views, inspect, chat, router, ui, preflight, serve, engine
-        ),
-        bench_group,
-        dev_group,
-    ],
+    families=_families(
+        "services",
+        "lifecycle",
+        "views",
+        "chat",
+        "inspect",
+        "router",
+        "ui",
+        "preflight",
+        "serve",
+        "engine",
+    ),
     context_settings=HELP,
 )
 @click.version_option(package_name="macserve")
 def main():
     """Serve large local models on a Mac: size, supervise, chat."""
+
+
+@main.group(
+    "bench",
+    cls=Families,
+    families=_families("bench", "bench_engine", "bench_serve", "bench_startup"),
+)
+def bench_group():
+    """Benchmarks to run on your own Mac (ratios against a baseline in the same run)."""
+
+
+@main.group("dev", cls=Families, families=_families("dev"))
+def dev_group():
+    """Developer commands: train the demo model, export GGUF twins, render launchd/."""

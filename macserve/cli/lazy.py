@@ -1,14 +1,15 @@
 """What keeps `macserve ... --help` instant: a command's body imports its wing when it runs.
 
 Each command is one click function (cli/<family>.py): its arguments, options and help in the
-decorators and docstring, its body below. Every family module is imported for any `macserve`
-command, so at import it loads click and the leaves only; the wing modules a body uses are
-named at the top as `manager = lazy("macserve.services.manager")`, and imported the first time
-the body reads an attribute of them (`manager.start(...)`). So `--help`, `-h` and shell
-completion of any command load no wing: mlx-lm alone takes seconds to import. The names are
-strings, out of sight of tests/test_architecture.py's import graph (cli is its top, allowed
-to import anything), so tests/test_cli_help.py imports every one and checks that each
-attribute a body reads of it exists.
+decorators and docstring, its body below. A family module loads click and the leaves only; the
+wing modules a body uses are named at the top as `manager = lazy("macserve.services.manager")`,
+and imported the first time the body reads an attribute of them (`manager.start(...)`). So
+`--help`, `-h` and shell completion of any command load no wing: mlx-lm alone takes seconds to
+import. The families themselves are imported by a `Families` group only until the command
+asked for is found (all of them for a group's --help, which lists every summary): their click
+declarations cost ~1-3 ms each. The names are strings, out of sight of
+tests/test_architecture.py's import graph (cli is its top, allowed to import anything), so
+tests/test_cli_help.py imports every one and checks that each attribute a body reads exists.
 """
 
 from __future__ import annotations
@@ -39,15 +40,32 @@ def lazy(name: str) -> Any:
     return Lazy(name)
 
 
-def commands_in(*families) -> list[click.Command]:
-    """The click commands defined at the top level of each family module (cli/<family>.py), in
-    their order there: the subcommands cli/__init__.py gives a group, each under its own name."""
-    return [
-        v
-        for module in families
-        for v in vars(module).values()
-        if isinstance(v, click.Command) and v.callback.__module__ == module.__name__
-    ]
+class Families(click.Group):
+    """A click group whose subcommands are every click command defined at the top level of its
+    family modules (cli/<family>.py, named as "macserve.cli.<family>"), each under its own name;
+    a family is imported when a command not yet found is looked for, in the order given."""
+
+    def __init__(self, *args, families: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.families = list(families)  # those not imported yet
+
+    def _import_next(self) -> None:
+        module = importlib.import_module(self.families.pop(0))
+        for v in vars(module).values():
+            if isinstance(v, click.Command) and v.callback.__module__ == module.__name__:
+                if v.name in self.commands:
+                    raise RuntimeError(f"{module.__name__} defines {v.name!r} again")
+                self.add_command(v)
+
+    def get_command(self, ctx, name):
+        while name not in self.commands and self.families:
+            self._import_next()
+        return self.commands.get(name)
+
+    def list_commands(self, ctx):
+        while self.families:
+            self._import_next()
+        return super().list_commands(ctx)
 
 
 def walk(group: click.Group, path: tuple[str, ...] = ()):
