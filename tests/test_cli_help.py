@@ -69,6 +69,27 @@ def test_group_help_imports_no_wing(args):
 COMMANDS = [(path, cmd) for path, cmd in walk(main) if not isinstance(cmd, click.Group)]
 
 
+def test_a_command_imports_the_families_only_until_its_own():
+    """`macserve start` imports the service families (the first looked in), not the engine's,
+    the benchmarks' or the developers' commands (cli/lazy.py: Families)."""
+    code = (
+        "import sys\n"
+        "from macserve.cli import main\n"
+        "try:\n"
+        "    main(['start', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('LOADED', sorted(sys.modules))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    loaded = set(ast.literal_eval(r.stdout[r.stdout.rindex("LOADED") + len("LOADED") :].strip()))
+    assert "macserve.cli.lifecycle" in loaded
+    assert not loaded & {"macserve.cli.engine", "macserve.cli.bench", "macserve.cli.dev"}
+
+
 @pytest.mark.parametrize("group", [(), ("bench",), ("dev",)])
 def test_each_listed_summary_is_how_its_command_begins(group):
     """A group's --help lists each command with its summary, the first sentence of its own
