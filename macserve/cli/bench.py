@@ -1,35 +1,73 @@
-"""The engine's benchmarks `bench kv|mtp|dsa|serve` (docs/engine.md, docs/server.md); `bench
-engine` is cli/bench_engine.py. Each prints ratios against a baseline measured in the same run.
+"""The engine's benchmarks `bench kv|mtp|dsa` (docs/engine.md); `bench engine` is
+cli/bench_engine.py, `bench serve` cli/bench_serve.py. Each prints ratios against a baseline measured in the same run.
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
-Each command's arguments, options and help: cli/commands/bench.py.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from ..dev.tiny import data as tiny_data
-from ..engine import gate
-from ..engine.bench import dsa as dsa_bench
-from ..engine.bench import generation as gen_bench
-from ..engine.bench import kv as kv_bench
-from ..engine.bench import mtp as mtp_bench
-from ..engine.bench import serve as serve_bench
-from ..engine.caches import CacheSpec, shipped_rotation
-from ..engine.calibration import collect, fit
-from ..engine.mla_attention import mla_attentions
-from ..engine.model import load
-from ..engine.mtp_auto import describe
 from ..errors import MacserveError
-from ..int2_format import INT2
 from .engine import held_out_chats, held_out_prompts, load_mla, progress_bar, text_windows
+from .lazy import lazy
+
+caches = lazy("macserve.engine.caches")
+calibration = lazy("macserve.engine.calibration")
+dsa_bench = lazy("macserve.engine.bench.dsa")
+engine_model = lazy("macserve.engine.model")
+gate = lazy("macserve.engine.gate")
+int2_format = lazy("macserve.int2_format")
+gen_bench = lazy("macserve.engine.bench.generation")
+kv_bench = lazy("macserve.engine.bench.kv")
+mla_attention = lazy("macserve.engine.mla_attention")
+mtp_auto = lazy("macserve.engine.mtp_auto")
+mtp_bench = lazy("macserve.engine.bench.mtp")
+
+KV_SETS = ("all", "gate", "windows")  # engine/bench/kv.py's SETS, not imported: it loads mlx
 
 
+@click.command("kv")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--rotation",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration file (default: the model folder's latent-rotation.safetensors, "
+    "else calibrate now on the training plays)",
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="held-out text (default: the demo model's held-out plays)",
+)
+@click.option("--windows", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--gen-tokens", type=int, default=256, show_default=True)
+@click.option("--contexts", default="1024,4096,16384", show_default=True)
+@click.option(
+    "--variants",
+    "which",
+    type=click.Choice(KV_SETS),
+    default="all",
+    show_default=True,
+    help="all: every rotation and option; gate: uniform INT2 and INT4 against the "
+    "calibration's per-layer plan; windows: the served cache at sink 64/128 x recent 256/512 "
+    "and with no codes (a control)",
+)
+@click.option(
+    "--gen-prompts",
+    type=click.IntRange(0),
+    default=4,
+    show_default=True,
+    help="held-out chat prompts each cache generates from freely (greedy, until end of turn "
+    "or --gen-max-tokens), set against bf16's generation; 0 skips",
+)
+@click.option("--gen-prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--gen-max-tokens", type=click.IntRange(1), default=700, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
 def bench_kv(
     model,
     rotation,
@@ -44,9 +82,10 @@ def bench_kv(
     gen_max_tokens,
     as_json,
 ):
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
-    rotation = rotation or shipped_rotation(model)
+    rotation = rotation or caches.shipped_rotation(model)
     if rotation is not None:
         cal = b.calibration(rotation)
         if which == "gate" and cal.default_method != "gate":
@@ -54,14 +93,14 @@ def bench_kv(
                 f"{rotation}: no gate plan in this calibration (make one with macserve calibrate)"
             )
     else:  # no calibration given or shipped: fit one now on the training plays
-        stats = collect(
+        stats = calibration.collect(
             m,
             text_windows(tok, None, 8, seq_len, held_out=False),
             progress=progress_bar("calibrating"),
         )
-        cal = fit(stats, INT2)
+        cal = calibration.fit(stats, int2_format.INT2)
         if which == "gate":
-            rope = mla_attentions(m)[0].qk_rope_head_dim
+            rope = mla_attention.mla_attentions(m)[0].qk_rope_head_dim
             gate.attach(cal, gate.gate(stats, rope), gate.DEFAULT_TARGET)
     ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
     try:
@@ -138,7 +177,17 @@ def bench_kv(
     )
 
 
+@click.command("dsa")
+@click.option(
+    "--contexts",
+    default="4096,16384",
+    show_default=True,
+    help="cached tokens before the timed decode steps",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_dsa(contexts, as_json):
+    """DSA decode on the INT2 cache: top-k rows only vs every row masked (a random model with
+    DeepSeek-V3.2's cache dims; speed does not depend on trained weights)."""
     try:
         ctxs = [int(c) for c in contexts.split(",")]
     except ValueError:
@@ -155,9 +204,33 @@ def bench_dsa(contexts, as_json):
         )
 
 
+@click.command("mtp")
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "-k",
+    "ks",
+    type=int,
+    multiple=True,
+    default=[1, 2, 3],
+    show_default=True,
+    help="draft lengths to measure",
+)
+@click.option("--prompts", type=int, default=8, show_default=True)
+@click.option("--prompt-tokens", type=int, default=64, show_default=True)
+@click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--llama-server",
+    "llama_url",
+    help="URL of a llama-server running the GGUF twin "
+    "with --spec-type draft-mtp: its acceptance on the same prompts is reported",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url, as_json):
-    bundle = load(model)
-    spec = CacheSpec.for_model(model, kv, rotation)
+    """MTP drafting vs plain decoding: acceptance per position and decode tokens/s."""
+    bundle = engine_model.load(model)
+    spec = caches.CacheSpec.for_model(model, kv, rotation)
     mtp = bundle.mtp()
     ps = held_out_prompts(bundle.tokenizer, prompts, prompt_tokens)
     rows = []
@@ -183,7 +256,7 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
         a = r["auto"]
         if a["figures"]:
             click.echo(
-                f"  --mtp auto: {describe(a['figures'])} -> drafting "
+                f"  --mtp auto: {mtp_auto.describe(a['figures'])} -> drafting "
                 f"{'on' if a['drafting'] else 'off'}; it ran at {a['speedup']:.2f}x plain"
             )
     if llama_url:
@@ -191,94 +264,4 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
         click.echo(
             f"llama-server draft-mtp on the same prompts: {ref['draft_n_accepted']}/"
             f"{ref['draft_n']} accepted"
-        )
-
-
-def _user_messages(n: int, chars: int = 80) -> list[str]:
-    """Chat messages from the demo model's held-out plays: consecutive speeches joined and cut
-    to `chars` characters (the demo tokenizer spends about a token per character, so a
-    10-turn chat with answers of up to 32 tokens reaches a ~700-token history)."""
-    out, cur = [], ""
-    for sp in tiny_data.speeches(tiny_data.held_out_text()):
-        cur = f"{cur}\n{sp}" if cur else sp
-        if len(cur) >= chars:
-            out.append(cur[:chars])
-            cur = ""
-            if len(out) == n:
-                break
-    return out
-
-
-def bench_serve(
-    model,
-    turns,
-    rounds,
-    answer_tokens,
-    clients,
-    requests,
-    load_tokens,
-    logs,
-    restart_rounds,
-    capacity_clients,
-    capacity_batches,
-    as_json,
-):
-    plan = serve_bench.Plan(
-        Path(model).resolve(),
-        (),
-        turns=turns,
-        rounds=rounds,
-        answer_tokens=answer_tokens,
-        clients=clients,
-        requests=requests,
-        load_tokens=load_tokens,
-        log_dir=Path(logs).resolve() if logs else None,
-        restart_rounds=restart_rounds,
-        capacity_clients=capacity_clients,
-        capacity_batches=tuple(sorted(set(capacity_batches))),
-    )
-    if logs:
-        Path(logs).mkdir(parents=True, exist_ok=True)
-    lines = _user_messages(serve_bench.needed_lines(plan))
-    plan = serve_bench.Plan(**{**plan.__dict__, "lines": tuple(lines)})
-    res = serve_bench.run(plan, progress=lambda m: click.echo(f"... {m}", err=True))
-    if as_json:
-        click.echo(json.dumps(res, indent=1))
-        return
-    for name, r in res["servers"].items():
-        c, one, many = r["chat"], r["load_1_client"], r[f"load_{clients}_clients"]
-        click.echo(
-            f"{name}: chat TTFT per turn {', '.join(f'{t * 1000:.0f}' for t in c['ttft_per_turn_s'])} ms; "
-            f"last turn ({c['last_turn_prompt_tokens']} prompt tokens) {c['last_turn_ttft_s'] * 1000:.0f} ms "
-            f"vs {c['same_history_cold_ttft_s'] * 1000:.0f} ms cold ({c['warm_over_cold']:.2f}x); "
-            f"1 client {one['tokens_per_s']:.1f} tok/s, {clients} clients {many['tokens_per_s']:.1f} "
-            f"tok/s ({r['concurrency_speedup']:.2f}x), p50 {many['latency_p50_s']:.2f} s, "
-            f"p95 {many['latency_p95_s']:.2f} s, refused {many['refused']}"
-        )
-    for name, q in res["vs_mlx_lm_server"].items():
-        click.echo(
-            f"{name} / mlx_lm.server: last-turn TTFT {q['follow_up_ttft']:.2f}x "
-            f"(every follow-up turn {q['follow_up_ttft_mean']:.2f}x), "
-            f"{clients}-client tokens/s {q[f'tokens_per_s_{clients}_clients']:.2f}x, "
-            f"latency p50 {q['latency_p50']:.2f}x, p95 {q['latency_p95']:.2f}x (>1: macserve better)"
-        )
-    for name, r in res.get("restart", {}).items():
-        reused = r["tokens_reused_per_tier"]
-        click.echo(
-            f"{name} restart: follow-up ({r['followup_prompt_tokens']} prompt tokens) after a "
-            f"restart {r['restart_followup_ttft_s'] * 1000:.0f} ms "
-            f"({r['restart_followup_ttft_ratio']:.2f}x cold), warm "
-            f"{r['warm_followup_ttft_s'] * 1000:.0f} ms ({r['warm_followup_ttft_ratio']:.2f}x), "
-            f"cold {r['cold_ttft_s'] * 1000:.0f} ms"
-            + (f"; tokens reused {reused}" if reused else "")
-        )
-    if cap := res.get("capacity"):
-        for name, s in cap["servers"].items():
-            click.echo(
-                f"capacity, {cap['clients']} clients, {name} (max batch {s['max_batch']}): "
-                f"{s['tokens_per_s']:.1f} tok/s, p50 {s['latency_p50_s']:.2f} s, "
-                f"p95 {s['latency_p95_s']:.2f} s, refused {s['refused']}"
-            )
-        click.echo(
-            f"capacity: default / best fixed ({cap['best_fixed']}) = {cap['default_over_best']:.2f}x"
         )

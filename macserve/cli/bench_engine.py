@@ -1,6 +1,5 @@
 """`bench engine`: the INT2 cache against mlx-lm's bf16 cache at real width, on a model folder
 or a synthetic model with random weights (docs/int2-latent-cache.md), and its printed report.
-Each command's arguments, options and help: cli/commands/bench_engine.py.
 """
 
 from __future__ import annotations
@@ -10,11 +9,13 @@ import json
 import click
 
 from .. import env
-from ..engine.bench import engine as engine_bench
-from ..engine.bench import mtp as mtp_bench
-from ..engine.model import load
 from ..errors import MacserveError
 from .engine import held_out_prompts
+from .lazy import lazy
+
+engine_bench = lazy("macserve.engine.bench.engine")
+engine_model = lazy("macserve.engine.model")
+mtp_bench = lazy("macserve.engine.bench.mtp")
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -24,6 +25,64 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
         raise click.BadParameter("comma-separated token counts", param_hint=what) from None
 
 
+@click.command("engine")
+@click.argument("model", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--synthetic",
+    type=click.Choice(["deepseek-v3", "deepseek-v3.2"]),
+    help="a real-width model with random weights, made now (no MODEL needed)",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(1),
+    default=2,
+    show_default=True,
+    help="trunk layers of the synthetic model",
+)
+@click.option("--prefill-contexts", default="8192,32768", show_default=True)
+@click.option("--held-contexts", default="1024,4096,32768", show_default=True)
+@click.option("--decode-contexts", default="4096,32768", show_default=True)
+@click.option(
+    "--projection-contexts",
+    default="8192,32768,131072",
+    show_default=True,
+    help="contexts of the Mac projection from bytes moved",
+)
+@click.option(
+    "--mac-bandwidth",
+    type=click.FloatRange(min=1, min_open=False),
+    default=819,
+    show_default=True,
+    help="GB/s of the Mac the projection is for (M3 Ultra: 819)",
+)
+@click.option(
+    "--mac-tflops",
+    type=click.FloatRange(min=0.1),
+    default=28,
+    show_default=True,
+    help="TFLOP/s assumed for its GPU's matrix products (the projection's roofline)",
+)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(2),
+    default=2048,
+    show_default=True,
+    help="the chunk compared against single steps",
+)
+@click.option(
+    "--bf16-chunk-tokens",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="also compare a chunk of this many tokens with single steps with the model in bf16 "
+    "(only where the engine computes in float32, a CPU; slow there)",
+)
+@click.option(
+    "--acceptance",
+    type=click.FloatRange(0, 1),
+    help="MTP acceptance for the projection [default: measured on the demo model]",
+)
+@click.option("--json", "as_json", is_flag=True)
 def bench_engine(
     model,
     synthetic,
@@ -39,6 +98,8 @@ def bench_engine(
     acceptance,
     as_json,
 ):
+    """The INT2 cache against mlx-lm's bf16 cache at real width: conversions, prefill memory,
+    held bytes, chunk vs steps, decode speed, MTP costs (docs/int2-latent-cache.md)."""
     if (model is None) == (synthetic is None):
         raise MacserveError("give a MODEL folder or --synthetic deepseek-v3")
     contexts = {
@@ -166,7 +227,7 @@ def _print_engine(r: dict) -> None:
 
 def _demo_acceptance() -> float:
     """MTP k=1 acceptance on the demo model's held-out text (greedy, 8 prompts)."""
-    bundle = load(env.DEMO_MODEL)
+    bundle = engine_model.load(env.DEMO_MODEL)
     ps = held_out_prompts(bundle.tokenizer, 8, 64)
     row = mtp_bench.run(bundle.model, bundle.mtp(), ps, 1, 64, lambda: bundle.caches())
     return row["acceptance_per_position"][0]

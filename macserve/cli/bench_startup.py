@@ -1,5 +1,5 @@
 """`macserve bench startup`: the wall time of every command's `--help` (the work is in
-dev/startup.py; the command tree from cli/lazy.py)."""
+dev/startup.py; the command tree from cli/lazy.py's `walk`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ import json
 
 import click
 
-from ..dev.startup import time_commands
-from . import main
-from .lazy import walk
+from .lazy import lazy, walk
+
+startup = lazy("macserve.dev.startup")
 
 
-def bench_startup(runs, as_json):
+@click.command("startup")
+@click.option("--runs", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def bench_startup(ctx, runs, as_json):
+    """Wall time of `macserve --help` and of every command's own --help, against the bare
+    interpreter's in the same run."""
+    main = ctx.find_root().command
     paths = [("--help",)] + [(*path, "--help") for path, cmd in walk(main) if not cmd.hidden]
-    base, timings = time_commands(paths, runs)
+    base, timings = startup.time_commands(paths, runs)
     if as_json:
         rows = {
             " ".join(t.args): {"wall": list(t.seconds), "cpu": list(t.cpu)}

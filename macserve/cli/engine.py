@@ -4,7 +4,6 @@ loaded, and text from the demo model's corpus.
 
 Where no --data is given, the text comes from the demo model's corpus (dev/tiny/data.py): its
 training plays to calibrate on, its held-out plays to measure on.
-Each command's arguments, options and help: cli/commands/engine.py.
 """
 
 from __future__ import annotations
@@ -14,19 +13,24 @@ import sys
 from pathlib import Path
 
 import click
-import numpy as np
 
-from ..chat import mtp_text
-from ..dev.tiny import data as tiny_data
-from ..engine import gate
-from ..engine import generate as gen
-from ..engine.caches import CacheSpec, EngineOptions
-from ..engine.calibration import calibration_windows, collect, fit
-from ..engine.mla_attention import mla_attentions
-from ..engine.model import Bundle, load
-from ..engine.mtp_auto import load_note
 from ..errors import MacserveError
-from ..int2_format import INT2
+from .lazy import lazy
+
+caches = lazy("macserve.engine.caches")
+calibration = lazy("macserve.engine.calibration")
+chat = lazy("macserve.chat")
+engine_model = lazy("macserve.engine.model")
+gate = lazy("macserve.engine.gate")
+int2_format = lazy("macserve.int2_format")
+gen = lazy("macserve.engine.generate")
+mla_attention = lazy("macserve.engine.mla_attention")
+mtp_auto = lazy("macserve.engine.mtp_auto")
+np = lazy("numpy")
+tiny_data = lazy("macserve.dev.tiny.data")
+
+# engine/gate.py's (it imports mlx); tests/test_cli_help.py checks that they agree
+DEFAULT_TARGET = 0.02
 
 
 def progress_bar(label):
@@ -44,8 +48,9 @@ def progress_bar(label):
     return update
 
 
-def load_mla(model_dir) -> Bundle:
-    return load(model_dir).require_mla()
+def load_mla(model_dir):
+    """The model at `model_dir` (an engine Bundle), refused unless its attention is MLA."""
+    return engine_model.load(model_dir).require_mla()
 
 
 def text_windows(tok, data, n, seq_len, held_out):
@@ -56,7 +61,7 @@ def text_windows(tok, data, n, seq_len, held_out):
     else:
         text = tiny_data.training_text(max(2, n))
     try:
-        return calibration_windows(tok, text, n, seq_len)
+        return calibration.calibration_windows(tok, text, n, seq_len)
     except ValueError as e:
         raise MacserveError(str(e)) from None
 
@@ -97,12 +102,36 @@ def held_out_chats(tok, data, n, prompt_tokens):
     return out
 
 
+@click.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--out", type=click.Path(dir_okay=False), required=True, help="safetensors file to write"
+)
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    help="calibration text (default: the demo model's training plays)",
+)
+@click.option("--windows", type=int, default=8, show_default=True)
+@click.option("--seq-len", type=int, default=1024, show_default=True)
+@click.option(
+    "--target",
+    type=float,
+    default=DEFAULT_TARGET,
+    show_default=True,
+    help="the gate's functional-error target per layer (docs/int2-latent-cache.md)",
+)
+@click.option("--report", is_flag=True, help="print per layer the gate's measurements")
+@click.option("--json", "as_json", is_flag=True, help="print the gate's report as JSON")
 def calibrate(model, out, data, windows, seq_len, target, report, as_json):
+    """Fit per-layer latent rotations and clip thresholds (all methods) for the INT2 cache."""
     b = load_mla(model)
     ws = text_windows(b.tokenizer, data, windows, seq_len, held_out=False)
-    stats = collect(b.model, ws, progress=progress_bar("calibrating"))
-    cal = fit(stats, INT2, meta={"model": str(model), "data": data or "tiny training plays"})
-    rope = mla_attentions(b.model)[0].qk_rope_head_dim
+    stats = calibration.collect(b.model, ws, progress=progress_bar("calibrating"))
+    cal = calibration.fit(
+        stats, int2_format.INT2, meta={"model": str(model), "data": data or "tiny training plays"}
+    )
+    rope = mla_attention.mla_attentions(b.model)[0].qk_rope_head_dim
     gate.attach(cal, gate.gate(stats, rope, target), target)
     cal.save(out)
     rep = cal.meta["gate"]
@@ -140,10 +169,20 @@ def gate_report_lines(rep: dict) -> list[str]:
     return lines
 
 
+@click.command()
+@click.argument("model", type=click.Path(exists=True, file_okay=False))
+@click.argument("prompt")
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
+@click.option("--mtp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
+@click.option("--mtp-k", type=click.IntRange(0, 3), default=1, show_default=True)
 def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp, mtp_k):
-    options = EngineOptions(CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
-    bundle = load(model)
-    note = load_note(bundle, options)
+    """Generate from a raw prompt with the engine (INT2 latent cache, MTP drafting)."""
+    options = caches.EngineOptions(caches.CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
+    bundle = engine_model.load(model)
+    note = mtp_auto.load_note(bundle, options)
     if note is not None:
         click.echo(note, err=True)
     ids = bundle.tokenizer.encode(prompt, add_special_tokens=False)
@@ -161,6 +200,6 @@ def generate(model, prompt, max_tokens, temperature, kv, rotation, mtp, mtp_k):
         )
         click.echo(
             f"{s['completion_tokens']} tokens, {s['generation_tps']:.1f} tok/s{extra}, "
-            + mtp_text(s["mtp"]),
+            + chat.mtp_text(s["mtp"]),
             err=True,
         )

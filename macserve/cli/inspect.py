@@ -1,5 +1,4 @@
-"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only.
-Each command's arguments, options and help: cli/commands/inspect.py."""
+"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only."""
 
 from __future__ import annotations
 
@@ -7,41 +6,84 @@ import json
 
 import click
 
-from ..sizing.advice import over_budget_warning, weights_verdict
-from ..sizing.budget import parse_size
-from ..sizing.hosts import apply_weights, parse_hosts, plan_hosts
-from ..sizing.report import inspect_source, report_of
 from .fmt import context as _ctx
 from .fmt import number as _num
 from .fmt import size as _gib
 from .fmt import tokens_k as _k
+from .lazy import lazy
+
+advice = lazy("macserve.sizing.advice")
+budget = lazy("macserve.sizing.budget")
+hosts_plan = lazy("macserve.sizing.hosts")
+report = lazy("macserve.sizing.report")
 
 
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo or folder (or write REPO:QUANT).")
+@click.option(
+    "--memory",
+    help="Plan for a Mac with this much RAM, e.g. 256GB; a comma list "
+    "(256GB,256GB,192GB) plans one host per entry.",
+)
+@click.option(
+    "--hosts", type=int, help="Plan a split over N equal hosts (each --memory, or this machine's)."
+)
+@click.option(
+    "--weights",
+    help="Weights' size when inspect cannot know it (a bare config): "
+    "380GB, or 4bit to count the config's parameters under MLX 4-bit quantization.",
+)
+@click.option(
+    "--parallel",
+    type=click.IntRange(1, 4096),
+    default=1,
+    show_default=True,
+    help="Sequences served at once (llama-server -np).",
+)
+@click.option("--ctx", type=click.IntRange(1), help="Check this context length per sequence.")
+@click.option(
+    "--modelled",
+    is_flag=True,
+    help="Do not build the model in mlx-lm to measure its caches: every row from inspect's "
+    "own model of the engines (faster on a first run; no mlx import).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_json):
+    """Size a model's KV cache and the context that fits. Reads config.json, the file
+    listing and GGUF headers only, never weights.
+
+    SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
+    config.json, or a .gguf file.
+
+    The mlx/bf16 row is measured: mlx-lm builds the model from its config with weights it
+    never evaluates, and the caches it allocates are read (kept under $MACSERVE_HOME/cache).
+    The other rows are modelled from the engines' code; the last column says which.
+    """
     if hosts is not None or (memory and "," in memory):
-        machines = parse_hosts(memory, hosts)
-        rep = inspect_source(source, quant, measure=not modelled)
-        mh = plan_hosts(rep, machines, weights, parallel, ctx)
+        machines = hosts_plan.parse_hosts(memory, hosts)
+        rep = report.inspect_source(source, quant, measure=not modelled)
+        mh = hosts_plan.plan_hosts(rep, machines, weights, parallel, ctx)
         if as_json:
-            apply_weights(rep, weights)
-            r = report_of(rep, max(machines, key=lambda m: m or 0), parallel, ctx)
+            hosts_plan.apply_weights(rep, weights)
+            r = report.report_of(rep, max(machines, key=lambda m: m or 0), parallel, ctx)
             r["multi_host"] = mh
             click.echo(json.dumps(r, indent=2))
         else:
             _print_hosts(rep, mh)
         return
-    rep = inspect_source(source, quant, measure=not modelled)
-    apply_weights(rep, weights)
-    mem = parse_size(memory) if memory else None
-    r = report_of(rep, mem, parallel, ctx)
-    r["verdict"] = weights_verdict(rep, r, mem, parallel)
+    rep = report.inspect_source(source, quant, measure=not modelled)
+    hosts_plan.apply_weights(rep, weights)
+    mem = budget.parse_size(memory) if memory else None
+    r = report.report_of(rep, mem, parallel, ctx)
+    r["verdict"] = advice.weights_verdict(rep, r, mem, parallel)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
         _print(r)
         for line in r["verdict"]:
             click.echo(line)
-    warning = over_budget_warning(r)
+    warning = advice.over_budget_warning(r)
     if warning:
         click.secho(warning, fg="red", bold=True, err=True)
 

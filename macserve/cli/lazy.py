@@ -1,88 +1,76 @@
-"""What keeps `macserve ... --help` instant: commands and their bodies imported by name, late.
+"""What keeps `macserve ... --help` instant: a command's body imports its wing when it runs.
 
-A command's declaration (its arguments, options and help, in cli/commands/) imports click and
-the leaves only; its body (in cli/<family>.py, which imports its wing at the top) is named as
-"module:function" and imported when the command runs. So `--help`, `-h` and shell completion of
-any command load no wing: mlx-lm alone takes seconds to import. The names are strings, out of
-sight of tests/test_architecture.py's import graph, so tests/test_cli_help.py resolves every
-one and checks that each body takes exactly its declaration's parameters.
+Each command is one click function (cli/<family>.py): its arguments, options and help in the
+decorators and docstring, its body below. A family module loads click and the leaves only; the
+wing modules a body uses are named at the top as `manager = lazy("macserve.services.manager")`,
+and imported the first time the body reads an attribute of them (`manager.start(...)`). So
+`--help`, `-h` and shell completion of any command load no wing: mlx-lm alone takes seconds to
+import. The families themselves are imported by a `Families` group only until the command
+asked for is found (all of them for a group's --help, which lists every summary): their click
+declarations cost ~1-3 ms each. The names are strings, out of sight of
+tests/test_architecture.py's import graph (cli is its top, allowed to import anything), so
+tests/test_cli_help.py imports every one and checks that each attribute a body reads exists.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
+from typing import Any
 
 import click
 
 
-def resolve(target: str):
-    """The object `module:attr` names, importing its module."""
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+class Lazy:
+    """A module imported on the first read of one of its attributes."""
+
+    def __init__(self, name: str):
+        self.__dict__["name"] = name  # `name` is read by tests/test_cli_help.py
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only what is not on this object reaches here: the module's own attributes.
+        return getattr(importlib.import_module(self.__dict__["name"]), attr)
+
+    def __repr__(self) -> str:
+        return f"<module {self.__dict__['name']!r}, imported on use>"
 
 
-def later(target: str):
-    """A function that calls `target` ("module:function") with its arguments, importing it only
-    then: an option's callback, which click calls while parsing, never for --help."""
-
-    def call(*args, **kwargs):
-        return resolve(target)(*args, **kwargs)
-
-    call.runs = target  # read by tests/test_cli_help.py
-    return call
+def lazy(name: str) -> Any:
+    """`name`, a module path ("macserve.services.manager"), imported when first used. Typed
+    Any: its attributes are the module's, which a checker cannot know from a string."""
+    return Lazy(name)
 
 
-def runs(target: str):
-    """Decorate a declaration (a function whose body is its docstring) so that calling it calls
-    `target` ("module:function") with the same arguments, importing it only then."""
+class Families(click.Group):
+    """A click group whose subcommands are every click command defined at the top level of its
+    family modules (cli/<family>.py, named as "macserve.cli.<family>"), each under its own name;
+    a family is imported when a command not yet found is looked for, in the order given."""
 
-    def wrap(decl):
-        return functools.wraps(decl)(later(target))
-
-    return wrap
-
-
-def _clip(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    return text[: max(width - 3, 1)].rsplit(" ", 1)[0] + "..."
-
-
-class LazyGroup(click.Group):
-    """A click group whose subcommands are ("module:attr", summary), imported on use; its
-    --help lists them from the summaries, importing nothing."""
-
-    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
+    def __init__(self, *args, families: tuple[str, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
-        self.lazy = dict(lazy or {})
+        self.families = list(families)  # those not imported yet
 
-    def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+    def _import_next(self) -> None:
+        module = importlib.import_module(self.families.pop(0))
+        for v in vars(module).values():
+            if isinstance(v, click.Command) and v.callback.__module__ == module.__name__:
+                if v.name in self.commands:
+                    raise RuntimeError(f"{module.__name__} defines {v.name!r} again")
+                self.add_command(v)
 
     def get_command(self, ctx, name):
-        if name in self.lazy:
-            return resolve(self.lazy[name][0])
-        return super().get_command(ctx, name)
+        while name not in self.commands and self.families:
+            self._import_next()
+        return self.commands.get(name)
 
-    def format_commands(self, ctx, formatter):
-        rows = []
-        for name in self.list_commands(ctx):
-            if name in self.lazy:
-                rows.append((name, self.lazy[name][1]))
-            else:
-                cmd = super().get_command(ctx, name)
-                if cmd is not None and not cmd.hidden:
-                    rows.append((name, cmd.get_short_help_str(formatter.width)))
-        if rows:
-            width = formatter.width - 6 - max(len(n) for n, _ in rows)
-            with formatter.section("Commands"):
-                formatter.write_dl([(n, _clip(h, width)) for n, h in rows])
+    def list_commands(self, ctx):
+        while self.families:
+            self._import_next()
+        return super().list_commands(ctx)
 
 
 def walk(group: click.Group, path: tuple[str, ...] = ()):
     """(path, command) for every command and subcommand under `group`, as click resolves them:
-    the declarations only, so walking imports no wing."""
+    walking it imports no wing."""
     ctx = click.Context(group)
     for name in group.list_commands(ctx):
         cmd = group.get_command(ctx, name)

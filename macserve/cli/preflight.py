@@ -1,18 +1,22 @@
 """`macserve preflight NAME`: the multi-host checks run before a start, per host. Printing only;
-the checks are in services/preflight.py.
-Each command's arguments, options and help: cli/commands/preflight.py."""
+the checks are in services/preflight.py."""
 
 from __future__ import annotations
 
 import click
 
 from ..errors import MacserveError
-from ..services import manager
-from ..services import preflight as pf
 from .fmt import gb as _gb
+from .lazy import lazy
+
+manager = lazy("macserve.services.manager")
+pf = lazy("macserve.services.preflight")
 
 
+@click.command()
+@click.argument("name")
 def preflight(name):
+    """Check a multi-host profile's hosts: ssh, Python/mlx/mlx-lm versions, model, memory."""
     profile = manager.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")

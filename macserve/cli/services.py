@@ -1,30 +1,31 @@
-"""Service commands: new, worker, set, run, ls, show, start, stop, restart, status, logs,
-rm.
-
-Parsing and printing only; the work is in services/manager.py.
-Each command's arguments, options and help: cli/commands/services.py.
+"""The commands that write a profile: `new`, `worker`, `set`, and `pull` (new's download
+step) and the hidden `parse-args` (how the services check a `macserve serve` profile's flags);
+and the progress and secret prompts the service commands share (also cli/lifecycle.py,
+cli/router.py, cli/chat.py). Parsing and printing only; the work is in services/manager.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import sys
 
 import click
 
 from ..errors import MacserveError
-from ..services import manager, usage
-from ..services import pull as hub
-from ..services.doctor import doctor as doctor_report
-from ..services.run import exec_profile
-from ..services.supervisors import log_path
-from ..services.supervisors import logs as service_logs
-from ..services.views import outcome_line
-from ..sizing.budget import parse_size
-from .fmt import context as _context
-from .fmt import size as _size
+from .complete import profile_names
+from .lazy import lazy
+
+hub = lazy("macserve.services.pull")
+manager = lazy("macserve.services.manager")
+service_views = lazy("macserve.services.views")
+
+TIMEOUT = click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the service to become healthy.",
+)
 
 
 class Waiting:
@@ -53,7 +54,7 @@ class Waiting:
             click.echo("\r\033[K", nl=False, err=True)
 
 
-def _run_waiting(label, fn, *args, **kw):
+def run_waiting(label, fn, *args, **kw):
     w = Waiting(label)
     try:
         return fn(*args, tick=w, **kw)
@@ -69,7 +70,7 @@ def _run_waiting(label, fn, *args, **kw):
         w.done()
 
 
-def _read_secret(key: str) -> str:
+def read_secret(key: str) -> str:
     """A secret from stdin: prompted without echo on a terminal, else the first line."""
     if sys.stdin.isatty():
         return click.prompt(key, hide_input=True, err=True)
@@ -90,12 +91,44 @@ def _ctx(value):
     return int(value)
 
 
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
+@click.option("--name", help="Profile name (default: from the model).")
+@click.option(
+    "--provider",
+    type=click.Choice(["llama.cpp", "mlx", "macserve"]),
+    help="Default: llama.cpp for GGUF, mlx for MLX/safetensors.",
+)
+@click.option(
+    "--ctx",
+    default="auto",
+    show_default=True,
+    help="Context tokens, or auto: the most that fits the memory budget.",
+)
+@click.option(
+    "--kv",
+    help="Cache type, in the provider's names (llama.cpp f16, q8_0, q4_0, ...; mlx bf16, q8, "
+    "q4; macserve bf16, int2). Default: the provider's own.",
+)
+@click.option("--port", type=click.IntRange(1, 65535), help="Default: the first free from 8080.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--extra-args", default="", help="More server flags, e.g. '--threads 8'.")
+@click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option(
+    "--api-key",
+    help="Require this key (Authorization: Bearer KEY); kept in the profile's 0600 secrets "
+    "file and given to the server in its environment. '-' reads it from stdin.",
+)
+@TIMEOUT
 def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start, timeout, api_key):
+    """Write a profile for SOURCE sized to this Mac, install the service and start it.
+    A Hugging Face repo is downloaded first (macserve pull), with progress."""
     ctx = _ctx(ctx)
     if api_key == "-":
-        api_key = _read_secret("API_KEY")
+        api_key = read_secret("API_KEY")
     nm = name or manager.default_name(source, quant)
-    out = _run_waiting(
+    out = run_waiting(
         nm,
         manager.new,
         source,
@@ -117,11 +150,35 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
     if no_start:
         click.echo(f"{out.name}: profile written; start it with: macserve start {out.name}")
     else:
-        click.echo(outcome_line(out.name, "started", out.url, out.pid))
+        click.echo(service_views.outcome_line(out.name, "started", out.url, out.pid))
 
 
+@click.command()
+@click.argument("name")
+@click.option(
+    "--host",
+    required=True,
+    help="Address to bind: the one the head Mac reaches this "
+    "Mac on (a Thunderbolt bridge or private LAN IP). RPC has no authentication.",
+)
+@click.option("--port", type=click.IntRange(1, 65535), help="Default: 50052 (rpc-server's).")
+@click.option(
+    "--extra-args",
+    default="",
+    help="More rpc-server flags, e.g. '-c' (cache received weights on disk) or '-t 8'.",
+)
+@click.option("--no-start", is_flag=True, help="Write the profile only.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1),
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the worker to listen.",
+)
 def worker(name, host, port, extra_args, no_start, timeout):
-    out = _run_waiting(
+    """Run llama.cpp's rpc-server here as a supervised service. It is an RPC worker that
+    another Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
+    out = run_waiting(
         name,
         manager.new_worker,
         name,
@@ -140,14 +197,30 @@ def worker(name, host, port, extra_args, no_start, timeout):
         )
 
 
+@click.command(name="set", context_settings={"ignore_unknown_options": True})
+@click.argument("name", shell_complete=profile_names)
+@click.argument("items", nargs=-1, type=click.UNPROCESSED)
+@click.option("--no-restart", is_flag=True, help="Only write the profile (batch edits).")
+@TIMEOUT
 def set_(name, items, no_restart, timeout):
+    """Change a profile and restart its service: set NAME -- KEY=VALUE ... | set NAME KEY VALUE.
+
+    The new values are checked first (keys, ports, provider, and EXTRA_ARGS against the
+    server). If the restarted service does not become healthy (or the wait is interrupted),
+    the previous profile is put back, restarted and checked, the failed run's log is shown and
+    the exit code is 2. An empty value (KEY=) removes an optional key.
+
+    EXTRA_ARGS+='FLAG VALUE ...' sets or replaces single flags; EXTRA_ARGS-='FLAG ...' removes
+    them. API_KEY=... and HF_TOKEN=... go to the profile's 0600 secrets file ('-' reads the
+    value from stdin).
+    """
     changes = manager.parse_assignments(items)
-    secrets = {k: (_read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
+    secrets = {k: (read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
     changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
     st = manager.store()
     before = st.text(name)
     try:
-        out = _run_waiting(
+        out = run_waiting(
             name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
         )
     except KeyboardInterrupt:
@@ -161,15 +234,31 @@ def set_(name, items, no_restart, timeout):
     for n in out.notes:
         click.echo(f"{name}: {n}")
     if out.pid:
-        click.echo(outcome_line(name, "restarted", out.url, out.pid))
+        click.echo(service_views.outcome_line(name, "restarted", out.url, out.pid))
 
 
+@click.command()
+@click.argument("source")
+@click.option("--quant", help="GGUF quant to pick from a repo (or write REPO:QUANT).")
 def pull(source, quant):
+    """Download a Hugging Face model (org/name or org/name:QUANT) into the Hugging Face cache:
+    only the files that quant or the MLX layout needs, with progress, resuming a partial
+    download. `new` and `inspect` then use the cached copy, also offline."""
     p = hub.pull(source, quant)
     click.echo(f"{p.repo}{':' + p.quant if p.quant else ''}: {p.model_path}")
 
 
+@click.command(
+    name="parse-args",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+)
+@click.argument("command")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
 def parse_args(ctx, command, args):
+    """Parse ARGS with `macserve COMMAND`'s own click options, without running it: how the
+    services check a `macserve serve` profile (services never import the CLI)."""
     cmd = ctx.find_root().command.get_command(ctx, command)
     if cmd is None:
         raise MacserveError(f"no command {command!r}")
@@ -186,91 +275,3 @@ def parse_args(ctx, command, args):
         raise MacserveError(f"{what}: {e.format_message()}") from None
     except click.ClickException as e:
         raise MacserveError(f"{what}: {e.format_message()}") from None
-
-
-def run(name):
-    exec_profile(name)
-
-
-def start(name, no_wait, timeout):
-    out = _run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
-    usage.touch(name)  # a running router's idle clock starts again
-    what = "already running" if "already running" in out.notes else "started"
-    click.echo(outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
-
-
-def stop(name):
-    url = manager.base_url(manager.store().load(name))
-    pid = manager.get_backend().status(name).pid
-    manager.stop(name)
-    click.echo(outcome_line(name, "stopped", url, pid))
-
-
-def restart(name, no_wait, timeout):
-    out = _run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
-    usage.touch(name)
-    click.echo(outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
-
-
-def doctor(as_json, memory):
-    rep = doctor_report(parse_size(memory) if memory else None)
-    if as_json:
-        click.echo(json.dumps(rep.to_dict(), indent=2))
-        return
-    limit = (
-        "not a Mac"
-        if rep.wired_limit_mb is None
-        else f"iogpu.wired_limit_mb={rep.wired_limit_mb}"
-        + (" (macOS default)" if rep.wired_limit_mb == 0 else "")
-    )
-    click.echo(f"memory:   {_size(rep.total_memory_bytes)} RAM; {limit}")
-    click.echo(f"budget:   {_size(rep.budget_bytes)} for the GPU ({rep.budget_source})")
-    if rep.profiles:
-        head = ["PROFILE", "STATE", "AT LOGIN", "CONTEXT", "CACHE", "WEIGHTS", "KV", "TOTAL"]
-        lines = [head]
-        for p in rep.profiles:
-            lines.append(
-                [
-                    p["name"],
-                    p["state"],
-                    "yes" if p["at_login"] else "no",
-                    _context(p["ctx"]),
-                    p["cache_key"] or "-",
-                    _size(p["weights_bytes"]),
-                    _size(p["cache_bytes"]),
-                    _size(p["total_bytes"]),
-                ]
-            )
-        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        for line in lines:
-            click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-        for p in rep.profiles:
-            for why in filter(None, (p["error"], p["note"])):
-                click.echo(f"  {p['name']}: {why}")
-    verdict = "fits" if rep.fits else "DOES NOT FIT"
-    click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")
-    if not rep.fits:  # the sysctl only when something does not fit
-        click.echo(
-            f"raise:    {rep.raise_command}  (RAM less 8 GB, at least the default; until reboot; "
-            f"to keep it: {rep.persist})"
-        )
-    for n in rep.notes:
-        click.echo(f"note: {n}")
-
-
-def logs(name, follow, lines):
-    manager.store().load(name)
-    path = log_path(name)
-    if not path.exists():
-        raise MacserveError(f"no log yet for {name} ({path})")
-    if follow:
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a follow ends
-            service_logs.follow(path, lines, click.echo)
-        return
-    for line in service_logs.tail(path, lines):
-        click.echo(line)
-
-
-def rm(name):
-    manager.remove(name)
-    click.echo(f"{name}: removed")

@@ -1,18 +1,23 @@
 """`macserve ui`: open the running router's web page. Parsing and printing only; where the
-routers run is what they publish (services/routed.py).
-Each command's arguments, options and help: cli/commands/ui.py."""
+routers run is what they publish (services/routed.py)."""
 
 from __future__ import annotations
-
-import webbrowser
 
 import click
 
 from ..errors import MacserveError
-from ..services import routed
+from .lazy import lazy
+
+routed = lazy("macserve.services.routed")
+webbrowser = lazy("webbrowser")  # 20 ms of imports only `ui` needs
 
 
+@click.command()
+@click.option("--print", "print_only", is_flag=True, help="Print the URL; open nothing.")
+@click.option("--port", type=int, help="The router on this port (when several run).")
 def ui(print_only, port):
+    """Open the router's web page (profiles, memory, actions, live speed, logs, chat) in a
+    browser. It is served by the running `macserve router`, under its key and Host rules."""
     routers = [r for r in routed.live() if port is None or r.get("port") == port]
     if not routers:
         raise MacserveError(
