@@ -332,8 +332,8 @@ class RotatedLatentCache(_BaseCache):
         quant = LatentQuant(**json.loads(fmt))
         if quant != self.quant or rotated != (self.rotation is not None) or len(stores) != 6:
             raise ValueError(
-                f"stored: {format_name(quant)}{' rotated' if rotated else ''}; this cache: "
-                f"{format_name(self.quant)}{' rotated' if self.rotation is not None else ''}"
+                f"stored: {_label(quant, rotated)}; this cache: "
+                f"{_label(self.quant, self.rotation is not None)}"
             )
         for st, parts in zip(self._stores(), stores):
             st.restore(parts)
@@ -359,3 +359,7 @@ class RotatedLatentCache(_BaseCache):
             for j in range(len(st.parts or ())):
                 rows[f"{6 + i}.{j}"] = (first, first + n)
         return TokenRows(rows, n_sink + n_codes)
+
+
+def _label(q: LatentQuant, rotated: bool) -> str:
+    return f"{format_name(q)} sink {q.sink} recent {q.recent}{' rotated' if rotated else ''}"
