@@ -61,11 +61,15 @@ class CacheKind(str, Enum):
     def calibrated(self) -> bool:
         return self.facts.calibrated
 
+    @property
+    def latent(self) -> bool:
+        """Our latent cache (engine/latent_cache.py), not mlx-lm's own caches."""
+        return self.facts.quant is not None
+
     def bf16_rows(self, quant: LatentQuant | None = None) -> int:
         """bf16 rows one sequence holds past its quantized ones after a prefill (the sink,
         the recent window and the trim slack); 0 where every row is bf16."""
-        q = quant or self.facts.quant
-        return q.bf16_rows() if self.calibrated and q is not None else 0
+        return (quant or self.facts.quant).bf16_rows() if self.latent else 0
 
     def bytes_per_token(
         self, latent_dims: int, rope_dims: int, quant: LatentQuant | None = None

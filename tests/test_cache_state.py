@@ -164,6 +164,7 @@ def test_every_kind_is_named_once_with_its_facts():
     with pytest.raises(ValueError, match="kv must be one of bf16, int2, not 'q4'"):
         CacheKind.parse("q4")
     assert CacheKind.INT2.calibrated and not CacheKind.BF16.calibrated
+    assert CacheKind.INT2.latent and not CacheKind.BF16.latent
     assert CacheKind.INT2.bf16_rows(SMALL) == 8 + 16 + 4 and CacheKind.BF16.bf16_rows() == 0
     assert CacheKind.INT2.bytes_per_token(512, 64) == LatentQuant().row_bytes(512, 64)
     assert CacheKind.BF16.bytes_per_token(512, 64) is None

@@ -85,7 +85,7 @@ class Bundle:
 
     def caches(self, spec: CacheSpec = CacheSpec()):
         """A fresh prompt cache: mlx-lm's own for bf16, the rotated latent cache for int2."""
-        if not spec.kind.calibrated:
+        if not spec.kind.latent:
             return make_prompt_cache(self.model)
         cal = self.calibration(spec.rotation)
         try:
@@ -100,7 +100,7 @@ class Bundle:
         caches = self.caches(spec)
         fmts = formats(caches)
         start = getattr(getattr(self.model, "model", None), "start_idx", 0) or 0
-        if not spec.kind.calibrated:
+        if not spec.kind.latent:
             rows = [dict(layer=start + i, format=f, rotation="plain") for i, f in enumerate(fmts)]
             return dict(
                 kind=str(spec.kind),
@@ -131,7 +131,7 @@ class Bundle:
     def mtp_cache_factory(self, spec: CacheSpec = CacheSpec()):
         """What makes the MTP layer's cache: mlx-lm's KVCache, or with int2 the same INT2
         format as the trunk (unrotated: the calibration covers the trunk's layers)."""
-        if not spec.kind.calibrated:
+        if not spec.kind.latent:
             return KVCache
         return lambda: RotatedLatentCache(spec.quant)
 
