@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from macserve.cache_kinds import KIND_NAMES, CacheKind
 from macserve.engine import mla_attention
-from macserve.engine.caches import make_caches
+from macserve.engine.caches import clone, make_caches
 from macserve.engine.dsa_indexer import DsaCaches
 from macserve.engine.latent_cache import LatentQuant, RotatedLatentCache
 from macserve.engine.stored_form import restore, to_stored
@@ -133,8 +133,8 @@ def test_from_state_gives_the_same_cache_and_the_same_next_step(request, kind):
 def test_the_stored_form_restores_through_a_file(request, kind, tmp_path):
     m, caches, fresh, _ = _prefilled(request, kind)
     arrays, meta = {}, {}
-    for i, c in enumerate(caches):
-        to_stored(c, f"L{i}", arrays, meta)
+    for i, c in enumerate(caches):  # as the prompt cache stores them: its clones
+        to_stored(clone(c), f"L{i}", arrays, meta)
     f = tmp_path / "stored.safetensors"
     mx.save_safetensors(str(f), arrays, meta)
     arrays, meta = mx.load(str(f), return_metadata=True)

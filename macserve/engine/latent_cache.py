@@ -32,6 +32,7 @@ buffers' sizes, is what MLX's allocator holds for the cache (tested at real widt
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict
 
@@ -318,7 +319,7 @@ class RotatedLatentCache(_BaseCache):
         layer. mlx-lm's generate_step evaluates this after each prefill chunk, so a long
         prompt is computed chunk by chunk (memory bounded per chunk, cancellable)."""
         return (
-            json.dumps(asdict(self.quant)),
+            _format_json(self.quant),
             self.rotation is not None,
             self.offset,
             self.win_start,
@@ -359,6 +360,11 @@ class RotatedLatentCache(_BaseCache):
             for j in range(len(st.parts or ())):
                 rows[f"{6 + i}.{j}"] = (first, first + n)
         return TokenRows(rows, n_sink + n_codes)
+
+
+@functools.cache
+def _format_json(q: LatentQuant) -> str:
+    return json.dumps(asdict(q))  # once per format: `state` is read after every prefill chunk
 
 
 def _label(q: LatentQuant, rotated: bool) -> str:
