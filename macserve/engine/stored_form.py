@@ -78,6 +78,8 @@ def to_stored(cache, key: str, arrays: dict, meta: dict) -> None:
     which of its arrays are token rows (`key.rows`, for disk_blocks.py)."""
     meta[f"{key}.class"] = type(cache).__name__
     _put(cache.state, f"{key}.s", arrays, meta)
+    if ms := getattr(cache, "meta_state", None):  # mlx-lm before 0.32: scalars kept apart
+        _put(ms, f"{key}.m", arrays, meta)
     meta[f"{key}.rows"] = token_rows(cache).to_json()
 
 
@@ -89,6 +91,8 @@ def restore(fresh, key: str, arrays: dict, meta: dict):
         raise ValueError(f"{key}: stored {stored}, the model's cache is {type(fresh).__name__}")
     try:
         fresh.state = _get(f"{key}.s", arrays, meta)
+        if f"{key}.m" in meta:
+            fresh.meta_state = _get(f"{key}.m", arrays, meta)
     except (TypeError, KeyError) as e:  # a state of another shape than the class's
         raise ValueError(f"{key}: a {stored} state that does not fit: {e}") from None
     return fresh
