@@ -15,6 +15,7 @@ PKG = REPO / "macserve"
 
 # What each part may import of macserve (besides itself). cli is the top: it may import all.
 LEAVES = {
+    "macserve.cache_kinds",
     "macserve.errors",
     "macserve.env",
     "macserve.fileio",
@@ -36,6 +37,7 @@ ALLOWED = {
     "macserve.hf_config": set(),
     "macserve.listen": {"macserve.errors"},
     "macserve.int2_format": set(),
+    "macserve.cache_kinds": {"macserve.int2_format"},
     "macserve.web": set(),
 }
 TOP = {"macserve.cli", "macserve.__main__", "macserve"}

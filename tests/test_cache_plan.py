@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from macserve.cli import main
 from macserve.engine.caches import CacheSpec, cache_bytes, formats, latent_caches
 from macserve.engine.calibration import Calibration
-from macserve.engine.latent_cache import CODE_STEP, RotatedLatentCache, dequantize, unpack
+from macserve.engine.latent_cache import RotatedLatentCache
 from macserve.engine.model import load
+from macserve.engine.rows import CODE_STEP, dequantize, unpack
 from macserve.errors import MacserveError
 from macserve.int2_format import INT2, SHIPPED_ROTATION, format_quant, read_plan
 

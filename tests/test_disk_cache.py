@@ -1,7 +1,7 @@
 """The prompt cache's disk tier in process, on the demo model: an entry written by one
 PromptCache is read back by another (a restart) and gives a cold prefill's logits, for the
 bf16 and the INT2 cache and a drafting request's MTP rows; a file from another calibration
-or a corrupt one is skipped with one log line."""
+or a corrupt one, or one of an older format, is skipped with one log line."""
 
 import logging
 
@@ -129,3 +129,14 @@ def test_foreign_and_corrupt_files_are_skipped_with_one_line(bundle, tmp_path, c
         t = _tier(bundle, spec, tmp_path)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "truncated" in lines[0] and t.stats()["entries"] == 0, lines
+    # A file of the stored form's previous format (2: a per-class layout, before each cache
+    # stored its own `state`): skipped from its header, one line, deleted.
+    f.write_bytes(data)
+    arrays, meta = mx.load(str(f), return_metadata=True)
+    mx.save_safetensors(str(f), arrays, dict(meta, format="macserve-prompt-cache/2"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "macserve.server"):
+        t = _tier(bundle, spec, tmp_path)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "format 'macserve-prompt-cache/2', not" in lines[0], lines
+    assert t.stats()["entries"] == 0 and not f.exists()

@@ -6,6 +6,7 @@ import gc
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from macserve.engine.batch import SequenceBatch
 from macserve.engine.caches import CacheSpec, cache_bytes, clone
@@ -53,7 +54,7 @@ def test_sequences_decoded_together_equal_each_alone(bundle, kind):
 
 
 def _values(caches):
-    arrays = [a for c in caches for a in c.state if isinstance(a, mx.array)]
+    arrays = [a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)]
     return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in arrays]
 
 

@@ -24,7 +24,7 @@ from macserve.engine.calibration import (
     rotation,
 )
 from macserve.engine.gate import DEFAULT_TARGET, FORMATS
-from macserve.engine.latent_cache import dequantize
+from macserve.engine.rows import dequantize
 from macserve.int2_format import INT2, read_plan
 
 from .conftest import TINY_MODEL

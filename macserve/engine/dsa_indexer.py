@@ -14,9 +14,10 @@ block by block, so the indexer's memory is queries x tokens, not heads x queries
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import CacheList, _BaseCache
 
-from .latent_cache import CODE_STEP, Rows
+from .latent_cache import RotatedLatentCache
+from .rows import CODE_STEP, Rows, TokenRows
 
 # Transient bytes of one block of indexer scores (heads x queries x keys).
 BLOCK_BYTES = 256 * 2**20
@@ -89,12 +90,60 @@ class IndexerKeyCache(_BaseCache):
 
     @property
     def state(self):
-        """Evaluated by mlx-lm's generate_step after each prefill chunk (see latent_cache)."""
-        return self.arrays()
+        """Its stored form: bits, group size, offset, key dims, the key rows in use.
+        Evaluated by mlx-lm's generate_step after each prefill chunk (see latent_cache)."""
+        st = self.keys_rows
+        return (st.bits, st.group_size, self.offset, self.dims, st.stored())
 
     @state.setter
     def state(self, v):
-        raise ValueError("IndexerKeyCache cannot be restored from a saved prompt cache")
+        bits, group_size, offset, dims, parts = v
+        if (bits, group_size) != (self.keys_rows.bits, self.keys_rows.group_size):
+            raise ValueError(
+                f"stored: {bits or 16}-bit keys in groups of {group_size}; this cache: "
+                f"{self.keys_rows.bits or 16}-bit in groups of {self.keys_rows.group_size}"
+            )
+        self.keys_rows.restore(parts)
+        self.offset, self.dims = offset, dims
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls(state[0], state[1])
+        obj.state = state
+        return obj
+
+    def stored_rows(self) -> TokenRows:
+        """Every key row: no later token changes one. Not cuttable: it sits beside a latent
+        cache, which is not."""
+        n = self.keys_rows.length
+        return TokenRows({f"4.{j}": (0, n) for j in range(len(self.keys_rows.parts or ()))}, n)
+
+
+class DsaCaches(CacheList):
+    """One DSA layer's caches in mlx-lm's layout, CacheList(latent, indexer key), restored in
+    place: mlx-lm's CacheList makes new caches from its state by class name, among its own
+    classes, and a fresh latent cache holds the calibration's rotation, which no state does."""
+
+    @property
+    def state(self):
+        return [(c.state, type(c).__name__) for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        if [n for _, n in v] != [type(c).__name__ for c in self.caches]:
+            raise ValueError(f"stored {[n for _, n in v]}, this layer holds other caches")
+        for c, (s, _) in zip(self.caches, v):
+            c.state = s
+
+    @classmethod
+    def from_state(cls, state, rotation=None, clip=None):
+        (lat, _), (keys, _) = state
+        return cls(
+            RotatedLatentCache.from_state(lat, rotation, clip), IndexerKeyCache.from_state(keys)
+        )
+
+    def stored_rows(self) -> TokenRows:
+        return TokenRows.of_list([c.stored_rows() for c in self.caches])
 
 
 def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):

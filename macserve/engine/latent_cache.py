@@ -32,152 +32,19 @@ buffers' sizes, is what MLX's allocator holds for the cache (tested at real widt
 
 from __future__ import annotations
 
+import functools
+import json
+from dataclasses import asdict
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from ..int2_format import LatentQuant
+from ..int2_format import LatentQuant, format_name
+from .rows import CODE_STEP, Rows, TokenRows
 
 __all__ = ["LatentQuant", "RotatedLatentCache"]  # LatentQuant: the format, int2_format.py
 
-CODE_STEP = 256  # code rows added per growth, as mlx-lm's KVCache grows
 WINDOW_STEP = 32  # bf16 window rows of headroom for decode steps between compactions
-
-
-class Rows:
-    """A (B, 1, T, D) buffer of rows: bf16, or quantized (codes, scales, biases), with room
-    to grow at the end and rows dropped from the front by copying (`keep_last`)."""
-
-    def __init__(self, bits: int | None, group_size: int, step: int):
-        self.bits, self.group_size, self.step = bits, group_size, step
-        self.parts: tuple[mx.array, ...] | None = None
-        self.length = 0
-
-    def group(self, dims: int) -> int:
-        """A rotary key of 32 dims is one group of 32: mx.quantize needs group <= dims."""
-        return min(self.group_size, dims)
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.parts is None else self.parts[0].shape[2]
-
-    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
-        # Stored from bf16 whatever the model's dtype: the layout's bytes (bf16 rows, bf16
-        # scales and biases) hold on a float32 CPU model too.
-        x = x.astype(mx.bfloat16)
-        if self.bits is None:
-            return (x,)
-        return tuple(mx.quantize(x, group_size=self.group(x.shape[-1]), bits=self.bits))
-
-    def append(self, x: mx.array, exact: bool = False) -> None:
-        """Add x's rows, growing the buffer when they do not fit: a decode step grows it by
-        `step` rows of headroom; a prefill chunk (`exact`) to what it needs, code rows rounded
-        up to CODE_STEP and bf16 rows exactly (the window is compacted right after)."""
-        new = self.encode(x)
-        n = x.shape[2]
-        if self.length + n > self.capacity:
-            need = self.length + n
-            if not exact:
-                cap = need + self.step
-            elif self.bits is not None:
-                cap = -(-need // CODE_STEP) * CODE_STEP
-            else:
-                cap = need
-            if self.length == 0 and n == cap:
-                # The rows fill the new buffer: MLX would make the buffer the rows themselves
-                # (a full slice assignment returns its update), and the rows are a slice of a
-                # prefill chunk (the sink's first 64 rows): the whole chunk would stay alive.
-                self.parts = tuple(_copy(p) for p in new)
-                self.length = n
-                return
-            grown = []
-            for i, p in enumerate(new):
-                buf = mx.zeros((*p.shape[:2], cap, p.shape[3]), p.dtype)
-                if self.parts is not None and self.length:
-                    buf[..., : self.length, :] = self.parts[i][..., : self.length, :]
-                grown.append(buf)
-            self.parts = tuple(grown)
-        for p, v in zip(self.parts, new):
-            p[..., self.length : self.length + n, :] = v
-        self.length += n
-
-    def view(self, start: int, stop: int) -> tuple[mx.array, ...]:
-        return tuple(p[..., start:stop, :] for p in self.parts)
-
-    def drop_last(self, n: int) -> None:
-        self.length -= n
-
-    def keep_last(self, n: int) -> None:
-        """Keep only the last n rows, in a fresh buffer with no headroom (the old one is
-        freed once nothing reads it)."""
-        if self.parts is None or (n == self.length == self.capacity):
-            return
-        s = self.length - n
-        self.parts = tuple(_copy(p[..., s : self.length, :]) for p in self.parts)
-        self.length = n
-
-    def decode(self, parts: tuple[mx.array, ...], dims: int, dtype=mx.float32) -> mx.array:
-        """Rows as dense values of `dtype`."""
-        if self.bits is None:
-            return parts[0].astype(dtype)
-        w, scales, biases = parts
-        return dequantize(
-            w, scales.astype(dtype), biases.astype(dtype), self.group(dims), self.bits
-        )
-
-    def arrays(self) -> list[mx.array]:
-        return list(self.parts or ())
-
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts or ())
-
-    def clone(self) -> Rows:
-        """Shares the buffers until either side writes (MLX copies a buffer on write when
-        another array still holds it)."""
-        new = Rows(self.bits, self.group_size, self.step)
-        new.parts = None if self.parts is None else tuple(p[...] for p in self.parts)
-        new.length = self.length
-        return new
-
-
-def _copy(x: mx.array) -> mx.array:
-    """A copy of rows with a buffer of its own. A slice shares its parent's buffer, and so
-    does anything one-input MLX makes of it (mx.contiguous, x + 0, mx.array(x)): MLX donates
-    the input's whole allocation to the output when nothing else holds it, which would keep a
-    whole prefill chunk's rows alive. A concatenation of two pieces always allocates anew."""
-    h = x.shape[2] // 2
-    return mx.concatenate([x[..., :h, :], x[..., h:, :]], axis=2)
-
-
-def dequantize(
-    w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
-) -> mx.array:
-    """mx.dequantize, in the scales' dtype. On the CPU by unpacking with shifts and masks:
-    MLX's CPU dequantize kernel is scalar (184 ms for 32K x 512 2-bit rows here, against 77 ms
-    unpacked with vector ops)."""
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    v = unpack(w, bits)
-    dims = v.shape[-1]
-    v = v.reshape(*w.shape[:-1], dims // group_size, group_size).astype(scales.dtype)
-    return (v * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], dims)
-
-
-def unpack(w: mx.array, bits: int) -> mx.array:
-    """The codes mx.quantize packed into uint32 words, one per value (uint32). MLX packs them
-    as one little-endian bit stream: for 2, 4 and 8 bits each word holds 32 / bits whole
-    codes; for 3, 5 and 6 a code can straddle two words, but 8 codes always fill `bits`
-    bytes, so those bytes are read as one wider word and cut there."""
-    mask = (1 << bits) - 1
-    if 32 % bits == 0:
-        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
-        return ((w[..., None] >> shifts) & mask).reshape(*w.shape[:-1], -1)
-    wide = mx.uint32 if bits <= 4 else mx.uint64
-    b = mx.view(w, mx.uint8).reshape(*w.shape[:-1], -1, bits).astype(wide)
-    word = b[..., 0]
-    for k in range(1, bits):
-        word = word | (b[..., k] << (8 * k))
-    shifts = mx.arange(0, 8 * bits, bits, dtype=wide)
-    return ((word[..., None] >> shifts) & mask).astype(mx.uint32).reshape(*w.shape[:-1], -1)
 
 
 class RotatedLatentCache(_BaseCache):
@@ -442,12 +309,63 @@ class RotatedLatentCache(_BaseCache):
         model's (one per layer, shared by every sequence)."""
         return sum(s.nbytes() for s in self._stores())
 
+    # -- its stored form, on mlx-lm's protocol ----------------------------------------------------
     @property
     def state(self):
-        """The arrays mlx-lm's generate_step evaluates after each prefill chunk, so a long
+        """What the cache holds: its format (JSON), whether it is rotated, its positions
+        (offset, window start, latent and rope dims), then each buffer's rows in use (sink,
+        codes, window; latent and rope). The rotation and clip are the calibration's, not
+        the cache's: a rotated cache is restored by setting `state` on a fresh cache of its
+        layer. mlx-lm's generate_step evaluates this after each prefill chunk, so a long
         prompt is computed chunk by chunk (memory bounded per chunk, cancellable)."""
-        return self.arrays()
+        return (
+            _format_json(self.quant),
+            self.rotation is not None,
+            self.offset,
+            self.win_start,
+            *self._dims,
+            *(st.stored() for st in self._stores()),
+        )
 
     @state.setter
     def state(self, v):
-        raise ValueError("RotatedLatentCache cannot be restored from a saved prompt cache")
+        fmt, rotated, offset, win_start, d0, d1, *stores = v
+        quant = LatentQuant(**json.loads(fmt))
+        if quant != self.quant or rotated != (self.rotation is not None) or len(stores) != 6:
+            raise ValueError(
+                f"stored: {_label(quant, rotated)}; this cache: "
+                f"{_label(self.quant, self.rotation is not None)}"
+            )
+        for st, parts in zip(self._stores(), stores):
+            st.restore(parts)
+        self.offset, self.win_start, self._dims = offset, win_start, (d0, d1)
+
+    @classmethod
+    def from_state(cls, state, rotation: mx.array | None = None, clip: mx.array | None = None):
+        """A cache holding `state`, with the calibration's `rotation` and `clip` if it was
+        rotated (mlx-lm's `from_state` takes the state alone: enough for an unrotated one)."""
+        if state[1] and rotation is None:
+            raise ValueError("a rotated latent cache's state needs its rotation back")
+        obj = cls(LatentQuant(**json.loads(state[0])), rotation, clip)
+        obj.state = state
+        return obj
+
+    def stored_rows(self) -> TokenRows:
+        """The sink and code rows in `state` (items 6-9): no later token changes them. The
+        window's rows turn into codes later, so only this state has them."""
+        n_sink, n_codes = self.sink_lat.length, self.codes_lat.length
+        rows = {}
+        for i, st in enumerate(self._stores()[:4]):
+            first, n = (0, n_sink) if i < 2 else (n_sink, n_codes)
+            for j in range(len(st.parts or ())):
+                rows[f"{6 + i}.{j}"] = (first, first + n)
+        return TokenRows(rows, n_sink + n_codes)
+
+
+@functools.cache
+def _format_json(q: LatentQuant) -> str:
+    return json.dumps(asdict(q))  # once per format: `state` is read after every prefill chunk
+
+
+def _label(q: LatentQuant, rotated: bool) -> str:
+    return f"{format_name(q)} sink {q.sink} recent {q.recent}{' rotated' if rotated else ''}"

@@ -17,7 +17,7 @@ by the context. A decode step reads each segment whole, with no mask (its segmen
 exactly what the query sees) and, on a bf16 model, no float32 conversion.
 
 How codes are read depends on the device: on a GPU with `mx.quantized_matmul` (the kernels
-read 2-bit codes directly); on the CPU by dequantizing (latent_cache.dequantize) and a BLAS
+read 2-bit codes directly); on the CPU by dequantizing (rows.dequantize) and a BLAS
 matmul, because MLX's CPU quantized matmul runs at about 2 GFLOP/s against about 100 for its
 float32 BLAS (measured on this machine, docs/int2-latent-cache.md).
 

@@ -85,7 +85,7 @@ class Bundle:
 
     def caches(self, spec: CacheSpec = CacheSpec()):
         """A fresh prompt cache: mlx-lm's own for bf16, the rotated latent cache for int2."""
-        if spec.kind == "bf16":
+        if not spec.kind.latent:
             return make_prompt_cache(self.model)
         cal = self.calibration(spec.rotation)
         try:
@@ -100,12 +100,12 @@ class Bundle:
         caches = self.caches(spec)
         fmts = formats(caches)
         start = getattr(getattr(self.model, "model", None), "start_idx", 0) or 0
-        if spec.kind == "bf16":
+        if not spec.kind.latent:
             rows = [dict(layer=start + i, format=f, rotation="plain") for i, f in enumerate(fmts)]
             return dict(
-                kind="bf16",
+                kind=str(spec.kind),
                 calibration=None,
-                summary=f"{len(fmts)} layers: mlx-lm's own caches, bf16 (--kv bf16)",
+                summary=f"{len(fmts)} layers: {spec.kind.facts.summary} (--kv {spec.kind})",
                 layers=rows,
             )
         cal = self.calibration(spec.rotation)
@@ -122,13 +122,16 @@ class Bundle:
             target=cal.meta.get("gate", {}).get("target"),
         )
         return dict(
-            kind="int2", calibration=str(spec.rotation), summary=plan.summary(), layers=rows
+            kind=str(spec.kind),
+            calibration=str(spec.rotation),
+            summary=plan.summary(),
+            layers=rows,
         )
 
     def mtp_cache_factory(self, spec: CacheSpec = CacheSpec()):
         """What makes the MTP layer's cache: mlx-lm's KVCache, or with int2 the same INT2
         format as the trunk (unrotated: the calibration covers the trunk's layers)."""
-        if spec.kind == "bf16":
+        if not spec.kind.latent:
             return KVCache
         return lambda: RotatedLatentCache(spec.quant)
 

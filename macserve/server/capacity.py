@@ -53,7 +53,7 @@ def weights_bytes(model) -> int:
 
 def _probe_tokens(spec: CacheSpec) -> int:
     """The first probe's length: past the bf16 rows of a quantized latent cache."""
-    return PROBE_TOKENS + (spec.quant.bf16_rows() if spec.kind == "int2" else 0)
+    return PROBE_TOKENS + spec.kind.bf16_rows(spec.quant)
 
 
 def sequence_bytes(bundle, spec: CacheSpec, ctx: int) -> tuple[int, float]:

@@ -1,8 +1,9 @@
-"""A snapshot's stored form (engine/caches.py: `cache_to_arrays`) cut into N-token prefix
-blocks and a tail, and put back together.
+"""A snapshot's stored form (engine/stored_form.py) cut into N-token prefix blocks and a
+tail, and put back together.
 
 Block i holds, for every layer, the rows of tokens [iN, (i+1)N) that a snapshot holds in a
-form that no later token changes: mlx-lm's KVCache rows, the DSA indexer's key rows, and the
+form that no later token changes (each cache class declares them: `stored_rows`, or
+engine/stored_form.py's table for mlx-lm's): mlx-lm's KVCache rows, the DSA indexer's key rows, and the
 INT2 latent cache's bf16 sink rows (tokens [0, sink), so block 0's) and INT2 code rows
 (tokens [sink, offset - recent)). The MTP layer's row r is (h_r, token r + 1): it belongs
 with token r + 1, so block i holds MTP rows for tokens [iN, (i+1)N) too and needs no token
@@ -30,67 +31,42 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 
-_SINK = ("sink_lat", "sink_pe")
-_CODES = ("codes_lat", "codes_pe")
-
-
-def _owners(meta: dict) -> dict[str, str]:
-    """Each cache's key in the stored form and its kind (CacheLists left out: their parts
-    are caches of their own)."""
-    return {k[:-5]: v for k, v in meta.items() if k.endswith(".kind") and v != "list"}
+from ..engine.rows import TokenRows
+from ..engine.stored_form import stored_keys, to_stored
 
 
 def _shift(owner: str) -> int:
     return 1 if owner == "mtp" or owner.startswith("mtp.") else 0
 
 
-def _kv_offset_key(owner: str, meta: dict) -> str | None:
-    """The metadata item holding an mlx-lm KVCache's offset (its state is keys, values,
-    offset; the buffers have headroom past it)."""
-    return next(
-        (
-            f"{owner}.{j}"
-            for j in range(int(meta.get(f"{owner}.n", 0)))
-            if meta.get(f"{owner}.{j}", "").startswith("int:")
-        ),
-        None,
-    )
-
-
 def layout(arrays: dict, meta: dict) -> tuple[dict[str, tuple[int, int]], int, bool]:
     """({array: (token of its row 0, token after its last valid row)} for the arrays made of
-    rows, the token up to which every layer's rows are complete, cuttable)."""
-    owners = _owners(meta)
+    rows, the token up to which every layer's rows are complete, cuttable); each cache's
+    rows as its class declared them (engine/stored_form.py: `key.rows`)."""
     rows: dict[str, tuple[int, int]] = {}
     complete = []
     cuttable = True
-    for owner, kind in owners.items():
+    for owner in stored_keys(meta):
         s = _shift(owner)
-        if kind == "mlx:KVCache" and _kv_offset_key(owner, meta):
-            off = int(meta[_kv_offset_key(owner, meta)].removeprefix("int:"))
-            for j in range(int(meta[f"{owner}.n"])):
-                if f"{owner}.{j}" in arrays:
-                    rows[f"{owner}.{j}"] = (s, s + off)
-            complete.append(s + off)
-        elif kind == "latent":
-            cuttable = False
-            n_sink = int(meta[f"{owner}.sink_lat.n"])
-            n_codes = int(meta[f"{owner}.codes_lat.n"])
-            for store in _SINK + _CODES:
-                o, n = (s, n_sink) if store in _SINK else (s + n_sink, n_codes)
-                for j in range(int(meta[f"{owner}.{store}.parts"])):
-                    rows[f"{owner}.{store}.{j}"] = (o, o + n)
-            complete.append(s + n_sink + n_codes)
-        elif kind == "indexer":
-            cuttable = False  # it sits beside a latent cache
-            n = int(meta[f"{owner}.rows.n"])
-            for j in range(int(meta[f"{owner}.rows.parts"])):
-                rows[f"{owner}.rows.{j}"] = (s, s + n)
-            complete.append(s + n)
-        else:
-            cuttable = False
-            complete.append(0)
+        tr = TokenRows.from_json(meta[f"{owner}.rows"])
+        for path, (first, end) in tr.rows.items():
+            if f"{owner}.s.{path}" in arrays:
+                rows[f"{owner}.s.{path}"] = (s + first, s + end)
+        complete.append(s + tr.complete)
+        cuttable = cuttable and tr.cuttable
     return rows, min(complete, default=0), cuttable
+
+
+def entry_form(tokens, caches: list, mtp, meta: dict, n: int) -> tuple[list[dict], dict, bool]:
+    """(blocks, tail, cuttable) of a snapshot: its caches' stored forms (`L{i}`, `mtp`) and
+    tokens, cut into `n`-token blocks; `meta` gets the caches' metadata."""
+    arrays: dict = {"tokens": mx.array(np.asarray(tokens, dtype=np.int32))}
+    for i, c in enumerate(caches):
+        to_stored(c, f"L{i}", arrays, meta)
+    if mtp is not None:
+        to_stored(mtp, "mtp", arrays, meta)
+    blocks, tail = split(arrays, meta, n)
+    return blocks, tail, layout(arrays, meta)[2]
 
 
 def chain_keys(tokens: np.ndarray, n: int, k: int, mtp: bool, salt: str) -> list[str]:
@@ -143,8 +119,8 @@ def join(blocks: list[dict], tail: dict | None, meta: dict, tokens: int) -> dict
         if tail is not None and name in tail:
             parts.append(tail[name])
         out[name] = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-    if tail is None:
-        for owner, kind in _owners(meta).items():
-            if kind == "mlx:KVCache" and _kv_offset_key(owner, meta):
-                meta[_kv_offset_key(owner, meta)] = f"int:{tokens - _shift(owner)}"
+    if tail is None:  # every cache is cuttable: its token counts are the blocks' end
+        for owner in stored_keys(meta):
+            for path in TokenRows.from_json(meta[f"{owner}.rows"]).counts:
+                meta[f"{owner}.s.{path}"] = f"int:{tokens - _shift(owner)}"
     return out

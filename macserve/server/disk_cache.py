@@ -16,10 +16,10 @@ alone (bf16), any prefix of whole blocks; it prefills only the rest. INT2 entrie
 from whole prefill chunks' ends (PromptCache.keep_on_disk, disk only). N (`BLOCK_TOKENS`) was
 chosen by measurement (docs/server.md, `python3 -m macserve.server.disk_measure`).
 
-The stored form is the cache's own (engine/caches.py: `cache_to_arrays`): INT2 codes, scales
-and bf16 windows for the latent cache, mlx-lm's `state` / `meta_state` otherwise, plus the MTP
-layer's cache for entries made by drafting requests (their blocks are their own: named with
-`:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
+The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored_form.py):
+INT2 codes, scales and bf16 windows for the latent cache, keys and values for mlx-lm's, plus
+the MTP layer's cache for entries made by drafting requests (their blocks are their own:
+named with `:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
 format, the identity (model, calibration, cache kind) and a sha256 of every array's bytes.
 
 Where: `<dir>/<identity>/{b,t}-<hash>.safetensors`, `dir` from `--prompt-cache-dir`. Bounded
@@ -45,23 +45,33 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..engine.caches import CacheSpec, cache_from_arrays, cache_to_arrays, model_dtype
+from ..engine.caches import CacheSpec, model_dtype
+from ..engine.stored_form import restore
 from ..fileio import atomic_path
 from . import disk_blocks
-from .disk_files import checksum, file_sha, header, read_tokens, sha
+from .disk_files import (
+    FORMAT,
+    SUFFIX,
+    Block,
+    DiskEntry,
+    Loaded,
+    Plan,
+    checksum,
+    file_sha,
+    header,
+    read_tokens,
+    sha,
+)
 from .prompt_cache import common_prefix
 
 log = logging.getLogger("macserve.server")
 
-FORMAT = "macserve-prompt-cache/2"
 MIN_FREE = 2 * 2**30  # bytes the filesystem keeps free whatever --prompt-cache-disk says
-SUFFIX = ".safetensors"
 BLOCK_TOKENS = 256  # N: measured, docs/server.md ("Prefix blocks")
 
 
@@ -72,51 +82,12 @@ def identity(bundle, spec: CacheSpec) -> dict[str, str]:
     weights = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
     weights = [w for w in weights if w[0] != "latent-rotation.safetensors"]
     model = sha((path / "config.json").read_bytes(), json.dumps(weights).encode())[:16]
-    if spec.kind == "int2":
+    if spec.kind.calibrated:
         calibration = f"{spec.rotation.name}:{file_sha(spec.rotation)[:16]}:{spec.method}"
     else:
         calibration = "none"
     cache = f"{FORMAT}:{spec.kind}:{spec.quant!r}:{model_dtype(bundle.model)}"
     return {"model": f"{path.name}:{model}", "calibration": calibration, "cache": cache}
-
-
-@dataclass
-class DiskEntry:
-    """An entry's tail file; its blocks are `chain`."""
-
-    path: Path
-    tokens: np.ndarray
-    nbytes: int
-    reach: int  # tokens the trunk's caches can roll back exactly
-    mtp_reach: int  # rows the MTP cache can roll back exactly; -1: no MTP cache
-    used: float  # last use (the file's mtime)
-    chain: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Block:
-    path: Path
-    nbytes: int
-    used: float
-    cuttable: bool  # a chain may end here without a tail (disk_blocks.py)
-
-
-@dataclass
-class Plan:
-    """What `best` found: an entry (its blocks and tail) or whole blocks alone."""
-
-    tail: DiskEntry | None
-    chain: list[str]
-    tokens: np.ndarray  # the tokens the loaded caches hold
-    keep: int
-
-
-@dataclass
-class Loaded:
-    caches: list
-    mtp: object
-    tokens: np.ndarray
-    keep: int  # prompt tokens it gives back (rolled back to this many)
 
 
 class DiskTier:
@@ -315,10 +286,10 @@ class DiskTier:
         try:
             arrays = disk_blocks.join(parts, tail, meta, len(plan.tokens))
             fresh = self.fresh()
-            caches = [cache_from_arrays(c, f"L{i}", arrays, meta) for i, c in enumerate(fresh)]
+            caches = [restore(c, f"L{i}", arrays, meta) for i, c in enumerate(fresh)]
             mc = None
-            if "mtp.kind" in meta and self.fresh_mtp is not None:
-                mc = cache_from_arrays(self.fresh_mtp(), "mtp", arrays, meta)
+            if "mtp.class" in meta and self.fresh_mtp is not None:
+                mc = restore(self.fresh_mtp(), "mtp", arrays, meta)
             mx.eval([c.state for c in caches], [] if mc is None else mc.state)
         except (ValueError, KeyError, RuntimeError) as err:  # files that do not fit together
             self.skipped += 1
@@ -349,15 +320,9 @@ class DiskTier:
         """(blocks, tail, metadata) of an entry, evaluated. On the worker thread: the slices
         it takes are MLX work, which stays on the thread that owns the model; the writer
         thread then only reads finished buffers."""
-        arrays: dict = {"tokens": mx.array(np.asarray(tokens, dtype=np.int32))}
         meta = {"format": FORMAT, "reach": str(reach), "mtp_reach": str(mtp_reach)}
         meta.update({f"id.{k}": v for k, v in self.ident.items()})
-        for i, c in enumerate(caches):
-            cache_to_arrays(c, f"L{i}", arrays, meta)
-        if mtp is not None:
-            cache_to_arrays(mtp, "mtp", arrays, meta)
-        blocks, tail = disk_blocks.split(arrays, meta, self.n)
-        self.cuttable = disk_blocks.layout(arrays, meta)[2]
+        blocks, tail, self.cuttable = disk_blocks.entry_form(tokens, caches, mtp, meta, self.n)
         meta["cuttable"] = "1" if self.cuttable else "0"
         meta["n"], meta["chain"] = str(self.n), str(len(blocks))
         mx.eval([list(b.values()) for b in blocks], list(tail.values()))

@@ -1,13 +1,60 @@
-"""The disk tier's files: hashes, checksums and a safetensors file's header and token list
-read without loading its arrays (disk_cache.py)."""
+"""The disk tier's files (disk_cache.py): their format, what the index knows of each (an
+entry's tail, a block, what a lookup found and loaded), hashes, checksums and a safetensors
+file's header and token list read without loading its arrays."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+# Bumped when the stored form changes: a file of another format is skipped with one log line
+# and deleted. 3: each cache's own `state` (engine/stored_form.py), not engine/caches.py's
+# per-class layout of 2.
+FORMAT = "macserve-prompt-cache/3"
+SUFFIX = ".safetensors"
+
+
+@dataclass
+class DiskEntry:
+    """An entry's tail file; its blocks are `chain`."""
+
+    path: Path
+    tokens: np.ndarray
+    nbytes: int
+    reach: int  # tokens the trunk's caches can roll back exactly
+    mtp_reach: int  # rows the MTP cache can roll back exactly; -1: no MTP cache
+    used: float  # last use (the file's mtime)
+    chain: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Block:
+    path: Path
+    nbytes: int
+    used: float
+    cuttable: bool  # a chain may end here without a tail (disk_blocks.py)
+
+
+@dataclass
+class Plan:
+    """What `best` found: an entry (its blocks and tail) or whole blocks alone."""
+
+    tail: DiskEntry | None
+    chain: list[str]
+    tokens: np.ndarray  # the tokens the loaded caches hold
+    keep: int
+
+
+@dataclass
+class Loaded:
+    caches: list
+    mtp: object
+    tokens: np.ndarray
+    keep: int  # prompt tokens it gives back (rolled back to this many)
 
 
 def sha(*parts: bytes) -> str:

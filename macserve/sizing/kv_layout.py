@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
+from ..cache_kinds import CacheKind
 from ..errors import MacserveError
 from ..int2_format import BF16_LATENT, INT2, LatentQuant, format_name
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
@@ -62,11 +63,12 @@ from .kv_buffers import unsupported as _unsupported
 from .kv_llama import llama_layout
 from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
-CACHE_KEYS = ("mlx/bf16", "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", "macserve/int2")
+MLX_KEY, INT2_KEY = CacheKind.BF16.inspect_key, CacheKind.INT2.inspect_key  # cache_kinds.py
+CACHE_KEYS = (MLX_KEY, "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", INT2_KEY)
 LLAMA_UBATCH = 512  # llama-server's default -ub
 
 
-def measured_layout(m, key: str = "mlx/bf16") -> Layout:
+def measured_layout(m, key: str = MLX_KEY) -> Layout:
     """A Layout from mlx_measure.Measured: one buffer per growing or fixed part of each cache
     object the engine made (ring buffers as windows, so short contexts are not overcounted)."""
     bufs = []
@@ -300,9 +302,9 @@ def layout(
         return llama_layout(layers, key, t, ubatch, swa_full)
     if engine in ("mlx", "macserve") and shape.source_format == "gguf":
         return _unsupported(key, "MLX engines load safetensors, not GGUF")
-    if key == "mlx/bf16":
+    if key == MLX_KEY:
         return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=False)
-    if key == "macserve/int2":
+    if key == INT2_KEY:
         return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True, plan=plan)
     raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
 

@@ -25,7 +25,7 @@ def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
                         product, (1, 1, heads, latent) against the rows: what our kernel does
         bf16_latent     the engine's read of the bf16-latent cache (mla_attention._absorbed)
         int2            the engine's read of the INT2 cache, the query rotated as it is there
-        int2_unpack     unpacking the INT2 cache's codes alone (latent_cache.dequantize)
+        int2_unpack     unpacking the INT2 cache's codes alone (rows.dequantize)
     """
     a = s.attn
     dtype = model_dtype(s.model)

@@ -1,0 +1,199 @@
+"""Rows of tokens in a fixed-size buffer, bf16 or quantized: what the latent cache
+(latent_cache.py) and the DSA indexer's key cache (dsa_indexer.py) are made of.
+
+A buffer grows in blocks at its end (a decode step does not copy it) and drops rows from its
+front by copying (so a slice never keeps a prefill chunk's whole buffer alive). `stored` and
+`restore` are its part of its cache's stored form (mlx-lm's `state`): the parts cut to the
+rows in use, and back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+CODE_STEP = 256  # code rows added per growth, as mlx-lm's KVCache grows
+
+
+class Rows:
+    """A (B, 1, T, D) buffer of rows: bf16, or quantized (codes, scales, biases), with room
+    to grow at the end and rows dropped from the front by copying (`keep_last`)."""
+
+    def __init__(self, bits: int | None, group_size: int, step: int):
+        self.bits, self.group_size, self.step = bits, group_size, step
+        self.parts: tuple[mx.array, ...] | None = None
+        self.length = 0
+
+    def group(self, dims: int) -> int:
+        """A rotary key of 32 dims is one group of 32: mx.quantize needs group <= dims."""
+        return min(self.group_size, dims)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.parts is None else self.parts[0].shape[2]
+
+    def encode(self, x: mx.array) -> tuple[mx.array, ...]:
+        # Stored from bf16 whatever the model's dtype: the layout's bytes (bf16 rows, bf16
+        # scales and biases) hold on a float32 CPU model too.
+        x = x.astype(mx.bfloat16)
+        if self.bits is None:
+            return (x,)
+        return tuple(mx.quantize(x, group_size=self.group(x.shape[-1]), bits=self.bits))
+
+    def append(self, x: mx.array, exact: bool = False) -> None:
+        """Add x's rows, growing the buffer when they do not fit: a decode step grows it by
+        `step` rows of headroom; a prefill chunk (`exact`) to what it needs, code rows rounded
+        up to CODE_STEP and bf16 rows exactly (the window is compacted right after)."""
+        new = self.encode(x)
+        n = x.shape[2]
+        if self.length + n > self.capacity:
+            need = self.length + n
+            if not exact:
+                cap = need + self.step
+            elif self.bits is not None:
+                cap = -(-need // CODE_STEP) * CODE_STEP
+            else:
+                cap = need
+            if self.length == 0 and n == cap:
+                # The rows fill the new buffer: MLX would make the buffer the rows themselves
+                # (a full slice assignment returns its update), and the rows are a slice of a
+                # prefill chunk (the sink's first 64 rows): the whole chunk would stay alive.
+                self.parts = tuple(_copy(p) for p in new)
+                self.length = n
+                return
+            grown = []
+            for i, p in enumerate(new):
+                buf = mx.zeros((*p.shape[:2], cap, p.shape[3]), p.dtype)
+                if self.parts is not None and self.length:
+                    buf[..., : self.length, :] = self.parts[i][..., : self.length, :]
+                grown.append(buf)
+            self.parts = tuple(grown)
+        for p, v in zip(self.parts, new):
+            p[..., self.length : self.length + n, :] = v
+        self.length += n
+
+    def view(self, start: int, stop: int) -> tuple[mx.array, ...]:
+        return tuple(p[..., start:stop, :] for p in self.parts)
+
+    def drop_last(self, n: int) -> None:
+        self.length -= n
+
+    def keep_last(self, n: int) -> None:
+        """Keep only the last n rows, in a fresh buffer with no headroom (the old one is
+        freed once nothing reads it)."""
+        if self.parts is None or (n == self.length == self.capacity):
+            return
+        s = self.length - n
+        self.parts = tuple(_copy(p[..., s : self.length, :]) for p in self.parts)
+        self.length = n
+
+    def decode(self, parts: tuple[mx.array, ...], dims: int, dtype=mx.float32) -> mx.array:
+        """Rows as dense values of `dtype`."""
+        if self.bits is None:
+            return parts[0].astype(dtype)
+        w, scales, biases = parts
+        return dequantize(
+            w, scales.astype(dtype), biases.astype(dtype), self.group(dims), self.bits
+        )
+
+    def arrays(self) -> list[mx.array]:
+        return list(self.parts or ())
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts or ())
+
+    def stored(self) -> tuple[mx.array, ...]:
+        """The rows in use, part by part (bf16: the rows; quantized: codes, scales, biases)."""
+        return tuple(p[..., : self.length, :] for p in self.parts or ())
+
+    def restore(self, parts) -> None:
+        """Hold `parts`, as `stored` gave them; ValueError if they are not rows of this kind."""
+        parts = tuple(parts)
+        n = parts[0].shape[2] if parts else 0
+        if parts and len(parts) != (1 if self.bits is None else 3):
+            raise ValueError(f"{len(parts)} parts stored, a {self.bits or 16}-bit row has other")
+        if any(p.ndim != 4 or p.shape[2] != n for p in parts):
+            raise ValueError(f"stored parts of unequal rows: {[p.shape for p in parts]}")
+        self.parts, self.length = (parts or None), n
+
+    def clone(self) -> Rows:
+        """Shares the buffers until either side writes (MLX copies a buffer on write when
+        another array still holds it)."""
+        new = Rows(self.bits, self.group_size, self.step)
+        new.parts = None if self.parts is None else tuple(p[...] for p in self.parts)
+        new.length = self.length
+        return new
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Which arrays of a cache's stored form are rows of tokens that no later token changes,
+    so the prompt cache's disk tier can cut them into prefix blocks (server/disk_blocks.py).
+    `rows`: a path in the cache's `state` (indices joined by dots) -> (token of its row 0,
+    token after its last row in use; the array may hold headroom past it). `complete`: every
+    token before it is in those rows. `cuttable`: those rows alone are the cache's state, so
+    a prefix of whole blocks is one; `counts` then name the state's token counts (ints)."""
+
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    complete: int = 0
+    cuttable: bool = False
+    counts: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps([self.rows, self.complete, self.cuttable, self.counts])
+
+    @classmethod
+    def from_json(cls, text: str) -> TokenRows:
+        rows, complete, cuttable, counts = json.loads(text)
+        return cls({k: tuple(v) for k, v in rows.items()}, complete, cuttable, tuple(counts))
+
+    @classmethod
+    def of_list(cls, parts: list[TokenRows]) -> TokenRows:
+        """A CacheList's, from its caches' (its state is [(state, class name), ...])."""
+        rows = {f"{j}.0.{k}": v for j, p in enumerate(parts) for k, v in p.rows.items()}
+        counts = tuple(f"{j}.0.{k}" for j, p in enumerate(parts) for k in p.counts)
+        cut = bool(parts) and all(p.cuttable for p in parts)
+        return cls(rows, min((p.complete for p in parts), default=0), cut, counts)
+
+
+def _copy(x: mx.array) -> mx.array:
+    """A copy of rows with a buffer of its own. A slice shares its parent's buffer, and so
+    does anything one-input MLX makes of it (mx.contiguous, x + 0, mx.array(x)): MLX donates
+    the input's whole allocation to the output when nothing else holds it, which would keep a
+    whole prefill chunk's rows alive. A concatenation of two pieces always allocates anew."""
+    h = x.shape[2] // 2
+    return mx.concatenate([x[..., :h, :], x[..., h:, :]], axis=2)
+
+
+def dequantize(
+    w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+) -> mx.array:
+    """mx.dequantize, in the scales' dtype. On the CPU by unpacking with shifts and masks:
+    MLX's CPU dequantize kernel is scalar (184 ms for 32K x 512 2-bit rows here, against 77 ms
+    unpacked with vector ops)."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    v = unpack(w, bits)
+    dims = v.shape[-1]
+    v = v.reshape(*w.shape[:-1], dims // group_size, group_size).astype(scales.dtype)
+    return (v * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], dims)
+
+
+def unpack(w: mx.array, bits: int) -> mx.array:
+    """The codes mx.quantize packed into uint32 words, one per value (uint32). MLX packs them
+    as one little-endian bit stream: for 2, 4 and 8 bits each word holds 32 / bits whole
+    codes; for 3, 5 and 6 a code can straddle two words, but 8 codes always fill `bits`
+    bytes, so those bytes are read as one wider word and cut there."""
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+        return ((w[..., None] >> shifts) & mask).reshape(*w.shape[:-1], -1)
+    wide = mx.uint32 if bits <= 4 else mx.uint64
+    b = mx.view(w, mx.uint8).reshape(*w.shape[:-1], -1, bits).astype(wide)
+    word = b[..., 0]
+    for k in range(1, bits):
+        word = word | (b[..., k] << (8 * k))
+    shifts = mx.arange(0, 8 * bits, bits, dtype=wide)
+    return ((word[..., None] >> shifts) & mask).astype(mx.uint32).reshape(*w.shape[:-1], -1)
