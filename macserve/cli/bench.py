@@ -11,6 +11,7 @@ import json
 
 import click
 
+from ..cache_kinds import KIND_NAMES
 from ..errors import MacserveError
 from .engine import held_out_chats, held_out_prompts, load_mla, progress_bar, text_windows
 from .lazy import lazy
@@ -218,7 +219,7 @@ def bench_dsa(contexts, as_json):
 @click.option("--prompts", type=int, default=8, show_default=True)
 @click.option("--prompt-tokens", type=int, default=64, show_default=True)
 @click.option("--tokens", type=int, default=64, show_default=True, help="generated per prompt")
-@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--kv", type=click.Choice(KIND_NAMES), default="bf16", show_default=True)
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--llama-server",

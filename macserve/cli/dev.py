@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from .. import env
+from ..cache_kinds import KIND_NAMES
 from ..errors import MacserveError
 from .lazy import lazy
 
@@ -184,7 +185,7 @@ def launchd_plists_cmd(check, repo):
 
 @click.command("disk-blocks")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False), default=env.DEMO_MODEL)
-@click.option("--kv", type=click.Choice(["int2", "bf16"]), default="int2", show_default=True)
+@click.option("--kv", type=click.Choice(KIND_NAMES), default="int2", show_default=True)
 @click.option("--tokens", type=click.IntRange(2), default=900, show_default=True)
 @click.option("--turn", type=click.IntRange(1), default=100, show_default=True)
 @click.option("--sizes", default="64,128,256,512", show_default=True, help="Block sizes N.")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from ..cache_kinds import KIND_NAMES
 from ..errors import MacserveError
 from .lazy import lazy
 
@@ -174,7 +175,7 @@ def gate_report_lines(rep: dict) -> list[str]:
 @click.argument("prompt")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--kv", type=click.Choice(["bf16", "int2"]), default="bf16", show_default=True)
+@click.option("--kv", type=click.Choice(KIND_NAMES), default="bf16", show_default=True)
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
 @click.option("--mtp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
 @click.option("--mtp-k", type=click.IntRange(0, 3), default=1, show_default=True)

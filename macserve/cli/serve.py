@@ -5,6 +5,7 @@ from pathlib import Path
 import click
 
 from .. import env
+from ..cache_kinds import KIND_NAMES
 from .lazy import lazy
 
 budget = lazy("macserve.sizing.budget")
@@ -35,7 +36,7 @@ server = lazy("macserve.server.app")
 )
 @click.option(
     "--kv",
-    type=click.Choice(["bf16", "int2"]),
+    type=click.Choice(KIND_NAMES),
     default="bf16",
     show_default=True,
     help="KV cache: bf16, or the rotated INT2 MLA latent cache.",
