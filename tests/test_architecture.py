@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from .conftest import CONFIGS, REPO
@@ -222,23 +223,68 @@ def test_the_services_wing_never_imports_the_router():
     assert not bad, "\n".join(bad)
 
 
-# Modules over the limit that someone else is changing now; each is split once that lands.
-LONG_FOR_NOW: set[str] = set()
+# The size rule: past WARN_LINES a module is worth a look (a warning in pytest's summary, so
+# nobody is stopped before a review), past MAX_LINES it does several jobs and fails: split it
+# by purpose, never by trimming. The room between the two is headroom for a change in review.
+WARN_LINES = 400
+MAX_LINES = 600
+
+# Modules exempt from the rule by name, each while another branch changes it.
+LONG_FOR_NOW: set[str] = {
+    "macserve/server/app.py",  # while another branch changes them
+    "macserve/server/protocol.py",  # while another branch changes them
+}
 
 
-def test_no_module_over_500_lines():
-    """A module that grows past this does several jobs: split it by purpose. The models
-    (macserve/models/: weights, tokenizers, generated tables) are data, not code."""
-    long = {
-        rel: n
+def _lines() -> dict[str, int]:
+    """Lines of every module but the models (macserve/models/: weights, tokenizers, generated
+    tables are data, not code) and the exempt ones."""
+    return {
+        rel: len(p.read_text().splitlines())
         for m, p in MODULES.items()
         if not m.startswith("macserve.models")
         and (rel := str(p.relative_to(REPO))) not in LONG_FOR_NOW
-        and (n := len(p.read_text().splitlines())) > 500
     }
-    assert not long, "split by purpose:\n" + "\n".join(
-        f"{rel}: {n} lines" for rel, n in sorted(long.items())
+
+
+def _over(lines: dict[str, int]) -> tuple[str, str]:
+    """(the warning, the failure) the size rule gives these modules' line counts; '' for none."""
+
+    def listed(found: dict[str, int]) -> str:
+        return "\n".join(f"{rel}: {n} lines" for rel, n in sorted(found.items()))
+
+    near = listed({rel: n for rel, n in lines.items() if WARN_LINES < n <= MAX_LINES})
+    long = listed({rel: n for rel, n in lines.items() if n > MAX_LINES})
+    return (
+        near and f"over {WARN_LINES} lines (the cap is {MAX_LINES}: split by purpose):\n{near}",
+        long and f"over {MAX_LINES} lines: split by purpose:\n{long}",
     )
+
+
+def test_no_module_over_600_lines():
+    """A module that grows past MAX_LINES does several jobs: split it by purpose. One past
+    WARN_LINES is named in a warning (pytest's summary), to be split before it reaches the cap."""
+    warning, failure = _over(_lines())
+    if warning:
+        warnings.warn(warning, stacklevel=1)
+    assert not failure, failure
+
+
+def test_the_size_rule_warns_before_it_fails():
+    """A module between the limits is named in the warning, not the failure; one past the cap
+    in the failure; one at WARN_LINES in neither."""
+    warning, failure = _over(
+        {
+            "at.py": WARN_LINES,
+            "near.py": WARN_LINES + 1,
+            "cap.py": MAX_LINES,
+            "big.py": MAX_LINES + 1,
+        }
+    )
+    assert f"near.py: {WARN_LINES + 1} lines" in warning and f"cap.py: {MAX_LINES}" in warning
+    assert "at.py" not in warning and "big.py" not in warning
+    assert failure.endswith(f"big.py: {MAX_LINES + 1} lines") and "near.py" not in failure
+    assert _over({"at.py": WARN_LINES}) == ("", "")
 
 
 def test_only_providers_read_context_or_cache_type_out_of_extra_args():
