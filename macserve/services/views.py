@@ -47,7 +47,7 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     state, detail = s.state, s.detail
     # A supervisor calls a respawn "starting", then "running", while `macserve run` backs off
     # between two crashes (the run's own record, run/NAME.json); launchd's print says
-    # crash-loop itself (launchd.py). Either way the server's last error line says why.
+    # crash-loop itself (launchd_ctl.py). Either way the server's last error line says why.
     looping = state == "crash-loop" or (
         p is not None
         and state in ("running", "starting")
