@@ -14,7 +14,9 @@ import plistlib
 import shutil
 import sys
 
-from macserve.services import manager, providers, values
+from macserve.errors import MacserveError
+from macserve.services import providers, values
+from macserve.services.health import wait_ready
 from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.supervisors import (
     launchd_domains,
@@ -124,14 +126,14 @@ def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
     taken = p.updated({"EXTRA_ARGS": "--shutdown-grace 5"})
     try:
         eng.check_args(taken)
-    except manager.MacserveError as e:
+    except MacserveError as e:
         assert str(e) == "--shutdown-grace is set by macserve from the profile; use the DRAIN key"
     else:
         raise AssertionError("--shutdown-grace in EXTRA_ARGS accepted")
     for bad in ("soon", "0", "-3", "2h"):
         try:
             _profile().updated({"DRAIN": bad})
-        except manager.MacserveError as e:
+        except MacserveError as e:
             assert "DRAIN" in str(e)
         else:
             raise AssertionError(f"DRAIN={bad} accepted")
@@ -282,14 +284,14 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     launchctl.state.write_text(json.dumps(state))
     st = b.status("big")
     assert (st.state, st.died, st.signal, st.exit_code) == ("exited", True, "Killed: 9", None)
-    ok, why = manager.wait_ready(p, timeout=600, backend=b)
+    ok, why = wait_ready(p, timeout=600, backend=b)
     assert not ok
     assert (
         why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
     )
     job.update(signal=None, exit=1)
     launchctl.state.write_text(json.dumps(state))
-    assert manager.wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
+    assert wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
 
 
 def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
