@@ -12,6 +12,7 @@ import psutil
 from ..errors import MacserveError
 from . import journal, providers, routed, run
 from .health import base_url, store
+from .profiles import ProfileStore
 from .supervisors import Status, get_backend, log_path, logs
 
 
@@ -77,7 +78,7 @@ def _settle(name: str, backend) -> str | None:
         done = journal.recover(name, backend)
         if done:
             return done
-        entry = journal.read(journal.ProfileStore(), name)
+        entry = journal.read(ProfileStore(), name)
     except MacserveError as e:
         return f"{journal.pending_note(name)} ({e})"
     if entry is None:
