@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from .conftest import CONFIGS, REPO
@@ -155,6 +156,178 @@ def test_imports_are_at_the_top():
     assert not bad, "\n".join(bad)
 
 
+# Another module's private names in use, each in a module another branch of issue 39 owns now;
+# the lead clears these at the merge (the name made public, or moved where both users belong).
+PRIVATE_FOR_NOW = {
+    # cli helper: macserve/cli/**
+    ("macserve.cli.router", "macserve.cli.services._read_secret"),
+    ("macserve.cli.router", "macserve.cli.services._run_waiting"),
+    # dialects helper: server/anthropic.py, server/protocol.py
+    ("macserve.server.anthropic", "macserve.server.protocol._is_int"),
+    ("macserve.server.anthropic", "macserve.server.protocol._opt"),
+}
+
+
+def private_uses(mod: str) -> set[str]:
+    """Another macserve module's `_private` names `mod` uses: imported by name (`from .x import
+    _helper`) or read off an imported module (`x._helper`)."""
+    path = MODULES[mod]
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}  # local name -> the macserve module it is bound to
+    out = set()
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                target = _target(mod, path, node, a.name)
+                if target in MODULES and target.endswith("." + a.name):
+                    modules[a.asname or a.name] = target  # a module: `from . import x`
+                elif private(a.name) and target.startswith("macserve") and target != mod:
+                    out.add(f"{target}.{a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES:
+                    modules[a.asname or a.name] = a.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and modules[node.value.id] != mod
+            and private(node.attr)
+        ):
+            out.add(f"{modules[node.value.id]}.{node.attr}")
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A name with a leading underscore is its module's own; one another module needs is public
+    (named without it, with a docstring: part of its module's API) or moved where both users
+    belong. (Tests may reach into privates: they are not scanned.)"""
+    found = {(m, name) for m in MODULES for name in private_uses(m)}
+    bad = sorted(found - PRIVATE_FOR_NOW)
+    assert not bad, "\n".join(f"{m} uses {name}" for m, name in bad)
+    stale = sorted(PRIVATE_FOR_NOW - found)
+    assert not stale, "no longer used, drop from PRIVATE_FOR_NOW: " + ", ".join(map(str, stale))
+
+
+def test_the_private_name_scan_finds_both_spellings(monkeypatch, tmp_path):
+    """Both ways of reaching into another module are found, a module's own privates are not."""
+    src = tmp_path / "probe.py"
+    src.write_text(
+        "from .setup import _hidden, shown\n"
+        "from .. import calibration\n"
+        "from . import setup\n"
+        "def _own():\n"
+        "    return calibration._weights, setup.shown, _own\n"
+    )
+    monkeypatch.setitem(MODULES, "macserve.engine.bench.probe", src)
+    assert private_uses("macserve.engine.bench.probe") == {
+        "macserve.engine.bench.setup._hidden",
+        "macserve.engine.calibration._weights",
+    }
+
+
+def _borrowed(mod: str) -> dict[str, str]:
+    """The names `mod` imports at its top from another macserve module (not modules):
+    local name -> its home, `module.name`."""
+    path = MODULES[mod]
+    out = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                target = _target(mod, path, node, a.name)
+                if target.startswith("macserve") and not target.endswith("." + a.name):
+                    out[a.asname or a.name] = f"{target}.{a.name}"
+    return out
+
+
+def reexports_used() -> set[tuple[str, str, str]]:
+    """(importer, module, name): `importer` takes `name` from `module`, which only imported it
+    from its home (`from module import name` or `module.name`). A package's `__init__` is its
+    API and may gather names; a plain module may not."""
+    borrowed = {m: _borrowed(m) for m in MODULES if MODULES[m].name != "__init__.py"}
+    found = set()
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        modules: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    target = _target(m, path, node, a.name)
+                    if target in MODULES and target.endswith("." + a.name):
+                        modules[a.asname or a.name] = target
+                    elif a.name in borrowed.get(target, {}):
+                        found.add((m, target, a.name))
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name: a.name for a in node.names if a.name in MODULES}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = modules.get(node.value.id)
+                if target and node.attr in borrowed.get(target, {}):
+                    found.add((m, target, node.attr))
+    return found
+
+
+# Modules gathering others' names (a split's leftover) whose users other branches of issue 39
+# own now; the lead points each user at the name's home at the merge and deletes the gathering.
+REEXPORTS_FOR_NOW = {
+    # services/manager.py gathers the service commands; its users are in cli/ (cli helper) and
+    # services/router/ (router helper). Each name's home is in its docstring.
+    "macserve.services.manager",
+}
+# Single names taken through a module that only imported them, in files other branches own.
+REEXPORTED_FOR_NOW = {
+    # cli helper (macserve/cli/**)
+    ("macserve.cli.bench", "macserve.engine.bench.serve", "Plan"),  # home: bench.serve_http
+    ("macserve.cli.bench_engine", "macserve.engine.bench.engine", "setup_folder"),  # bench.setup
+    ("macserve.cli.bench_engine", "macserve.engine.bench.engine", "setup_synthetic"),
+    ("macserve.cli.router", "macserve.services.profiles", "parse_duration"),  # services.values
+    ("macserve.cli.router", "macserve.services.router.pool", "Settings"),  # router.model
+    # providers helper (services/providers/**)
+    ("macserve.services.providers.base", "macserve.services.profiles", "check_secret"),  # values
+    # router helper (services/router/**)
+    ("macserve.services.router.app", "macserve.services.router.pool", "Model"),  # router.model
+    ("macserve.services.router.app", "macserve.services.router.pool", "Settings"),
+    ("macserve.services.router.app", "macserve.services.router.pool", "size"),
+}
+
+
+def test_names_are_imported_from_their_home():
+    """A name moved to another module is imported from there by every user; the old module
+    keeps no re-export of it (a shim hides where a name lives)."""
+    found = {f for f in reexports_used() if f[1] not in REEXPORTS_FOR_NOW}
+    bad = sorted(found - REEXPORTED_FOR_NOW)
+    assert not bad, "\n".join(f"{m} takes {n} from {t}: import it from its home" for m, t, n in bad)
+    stale = sorted(REEXPORTED_FOR_NOW - found)
+    assert not stale, "no longer used, drop from REEXPORTED_FOR_NOW: " + ", ".join(map(str, stale))
+    gone = {t for _, t, _ in reexports_used()}
+    assert REEXPORTS_FOR_NOW <= gone, "drop from REEXPORTS_FOR_NOW: no user left"
+
+
+def test_the_reexport_scan_finds_both_spellings(monkeypatch, tmp_path):
+    """A name taken through a module that only imported it is found, imported by name or read
+    off the module; one taken from its home, or from a package's `__init__`, is not."""
+    files = {
+        "probe_home": "x = 1\n",
+        "probe_shim": "from .probe_home import x\n",
+        "probe_user": "from .probe_home import x\nfrom .probe_shim import x as y\n",
+        "probe_reader": "from . import probe_home, probe_shim\nz = probe_shim.x + probe_home.x\n",
+    }
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.setitem(MODULES, f"macserve.engine.bench.{name}", tmp_path / f"{name}.py")
+    found = {f for f in reexports_used() if "probe" in f[0]}
+    shim = "macserve.engine.bench.probe_shim"
+    assert found == {
+        ("macserve.engine.bench.probe_user", shim, "x"),
+        ("macserve.engine.bench.probe_reader", shim, "x"),
+    }
+
+
 HEAVY = ("mlx", "mlx_lm", "httpx", "huggingface_hub", "starlette", "uvicorn", "supervisor")
 
 
@@ -224,23 +397,68 @@ def test_the_services_wing_never_imports_the_router():
     assert not bad, "\n".join(bad)
 
 
-# Modules over the limit that someone else is changing now; each is split once that lands.
-LONG_FOR_NOW: set[str] = set()
+# The size rule: past WARN_LINES a module is worth a look (a warning in pytest's summary, so
+# nobody is stopped before a review), past MAX_LINES it does several jobs and fails: split it
+# by purpose, never by trimming. The room between the two is headroom for a change in review.
+WARN_LINES = 400
+MAX_LINES = 600
+
+# Modules exempt from the rule by name, each while another branch changes it.
+LONG_FOR_NOW: set[str] = {
+    "macserve/server/app.py",  # while another branch changes them
+    "macserve/server/protocol.py",  # while another branch changes them
+}
 
 
-def test_no_module_over_500_lines():
-    """A module that grows past this does several jobs: split it by purpose. The models
-    (macserve/models/: weights, tokenizers, generated tables) are data, not code."""
-    long = {
-        rel: n
+def _lines() -> dict[str, int]:
+    """Lines of every module but the models (macserve/models/: weights, tokenizers, generated
+    tables are data, not code) and the exempt ones."""
+    return {
+        rel: len(p.read_text().splitlines())
         for m, p in MODULES.items()
         if not m.startswith("macserve.models")
         and (rel := str(p.relative_to(REPO))) not in LONG_FOR_NOW
-        and (n := len(p.read_text().splitlines())) > 500
     }
-    assert not long, "split by purpose:\n" + "\n".join(
-        f"{rel}: {n} lines" for rel, n in sorted(long.items())
+
+
+def _over(lines: dict[str, int]) -> tuple[str, str]:
+    """(the warning, the failure) the size rule gives these modules' line counts; '' for none."""
+
+    def listed(found: dict[str, int]) -> str:
+        return "\n".join(f"{rel}: {n} lines" for rel, n in sorted(found.items()))
+
+    near = listed({rel: n for rel, n in lines.items() if WARN_LINES < n <= MAX_LINES})
+    long = listed({rel: n for rel, n in lines.items() if n > MAX_LINES})
+    return (
+        near and f"over {WARN_LINES} lines (the cap is {MAX_LINES}: split by purpose):\n{near}",
+        long and f"over {MAX_LINES} lines: split by purpose:\n{long}",
     )
+
+
+def test_no_module_over_600_lines():
+    """A module that grows past MAX_LINES does several jobs: split it by purpose. One past
+    WARN_LINES is named in a warning (pytest's summary), to be split before it reaches the cap."""
+    warning, failure = _over(_lines())
+    if warning:
+        warnings.warn(warning, stacklevel=1)
+    assert not failure, failure
+
+
+def test_the_size_rule_warns_before_it_fails():
+    """A module between the limits is named in the warning, not the failure; one past the cap
+    in the failure; one at WARN_LINES in neither."""
+    warning, failure = _over(
+        {
+            "at.py": WARN_LINES,
+            "near.py": WARN_LINES + 1,
+            "cap.py": MAX_LINES,
+            "big.py": MAX_LINES + 1,
+        }
+    )
+    assert f"near.py: {WARN_LINES + 1} lines" in warning and f"cap.py: {MAX_LINES}" in warning
+    assert "at.py" not in warning and "big.py" not in warning
+    assert failure.endswith(f"big.py: {MAX_LINES + 1} lines") and "near.py" not in failure
+    assert _over({"at.py": WARN_LINES}) == ("", "")
 
 
 def test_only_providers_read_context_or_cache_type_out_of_extra_args():

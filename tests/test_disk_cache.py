@@ -79,7 +79,7 @@ def test_a_drafting_entry_keeps_its_mtp_rows_on_disk(bundle, tmp_path):
     def draft(caches, mcache, ids):
         h = dec.prefill(ids, caches, mcache)
         t = int(mx.argmax(bundle.model.lm_head(h)[0, -1]).item())
-        logits, _ = dec._mtp(h, [t], mcache)
+        logits, _ = dec.mtp_forward(h, [t], mcache)
         return np.array(h[0, -1]), np.array(logits[0, -1])
 
     warm = draft(hit.caches, hit.mtp, follow[hit.cached :])

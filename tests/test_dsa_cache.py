@@ -107,7 +107,7 @@ def test_the_indexer_really_selects(model):
     run(model, caches, ids(120), 60)
     attn = model.layers[1].self_attn
     x = mx.random.normal((1, 3, 64), key=mx.random.key(1))
-    _, _, _, _, qr = mla_attention._project(attn, x)
+    _, _, _, _, qr = mla_attention.project(attn, x)
     chosen = np.array(select_tokens(attn.indexer, x, qr, caches[1][1])[0])
     assert chosen.shape == (1, 1, 3, 123)
     assert chosen.sum(-1).ravel().tolist() == [TOPK] * 3
@@ -212,7 +212,7 @@ def test_sparse_decode_reads_only_the_selected_rows_and_matches_the_masked_path(
     run(model, caches, toks[:120], 60)
     attn = model.layers[0].self_attn
     x = mx.random.normal((1, 1, 64), key=mx.random.key(2))
-    _, _, latent, k_pe, qr = mla_attention._project(attn, x)
+    _, _, latent, k_pe, qr = mla_attention.project(attn, x)
     lat = caches[0][0]
     lat.append(latent, attn.rope(k_pe, lat.offset))
     chosen, top = select_tokens(attn.indexer, x, qr, caches[0][1])

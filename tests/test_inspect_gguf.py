@@ -16,8 +16,9 @@ from macserve.dev.skeleton_tensors import write_header
 from macserve.errors import MacserveError
 from macserve.sizing.arch import MLA, Compressed, Full, Linear, NoCache, Sliding
 from macserve.sizing.arch_gguf import shape_from_gguf
+from macserve.sizing.hub import HttpRangeFile
 from macserve.sizing.kv_layout import kv_bytes_per_token
-from macserve.sizing.sources import HttpRangeFile, read_gguf_file
+from macserve.sizing.model_source import read_gguf_file
 
 from .conftest import CONFIGS
 

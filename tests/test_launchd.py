@@ -14,10 +14,20 @@ import plistlib
 import shutil
 import sys
 
-from macserve.services import manager, providers, values
+from macserve.errors import MacserveError
+from macserve.services import providers, values
+from macserve.services.health import wait_ready
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import launchd, launchd_files, log_path, spec_for
-from macserve.services.supervisors.launchd import LaunchdBackend, parse_print, render_plist
+from macserve.services.supervisors import (
+    launchd_domains,
+    launchd_files,
+    log_path,
+    spec_for,
+    supervisord_files,
+)
+from macserve.services.supervisors.launchd import LaunchdBackend
+from macserve.services.supervisors.launchd_ctl import parse_print
+from macserve.services.supervisors.launchd_plist import render_plist
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import DOMAIN, UID
@@ -97,15 +107,12 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
 def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
     """One figure, from the profile's DRAIN: launchd's ExitTimeOut and supervisord's
     stopwaitsecs agree, and both leave the drain its whole length before any SIGKILL."""
-    from macserve.services.supervisors.supervisord import SupervisorBackend
-
-    sv = SupervisorBackend(macserve_home)
     for drain, secs in (("", values.DEFAULT_DRAIN), ("3", 3), ("90s", 90), ("5m", 300)):
         p = _profile().updated({"DRAIN": drain})
         assert p.drain == (None if not drain else secs)
         spec = _spec(p)
         exit_timeout = plistlib.loads(render_plist(spec, DOMAIN))["ExitTimeOut"]
-        conf = sv.program_conf(spec)
+        conf = supervisord_files.program_conf(spec)
         assert f"stopwaitsecs={exit_timeout}\n" in conf
         assert exit_timeout >= secs + values.STOP_MARGIN
         LaunchdBackend().install(spec)  # our own graceful stop waits what the plist says
@@ -119,14 +126,14 @@ def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
     taken = p.updated({"EXTRA_ARGS": "--shutdown-grace 5"})
     try:
         eng.check_args(taken)
-    except manager.MacserveError as e:
+    except MacserveError as e:
         assert str(e) == "--shutdown-grace is set by macserve from the profile; use the DRAIN key"
     else:
         raise AssertionError("--shutdown-grace in EXTRA_ARGS accepted")
     for bad in ("soon", "0", "-3", "2h"):
         try:
             _profile().updated({"DRAIN": bad})
-        except manager.MacserveError as e:
+        except MacserveError as e:
             assert "DRAIN" in str(e)
         else:
             raise AssertionError(f"DRAIN={bad} accepted")
@@ -229,13 +236,13 @@ def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, 
 def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, monkeypatch):
     """Over SSH with the console someone else's (or nobody's): user/<uid>, a Background plist;
     the unit is then found there from any shell, and moves when restarted from the GUI."""
-    monkeypatch.setattr(launchd, "console_uid", lambda: UID + 1)
-    assert launchd.domain() == DOMAIN  # no SSH: gui
+    monkeypatch.setattr(launchd_domains, "console_uid", lambda: UID + 1)
+    assert launchd_domains.domain() == DOMAIN  # no SSH: gui
     monkeypatch.setenv("SSH_CONNECTION", "10.0.0.2 50000 10.0.0.1 22")
-    assert launchd.domain() == f"user/{UID}"
-    monkeypatch.setattr(launchd, "console_uid", lambda: UID)
-    assert launchd.domain() == DOMAIN  # SSH, but this user is logged in at the screen
-    monkeypatch.setattr(launchd, "console_uid", lambda: UID + 1)
+    assert launchd_domains.domain() == f"user/{UID}"
+    monkeypatch.setattr(launchd_domains, "console_uid", lambda: UID)
+    assert launchd_domains.domain() == DOMAIN  # SSH, but this user is logged in at the screen
+    monkeypatch.setattr(launchd_domains, "console_uid", lambda: UID + 1)
 
     b = LaunchdBackend()
     plist = tmp_path / "LaunchAgents" / "dev.macserve.big.plist"
@@ -277,14 +284,14 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     launchctl.state.write_text(json.dumps(state))
     st = b.status("big")
     assert (st.state, st.died, st.signal, st.exit_code) == ("exited", True, "Killed: 9", None)
-    ok, why = manager.wait_ready(p, timeout=600, backend=b)
+    ok, why = wait_ready(p, timeout=600, backend=b)
     assert not ok
     assert (
         why == "it was killed by signal Killed: 9: the system may have run out of memory (jetsam)"
     )
     job.update(signal=None, exit=1)
     launchctl.state.write_text(json.dumps(state))
-    assert manager.wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
+    assert wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
 
 
 def test_cli_through_launchd(launchctl, macserve_home, tmp_path):

@@ -22,8 +22,9 @@ from macserve.cli import main
 from macserve.errors import MacserveError
 from macserve.services import providers
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.supervisors import launchd, launchd_files, spec_for
-from macserve.services.supervisors.launchd import LaunchdBackend, render_plist
+from macserve.services.supervisors import launchd_ctl, launchd_domains, launchd_files, spec_for
+from macserve.services.supervisors.launchd import LaunchdBackend
+from macserve.services.supervisors.launchd_plist import render_plist
 
 from .conftest import REPO
 from .fixtures import DOMAIN, TINY_MODEL, UID
@@ -169,7 +170,7 @@ def test_every_key_is_a_launchd_plist5_key(macserve_home):
     spec = _spec(_profile())
     for dom in (DOMAIN, f"user/{UID}"):
         plists.append(plistlib.loads(render_plist(spec, dom)))
-    plists.append(plistlib.loads(render_plist(spec, launchd.SYSTEM, launchd_files.user())))
+    plists.append(plistlib.loads(render_plist(spec, launchd_domains.SYSTEM, launchd_files.user())))
     for d in plists:
         assert _bad_keys(d) == [], d["Label"]
     assert {"UserName", "LimitLoadToSessionType"} <= {k for d in plists for k in d}
@@ -201,7 +202,7 @@ def test_start_boots_out_a_copy_in_another_domain(launchctl, macserve_home, tmp_
     b.install(spec)
     over_ssh = tmp_path / "ssh.plist"
     over_ssh.write_bytes(render_plist(spec, f"user/{UID}"))
-    launchd._launchctl("bootstrap", f"user/{UID}", str(over_ssh))
+    launchd_ctl.run("bootstrap", f"user/{UID}", str(over_ssh))
     launchctl()
     b.start("big")
     user, gui = f"user/{UID}/{LABEL}", f"{DOMAIN}/{LABEL}"
@@ -264,7 +265,7 @@ def test_system_profile_is_a_launchdaemon(launchctl, macserve_home, tmp_path, mo
 
 def test_system_profile_without_root_is_one_line(launchctl, macserve_home, monkeypatch):
     """Not root: one line naming the exact sudo command; nothing written, nothing loaded."""
-    monkeypatch.setattr(launchd, "is_root", lambda: False)
+    monkeypatch.setattr(launchd_domains, "is_root", lambda: False)
     monkeypatch.setattr(sys, "argv", ["macserve", "start", "big"])
     ProfileStore().save(_demo(SYSTEM="1"))
     r = CliRunner().invoke(main, ["start", "big", "--no-wait"])
@@ -281,7 +282,7 @@ def test_system_profile_without_root_is_one_line(launchctl, macserve_home, monke
 
 def test_hung_launchctl_is_one_line(launchctl, macserve_home, monkeypatch):
     ProfileStore().save(_demo())
-    monkeypatch.setattr(launchd, "LAUNCHCTL_TIMEOUT", 1.0)
+    monkeypatch.setattr(launchd_ctl, "LAUNCHCTL_TIMEOUT", 1.0)
     monkeypatch.setenv("FAKE_LAUNCHCTL_HANG", "1")
     r = CliRunner().invoke(main, ["start", "big", "--no-wait"])
     assert r.exit_code == 2

@@ -22,7 +22,7 @@ from macserve.errors import MacserveError
 from macserve.sizing.arch_config import shape_from_config
 from macserve.sizing.arch_gguf import shape_from_gguf
 from macserve.sizing.kv_layout import Layout, layout
-from macserve.sizing.sources import read_gguf_file
+from macserve.sizing.model_source import read_gguf_file
 
 from .conftest import CONFIGS
 

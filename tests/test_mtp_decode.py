@@ -8,7 +8,8 @@ from mlx_lm.generate import generate_step
 from macserve.dev.tiny.data import training_text
 from macserve.engine.calibration import caches_for
 from macserve.engine.latent_cache import LatentQuant
-from macserve.engine.mtp_decode import MTPDecoder, verify_sampled
+from macserve.engine.mtp_accept import verify_sampled
+from macserve.engine.mtp_decode import MTPDecoder
 
 from .conftest import TINY_MODEL
 

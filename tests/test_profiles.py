@@ -294,7 +294,7 @@ def test_secrets_file_is_0600_and_round_trips(macserve_home):
 
 
 def test_parse_assignments_secrets_and_flag_edits():
-    from macserve.services.manager import Changes, parse_assignments
+    from macserve.services.edit import Changes, parse_assignments
 
     c = parse_assignments(("API_KEY=sk-1", "port=9000", "EXTRA_ARGS+=-c 512 --jinja"))
     assert c == Changes({"PORT": "9000"}, {"API_KEY": "sk-1"}, ("-c", "512", "--jinja"), ())

@@ -228,7 +228,7 @@ def healthy_pid(name, services) -> int:
 
 
 def test_stop_during_set_keeps_the_new_settings(llama_server, model_gguf, services, macserve_home):
-    from macserve.services import manager
+    from macserve.services.journal import changing
     from macserve.services.supervisors.supervisord import SupervisorBackend
 
     port = new_tiny(model_gguf)
@@ -237,14 +237,14 @@ def test_stop_during_set_keeps_the_new_settings(llama_server, model_gguf, servic
     first = p.stderr.readline()
     assert first.startswith("waiting for"), first
     # the marker the router's pool reads: no idle stop while the change is at work
-    assert manager.changing("tiny")
+    assert changing("tiny")
     SupervisorBackend(macserve_home).stop("tiny")  # what `macserve stop` and the router call
     out, err = p.communicate(timeout=120)  # not the 300 s health timeout
     assert p.returncode == 0, err
     assert "was stopped by another command while it was starting" in out
     assert "the new settings are kept" in out and "previous settings restored" not in out + err
     assert "CTX=256\n" in (macserve_home / "profiles" / "tiny.env").read_text()
-    assert journal_phase(macserve_home, "tiny") is None and not manager.changing("tiny")
+    assert journal_phase(macserve_home, "tiny") is None and not changing("tiny")
     assert status("tiny")["state"] == "stopped"
     # nothing lost: start runs the new settings
     r = cli("start", "tiny")

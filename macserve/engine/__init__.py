@@ -10,7 +10,11 @@ services/ or dev/.
     dsa_indexer.py   DSA models: the 8-bit indexer key cache and top-k selection
     calibration.py   per-layer rotations and clips, fitted from calibration text
     mtp_layer.py     DeepSeek's MTP block on mlx-lm's decoder layer
-    mtp_decode.py    MTP speculative decoding
+    mtp_decode.py    MTP speculative decoding: MTPDecoder (a round, the prefill, generate)
+    mtp_accept.py    what a round keeps: acceptance rules, draft statistics, exact rollback
+    mtp_pipelined.py greedy k = 1 with the next round built before this one is read
+    mtp_auto_decode.py  `--mtp auto`'s loop: plain steps or rounds as AutoMTP decides
+    mtp_auto.py      `--mtp auto`'s rule: the measured speedup and the figures it reads
     generate.py      the streaming decode loop the server and CLI use
     pipeline.py      uneven pipeline splits under mlx.launch
     bench/           `macserve bench kv|mtp|dsa`

@@ -201,7 +201,7 @@ def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -
             LayerStats(
                 a["c"] / a["n"],
                 a["q"] / a["nq"],
-                _value_weight(attn),
+                value_weight(attn),
                 np.concatenate(a["sample"]),
                 a["n"],
             )
@@ -209,7 +209,7 @@ def collect(model, windows: list[np.ndarray], chunk: int = 256, progress=None) -
     return out
 
 
-def _value_weight(attn) -> np.ndarray:
+def value_weight(attn) -> np.ndarray:
     """sum_h (W_O,h W_UV,h)^T (W_O,h W_UV,h): the output's sensitivity to a latent error."""
     w_uv = np.array(attn.unembed_out.weight.astype(mx.float32))  # (H, v, r)
     w_o = np.array(attn.o_proj.weight.astype(mx.float32))  # (hidden, H * v)

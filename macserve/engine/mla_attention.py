@@ -58,7 +58,7 @@ def _read_with_qmm() -> bool:
     return mx.default_device().type != mx.DeviceType.cpu
 
 
-def _project(attn, x):
+def project(attn, x):
     """(q_nope, q_pe, latent, k_pe, qr): qr is the query's low-rank code (DSA's indexer reads it)."""
     B, L, _ = x.shape
     if getattr(attn, "q_lora_rank", None) is None:
@@ -147,7 +147,7 @@ def _tiled(blks) -> bool:
     return len(kinds) != len(set(kinds))
 
 
-def _dense(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
+def dense_rows(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
     """A block's rows as dense (latent, rope) arrays of `dtype`, rotated latent."""
     if kind != "codes":
         return lat[0].astype(dtype), pe[0].astype(dtype)
@@ -163,7 +163,7 @@ def _mask(s: mx.array, vis) -> mx.array:
     return mx.where(vis, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
 
 
-def _absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
+def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     """Attention in latent space: q_lat (B, H, L, r) rotated and scaled -> (B, H, L, r)."""
     B, H = q_lat.shape[:2]
     gpu = _read_with_qmm()
@@ -184,7 +184,7 @@ def _absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
             def values(p, lat=lat, g=g_l, bits=st_l.bits):
                 return mx.quantized_matmul(p, *lat, transpose=False, group_size=g, bits=bits)
         else:
-            k_lat, k_pe = _dense(cache, kind, lat, pe, dtype)
+            k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
             s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
 
             def values(p, k_lat=k_lat):
@@ -212,7 +212,7 @@ def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
     rot = cache.rotation
     merge = _Merge()
     for kind, _, lat, pe, vis in blks:
-        k_lat, k_pe = _dense(cache, kind, lat, pe, dtype)
+        k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
         c = k_lat if rot is None else k_lat @ rot.swapaxes(-1, -2)
         k = attn.embed_q(c, transpose=False)  # (B, H, n, nope)
         v = attn.unembed_out(c)  # (B, H, n, v)
@@ -229,7 +229,7 @@ def quantized_attention(
 ):
     """Attention of x's tokens through `cache`. With `indexer_cache` (a DSA model) each query
     attends only to the tokens its lightning indexer selects, as mlx-lm's deepseek_v32 does."""
-    q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
+    q_nope, q_pe, latent, k_pe, qr = project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
     out = _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, indexer_cache)
@@ -257,7 +257,7 @@ def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, in
         blks = blocks(cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen)
         if top is not None and L == 1 and SPARSE_DECODE:
             blks = dsa_indexer.gather_selected(cache, blks, top)
-        out = _absorbed(cache, q_lat, q_pe, blks, L)
+        out = absorbed(cache, q_lat, q_pe, blks, L)
         if cache.rotation is not None:
             out = out @ cache.rotation.swapaxes(-1, -2)
         out = attn.unembed_out(out)
@@ -276,7 +276,7 @@ def batched_decode(attn, x, caches: list):
     B rows; each row's cache update and attention on its own. Rotated latent caches take the
     quantized path row by row; mlx-lm's plain caches its absorbed L == 1 path, with the
     latent-space maps (embed_q, unembed_out) once for all rows."""
-    q_nope, q_pe, latent, k_pe, qr = _project(attn, x)
+    q_nope, q_pe, latent, k_pe, qr = project(attn, x)
     offsets = mx.array([c.offset for c in caches])
     q_pe = attn.rope(q_pe, offsets)
     k_pe = attn.rope(k_pe, offsets)
@@ -312,7 +312,7 @@ ABSORBED_MAX_QUERIES = 16
 def absorbed_attention(attn, x, mask, cache):
     """mlx-lm's own L == 1 path (absorbed MLA), for a few queries at once."""
     B, L, _ = x.shape
-    q_nope, q_pe, latent, k_pe, _ = _project(attn, x)
+    q_nope, q_pe, latent, k_pe, _ = project(attn, x)
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
     latent, k_pe = cache.update_and_fetch(latent, k_pe)

@@ -23,106 +23,26 @@ trunk and the MTP layer chunk by chunk, each chunk evaluated before the next, wi
 vocabulary head applied to the last row only. Rolling back rejected drafts uses each cache's
 `trim`, whose count is checked: a cache that cannot roll back exactly is an error, never a
 silent drift.
+
+Here: the decoder (a round, its settlement, the prefill, `generate`). The acceptance rules,
+statistics and exact rollback: mtp_accept.py; greedy k = 1's pipelined loop: mtp_pipelined.py;
+`--mtp auto`'s loop: mtp_auto_decode.py.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .mtp_auto import PROBE_STEPS
+from .mtp_accept import DraftStats, pick, probs, trim_all, verify_sampled
+from .mtp_auto_decode import auto_decode
+from .mtp_pipelined import greedy_k1
 
 PREFILL_STEP = 2048  # prompt tokens per chunk (mlx-lm's generate_step default)
-
-
-def trim_all(caches, n: int) -> None:
-    """Roll every cache back n tokens, exactly, or fail loudly."""
-    for c in caches:
-        got = c.trim(n)
-        if got != n:
-            raise RuntimeError(
-                f"a cache could roll back {got} of {n} tokens; generation "
-                "state would be inconsistent"
-            )
-
-
-@dataclass
-class DraftStats:
-    k: int
-    proposed: list[int] = field(default_factory=list)  # per draft position: times it was checked
-    accepted: list[int] = field(default_factory=list)  # per draft position: times it was accepted
-    rounds: int = 0
-    disabled_after: int | None = None
-
-    def __post_init__(self):
-        self.proposed = [0] * self.k
-        self.accepted = [0] * self.k
-
-    @property
-    def draft_tokens(self) -> int:
-        return sum(self.proposed)
-
-    @property
-    def accepted_tokens(self) -> int:
-        return sum(self.accepted)
-
-    def per_position(self) -> list[float | None]:
-        return [a / p if p else None for a, p in zip(self.accepted, self.proposed)]
-
-
-def _probs(logits: mx.array, temperature: float) -> np.ndarray:
-    x = np.array(logits.astype(mx.float32), dtype=np.float64) / temperature
-    x = np.exp(x - x.max(axis=-1, keepdims=True))
-    return x / x.sum(axis=-1, keepdims=True)
-
-
-def verify_sampled(
-    p_rows: list[np.ndarray],
-    q_rows: list[np.ndarray],
-    drafts: list[int],
-    p_next: np.ndarray,
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """Lossless speculative sampling (Leviathan et al., Chen et al.): returns (accepted, token).
-
-    Draft j, drawn from q_j, is kept with probability min(1, p_j/q_j); the first refusal is
-    replaced by a draw from (p_j - q_j)+ renormalized; if all are kept, the extra token comes
-    from p_next. The emitted tokens are then distributed exactly as sampling from p.
-    """
-    for j, d in enumerate(drafts):
-        p, q = p_rows[j], q_rows[j]
-        if rng.random() < min(1.0, p[d] / max(q[d], 1e-300)):
-            continue
-        resid = np.maximum(p - q, 0.0)
-        total = resid.sum()
-        resid = resid / total if total > 0 else p
-        return j, int(rng.choice(len(resid), p=resid))
-    return len(drafts), int(rng.choice(len(p_next), p=p_next))
-
-
-class _Round:
-    """One k = 1 round, built lazily: MTP draft d from the pending rows, trunk over [t, d]."""
-
-    def __init__(self, dec, t, pend_h, pend_tok, caches, mtp_cache):
-        m_logits, _ = dec._mtp(pend_h, pend_tok, mtp_cache)
-        self.mtp_rows = pend_h.shape[1]
-        d = mx.argmax(m_logits[0, -1:], axis=-1)
-        self.seq = mx.concatenate([t, d])
-        self.h = dec.model.model(self.seq[None], caches)
-        self.target = mx.argmax(dec.model.lm_head(self.h)[0], axis=-1)
-        mx.async_eval(self.seq, self.target)
-
-    def speculate(self, dec, caches, mtp_cache) -> _Round:
-        """The next round, as if the draft is accepted: built while this one computes."""
-        bonus = self.target[1:2]
-        return _Round(
-            dec, bonus, self.h, mx.concatenate([self.seq[1:], bonus])[None], caches, mtp_cache
-        )
 
 
 class MTPDecoder:
@@ -152,77 +72,23 @@ class MTPDecoder:
         self.pipeline = True  # greedy k = 1: build the next round before reading this one
         self.auto = auto
 
-    def _trunk(self, tokens: list[int], cache):
+    def trunk(self, tokens: list[int], cache):
         h = self.model.model(mx.array([tokens]), cache)
         return h, self.model.lm_head(h)
 
-    def _mtp(self, h: mx.array, tokens, cache):
+    def mtp_forward(self, h: mx.array, tokens, cache):
+        """The MTP layer over hidden rows `h` and their next tokens: (logits, its hidden)."""
         mask = create_attention_mask(h, cache, return_array=True)
         tokens = tokens if isinstance(tokens, mx.array) else mx.array([tokens])
         return self.mtp(h, tokens, mask, cache)
 
-    def _greedy_k1(self, t, pend_h, caches, mtp_cache, max_tokens, eos, t0):
-        """Greedy k = 1 with the next round built before this one is read.
-
-        mlx-lm's plain loop overlaps building step n+1 with computing step n (async_eval);
-        a draft round that waited for its own result would pay the graph building that
-        plain decoding hides. So round n+1 is built assuming round n's draft is accepted;
-        when it is not, round n+1's cache rows are trimmed away, unread.
-        """
-        stats = self.stats
-        yield t
-        produced = 1
-        if produced >= max_tokens or t in eos:
-            return
-        cur = _Round(self, mx.array([t]), pend_h, mx.array([[t]]), caches, mtp_cache)
-        while True:
-            nxt = cur.speculate(self, caches, mtp_cache)
-            seq, target = np.array(cur.seq), np.array(cur.target)
-            d = int(seq[1])
-            accepted = d == int(target[0])
-            stats.rounds += 1
-            stats.proposed[0] += 1
-            stats.accepted[0] += accepted
-            emitted = [d, int(target[1])] if accepted else [int(target[0])]
-            if not accepted:
-                # Round n+1 was built on the rejected draft: drop its rows, then the draft's.
-                trim_all(caches, 2 + 1)
-                trim_all([mtp_cache], nxt.mtp_rows)
-            for tok in emitted:
-                yield tok
-                produced += 1
-                if produced >= max_tokens or tok in eos:
-                    self.timings["decode_s"] = time.perf_counter() - t0
-                    return
-            if accepted:
-                cur = nxt
-            else:
-                b = emitted[0]
-                cur = _Round(self, mx.array([b]), cur.h[:, :1], mx.array([[b]]), caches, mtp_cache)
-            if (
-                stats.rounds >= self.probe_rounds
-                and stats.accepted_tokens / stats.rounds < self.min_accept
-            ):
-                stats.disabled_after = stats.rounds
-                # The round in flight is dropped; plain decoding continues from its first token.
-                nxt_t = int(np.array(cur.seq)[0])
-                trim_all(caches, 2)
-                while True:
-                    logits = self.model(mx.array([[nxt_t]]), cache=caches)
-                    nxt_t = int(mx.argmax(logits[0, -1]).item())
-                    yield nxt_t
-                    produced += 1
-                    if produced >= max_tokens or nxt_t in eos:
-                        self.timings["decode_s"] = time.perf_counter() - t0
-                        return
-
-    def _round(self, t, pend_h, pend_tok, caches, mtp_cache, temperature, rng, timed=None):
+    def draft_round(self, t, pend_h, pend_tok, caches, mtp_cache, temperature, rng, timed=None):
         """One draft round from last token t: (drafts accepted, drafts, the trunk's token,
         trunk hiddens of [t, drafts]). The caches are not trimmed here. `timed`, an AutoMTP:
         the drafting and the verification are evaluated and timed apart (a probe)."""
         t0 = time.perf_counter()
         drafts, q_rows = [], []
-        m_logits, z = self._mtp(pend_h, pend_tok, mtp_cache)
+        m_logits, z = self.mtp_forward(pend_h, pend_tok, mtp_cache)
         m_logits, z = m_logits[:, -1:], z[:, -1:]
         if temperature <= 0:
             # Drafts stay lazy arrays: drafting and verification evaluate together, one
@@ -231,7 +97,7 @@ class MTPDecoder:
             for j in range(self.k):
                 d_arr.append(mx.argmax(m_logits[0, -1:], axis=-1))
                 if j + 1 < self.k:
-                    m_logits, z = self._mtp(z, d_arr[-1][None], mtp_cache)
+                    m_logits, z = self.mtp_forward(z, d_arr[-1][None], mtp_cache)
             if timed is not None:
                 mx.eval(d_arr)
                 t1 = time.perf_counter()
@@ -247,15 +113,15 @@ class MTPDecoder:
             bonus = target[a]
         else:
             for j in range(self.k):
-                q = _probs(m_logits[0, -1], temperature)
+                q = probs(m_logits[0, -1], temperature)
                 d = int(rng.choice(len(q), p=q))
                 q_rows.append(q)
                 drafts.append(d)
                 if j + 1 < self.k:
-                    m_logits, z = self._mtp(z, [d], mtp_cache)
+                    m_logits, z = self.mtp_forward(z, [d], mtp_cache)
             t1 = time.perf_counter()
-            h, logits = self._trunk([t] + drafts, caches)
-            p_all = _probs(logits[0], temperature)
+            h, logits = self.trunk([t] + drafts, caches)
+            p_all = probs(logits[0], temperature)
             a, bonus = verify_sampled(list(p_all[: self.k]), q_rows, drafts, p_all[self.k], rng)
         if timed is not None:
             # A first round after plain steps catches up on their rows: not a draft's cost.
@@ -264,7 +130,7 @@ class MTPDecoder:
             timed.verify(time.perf_counter() - t1)
         return a, drafts, bonus, h
 
-    def _settle(self, a, drafts, bonus, h, caches, mtp_cache):
+    def settle(self, a, drafts, bonus, h, caches, mtp_cache):
         """A round's counts and rollbacks: (tokens emitted, pending MTP rows, their tokens)."""
         stats = self.stats
         stats.rounds += 1
@@ -277,94 +143,6 @@ class MTPDecoder:
             trim_all([mtp_cache], self.k - 1)
         emitted = drafts[:a] + [bonus]
         return emitted, h[:, : a + 1], emitted
-
-    def _auto(self, t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng):
-        """`--mtp auto`: plain steps or draft rounds as `self.auto` decides, probing (timed
-        plain steps and rounds, alternated, so a change in the machine's load weighs on both
-        figures alike) whenever it asks. Plain steps keep their trunk hiddens pending (a list,
-        joined once), so the MTP layer catches up on them when drafting resumes."""
-        auto = self.auto
-        self._produced = 0
-        pend = [pend_h]
-        pend_tok = list(pend_tok)
-        ended = self._emit([t], max_tokens, eos)
-        yield t
-        if ended:
-            return
-        while True:
-            probe = auto.probe_due()
-            if not probe and not auto.drafting and temperature <= 0:
-                state = yield from self._plain_greedy(t, caches, pend, pend_tok, max_tokens, eos)
-                if state is None:
-                    return
-                t = state
-                continue
-            phases = (
-                [(False, 1), (True, 1)] * PROBE_STEPS if probe else [(bool(auto.drafting), None)]
-            )
-            for drafting, steps in phases:
-                done = 0
-                while (done < steps) if steps is not None else not auto.probe_due():
-                    done += 1
-                    if drafting:
-                        pend_h = pend[0] if len(pend) == 1 else mx.concatenate(pend, axis=1)
-                        a, drafts, bonus, h = self._round(
-                            t, pend_h, pend_tok, caches, mtp_cache, temperature, rng,
-                            auto if probe else None,
-                        )  # fmt: skip
-                        auto.round(a)
-                        out, pend_h, pend_tok = self._settle(a, drafts, bonus, h, caches, mtp_cache)
-                        pend = [pend_h]
-                    else:
-                        t0 = time.perf_counter()
-                        h = self.model.model(mx.array([[t]]), caches)
-                        out = [self._pick(self.model.lm_head(h[:, -1])[0], temperature, rng)]
-                        if probe:
-                            auto.plain(time.perf_counter() - t0)
-                        pend.append(h)
-                        pend_tok.append(out[0])
-                    t = out[-1]  # the next token to feed
-                    for tok in out:
-                        ended = self._emit([tok], max_tokens, eos)
-                        yield tok
-                        if ended:
-                            return
-            if probe:
-                auto.decide()
-
-    def _emit(self, toks, max_tokens, eos) -> bool:
-        """Count tokens about to be yielded; True when the generation ends with the last."""
-        self._produced += len(toks)
-        self.auto.tokens(len(toks))
-        return self._produced >= max_tokens or toks[-1] in eos
-
-    def _plain_greedy(self, t, caches, pend, pend_tok, max_tokens, eos):
-        """Greedy plain decoding until a probe is due, pipelined as mlx-lm's loop is (step
-        n+1 is built before step n is read). Returns the next token to feed, or None when
-        the generation ended; the step built ahead is trimmed from the caches."""
-        h = self.model.model(mx.array([[t]]), caches)
-        y = mx.argmax(self.model.lm_head(h[:, -1])[0])
-        mx.async_eval(y)
-        while True:
-            h2 = self.model.model(y.reshape(1, 1), caches)
-            y2 = mx.argmax(self.model.lm_head(h2[:, -1])[0])
-            mx.async_eval(y2)
-            tok = int(y.item())
-            pend.append(h)
-            pend_tok.append(tok)
-            ended = self._emit([tok], max_tokens, eos)
-            yield tok
-            if ended or self.auto.probe_due():
-                trim_all(caches, 1)  # the step built ahead
-                return None if ended else tok
-            h, y = h2, y2
-
-    @staticmethod
-    def _pick(logits_row, temperature, rng) -> int:
-        if temperature <= 0:
-            return int(mx.argmax(logits_row).item())
-        p = _probs(logits_row, temperature)
-        return int(rng.choice(len(p), p=p))
 
     def prefill(
         self, prompt: list[int], caches, mtp_cache, step: int = PREFILL_STEP, progress=None
@@ -419,28 +197,22 @@ class MTPDecoder:
         self.stats = stats = DraftStats(self.k)
         self.timings = {"prompt_s": 0.0, "decode_s": 0.0}
 
-        def pick(logits_row):
-            if greedy:
-                return int(mx.argmax(logits_row).item())
-            p = _probs(logits_row, temperature)
-            return int(rng.choice(len(p), p=p))
-
         t0 = time.perf_counter()
         h_last = self.prefill(prompt[cached:], caches, mtp_cache, self.prefill_step, progress)
         if on_prefilled is not None:
             on_prefilled(caches, mtp_cache)
-        t = pick(self.model.lm_head(h_last)[0, -1])
+        t = pick(self.model.lm_head(h_last)[0, -1], temperature, rng)
         self.timings["prompt_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         pend_h, pend_tok = h_last, [t]
         if self.auto is not None and draft:
-            yield from self._auto(
-                t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng
+            yield from auto_decode(
+                self, t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, temperature, rng
             )
             self.timings["decode_s"] = time.perf_counter() - t0
             return
         if greedy and self.k == 1 and draft and self.pipeline:
-            yield from self._greedy_k1(t, pend_h, caches, mtp_cache, max_tokens, eos, t0)
+            yield from greedy_k1(self, t, pend_h, caches, mtp_cache, max_tokens, eos, t0)
             return
         produced = 0
         while True:
@@ -450,13 +222,13 @@ class MTPDecoder:
                 break
             if not draft or stats.disabled_after is not None:
                 # Drafting does not resume within a generation, so the MTP cache is left behind.
-                _, logits = self._trunk([t], caches)
-                t = pick(logits[0, -1])
+                _, logits = self.trunk([t], caches)
+                t = pick(logits[0, -1], temperature, rng)
                 continue
-            a, drafts, bonus, h = self._round(
+            a, drafts, bonus, h = self.draft_round(
                 t, pend_h, pend_tok, caches, mtp_cache, temperature, rng
             )
-            emitted, pend_h, pend_tok = self._settle(a, drafts, bonus, h, caches, mtp_cache)
+            emitted, pend_h, pend_tok = self.settle(a, drafts, bonus, h, caches, mtp_cache)
             for d in emitted[:-1]:
                 yield d
                 produced += 1

@@ -3,7 +3,7 @@
 The GPU may wire (lock in RAM for Metal) up to `iogpu.wired_limit_mb` MB; 0 means macOS's
 default, about 2/3 of RAM up to 36 GB and 3/4 above (sizing/budget.py). Each profile needs
 its weights plus its KV cache at the context it is configured for: inspect's arithmetic
-(`manager.footprint`). The profiles that start at login (installed and not stopped) must fit
+(`footprint.footprint`). The profiles that start at login (installed and not stopped) must fit
 together, or the later ones fail to load (or the system starts swapping wired memory away).
 
 Raising the limit is one root command, `sudo sysctl iogpu.wired_limit_mb=N`; it lasts until
@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import MacserveError
 from ..sizing.budget import default_working_set, machine_budget
-from . import journal, manager
-from .footprint import Footprint
+from . import journal
+from .footprint import Footprint, footprint
+from .health import store
+from .supervisors import get_backend
 
 HEADROOM = 8 * 2**30  # what the suggested limit leaves to macOS and the other programs
 DOCS = "docs/services.md#gpu-wired-limit"
@@ -57,8 +59,8 @@ def doctor(memory_bytes: int | None = None) -> Report:
     if on_mac:
         wired = b.budget_bytes // 2**20 if "sysctl" in b.source else 0
     rep = Report(b.total_bytes, on_mac, wired, b.budget_bytes, b.source)
-    backend = manager.get_backend()
-    for name in manager.store().names():
+    backend = get_backend()
+    for name in store().names():
         try:
             settled = journal.recover(name, backend)
         except MacserveError as e:
@@ -69,7 +71,7 @@ def doctor(memory_bytes: int | None = None) -> Report:
         # Installed and not stopped: launchd loads it at login (RunAtLoad); `stop` disables it.
         at_login = st.installed and st.state not in ("stopped", "not installed")
         try:
-            fp = manager.footprint(name)
+            fp = footprint(name)
         except MacserveError as e:
             # One broken profile is its own row, not a refusal of every other one.
             fp = Footprint(name, error=str(e))

@@ -27,9 +27,10 @@ from .health import (
     with_log_line,
 )
 from .ports import check_port, ports_used
-from .profiles import KEYS, ROUTER_KEYS, SECRET_KEYS, Profile, ProfileStore, check_secret
+from .profiles import KEYS, ROUTER_KEYS, Profile, ProfileStore
 from .providers.base import edit_flags, flag_groups
 from .supervisors import Status, get_backend, log_path, logs
+from .values import SECRET_KEYS, check_secret
 
 
 @dataclass(frozen=True)

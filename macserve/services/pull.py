@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .. import env
 from ..errors import MacserveError
-from ..sizing import sources
+from ..sizing import hub, sources
+from ..sizing.gguf_files import gguf_files
 
 # engine/caches.SHIPPED_ROTATION (named, not imported: services never import the engine)
 ENGINE_FILES = ("latent-rotation.safetensors",)
@@ -47,12 +48,12 @@ def mlx_patterns() -> list[str]:
 
 def _wanted(repo: str, quant: str | None) -> tuple[list[str], str | None]:
     """(allow patterns, the GGUF file a profile serves or None for a folder)."""
-    files = sources.list_repo_files(repo)
+    files = hub.list_repo_files(repo)
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     if quant or (ggufs and "config.json" not in files):
         if not ggufs:
             raise MacserveError(f"{repo}: no GGUF files in this repository")
-        first, group = sources.gguf_files(repo, ggufs, quant)
+        first, group = gguf_files(repo, ggufs, quant)
         return group, first
     if "config.json" not in files:
         raise MacserveError(f"{repo}: no config.json and no GGUF files")
@@ -84,7 +85,7 @@ def pull(source: str, quant: str | None = None) -> Pulled:
 
 
 def _download(repo: str, patterns: list[str]) -> Path:
-    # 0.3-0.5 s to import; only a download needs it (the module docstring of sizing/sources.py)
+    # 0.3-0.5 s to import; only a download needs it (the module docstring of sizing/hub.py)
     from huggingface_hub import snapshot_download
 
     try:

@@ -12,6 +12,7 @@ import psutil
 from ..errors import MacserveError
 from . import journal, providers, routed, run
 from .health import base_url, store
+from .profiles import ProfileStore
 from .supervisors import Status, get_backend, log_path, logs
 
 
@@ -47,7 +48,7 @@ def row(name: str, health: bool = False, backend=None) -> dict:
     state, detail = s.state, s.detail
     # A supervisor calls a respawn "starting", then "running", while `macserve run` backs off
     # between two crashes (the run's own record, run/NAME.json); launchd's print says
-    # crash-loop itself (launchd.py). Either way the server's last error line says why.
+    # crash-loop itself (launchd_ctl.py). Either way the server's last error line says why.
     looping = state == "crash-loop" or (
         p is not None
         and state in ("running", "starting")
@@ -77,7 +78,7 @@ def _settle(name: str, backend) -> str | None:
         done = journal.recover(name, backend)
         if done:
             return done
-        entry = journal.read(journal.ProfileStore(), name)
+        entry = journal.read(ProfileStore(), name)
     except MacserveError as e:
         return f"{journal.pending_note(name)} ({e})"
     if entry is None:

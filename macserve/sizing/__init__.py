@@ -3,7 +3,10 @@
 A leaf wing: it imports nothing of macserve's but errors, env, fileio and int2_format, and
 mlx only inside mlx_measure's measuring function (`inspect` must start fast).
 
-    sources.py      where metadata comes from (config.json, folder, .gguf, hub repo)
+    sources.py      where metadata comes from (config.json, folder, .gguf, hub repo), the HF cache
+    model_source.py ModelSource, read from local files (config.json, .gguf, folder)
+    hub.py          the Hugging Face hub over the network (file list, HTTP range reads)
+    gguf_files.py   which GGUF files make up a model (split parts, the quant chosen)
     gguf_header.py  a GGUF header from any seekable stream (local or HTTP ranges)
     arch.py         the layer kinds and ModelShape (one layer kind per layer)
     arch_config.py  config.json -> ModelShape, per model family (arch_fields.py: one layer)

@@ -1,7 +1,7 @@
 """Read a GGUF file's metadata (key/value header) from any readable binary stream.
 
 Only the header is read, never tensor data, so the same code serves a local file and an
-HTTP range-request stream (sources.HttpRangeFile) at a cost of kilobytes.
+HTTP range-request stream (hub.HttpRangeFile) at a cost of kilobytes.
 Arrays of more than `max_array` items (token lists, merges) are skipped, not kept.
 """
 

@@ -25,10 +25,12 @@ from .arch import ModelShape
 from .arch_config import shape_from_config
 from .arch_gguf import shape_from_gguf
 from .budget import Budget, machine_budget
-from .kv_layout import CACHE_KEYS, Layout, as_number, engine_notes, layout, measured_layout
+from .kv_buffers import Layout
+from .kv_layout import CACHE_KEYS, as_number, engine_notes, layout, measured_layout
 from .kv_layout import max_context as _max_context
 from .mlx_measure import measure as measure_mlx
-from .sources import ModelSource, read_gguf_file, resolve
+from .model_source import ModelSource, read_gguf_file
+from .sources import resolve
 
 TABLE_CONTEXTS = (8192, 32768, 131072)
 

@@ -10,7 +10,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from .. import mla_attention
 from ..caches import latent_caches, model_dtype
 from ..latent_cache import RotatedLatentCache
-from .setup import HELD, Setup, _best_of, caches, fill, to_dtype
+from .setup import HELD, Setup, best_of, caches, fill, to_dtype
 from .synthetic import DEEPSEEK_V3_REST, active_weights_per_token
 
 
@@ -23,7 +23,7 @@ def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
                         (128 query heads against one latent "head")
         mlx_lm_folded   the same rows and product with the heads folded into one matrix
                         product, (1, 1, heads, latent) against the rows: what our kernel does
-        bf16_latent     the engine's read of the bf16-latent cache (mla_attention._absorbed)
+        bf16_latent     the engine's read of the bf16-latent cache (mla_attention.absorbed)
         int2            the engine's read of the INT2 cache, the query rotated as it is there
         int2_unpack     unpacking the INT2 cache's codes alone (rows.dequantize)
     """
@@ -55,7 +55,7 @@ def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
 
         def f():
             blks = mla_attention.blocks(c, 1, H, dtype.size)
-            out = mla_attention._absorbed(c, c.rotate(q_lat), q_pe, blks, 1)
+            out = mla_attention.absorbed(c, c.rotate(q_lat), q_pe, blks, 1)
             return out if c.rotation is None else out @ c.rotation.swapaxes(-1, -2)
 
         return f
@@ -64,11 +64,11 @@ def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
     seg = [(lat_, pe_) for kind, _, lat_, pe_ in c2.segments(1) if kind == "codes"]
 
     def unpack():
-        return [mla_attention._dense(c2, "codes", lt, pt, dtype) for lt, pt in seg]
+        return [mla_attention.dense_rows(c2, "codes", lt, pt, dtype) for lt, pt in seg]
 
     names = ("mlx_lm_sdpa", "mlx_lm_folded", "bf16_latent", "int2", "int2_unpack")
     fns = (sdpa, folded, ours("bf16_latent"), ours("int2"), unpack)
-    times = _best_of(fns, reps)
+    times = best_of(fns, reps)
     ms = {n: round(t * 1e3, 2) for n, t in zip(names, times)}
     check = mx.abs(sdpa() - folded()).max().item()
     return {

@@ -17,7 +17,7 @@ from mlx_lm.models import deepseek_v32
 from ...int2_format import INT2
 from .. import mla_attention
 from ..caches import make_caches
-from .kv import _fill
+from .kv import fill_latents
 
 DIMS = dict(
     model_type="deepseek_v32",
@@ -58,7 +58,7 @@ def run(contexts=(4096, 16384), steps: int = 16, rounds: int = 3) -> list[dict]:
     rows = []
     for ctx in contexts:
         caches = make_caches(model, INT2)
-        _fill(
+        fill_latents(
             caches, ctx, attn.kv_lora_rank, attn.qk_rope_head_dim, index_dims=attn.indexer.head_dim
         )
         best = {True: 0.0, False: 0.0}

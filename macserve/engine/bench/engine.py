@@ -55,7 +55,7 @@ from .setup import (  # noqa: F401  (tests and the CLI name them through this mo
     CHUNK,
     HELD,
     Setup,
-    _best_of,
+    best_of,
     caches,
     engine_dtype,
     fill,
@@ -136,7 +136,7 @@ def upcasts(s: Setup, ctx: int = 1024) -> dict:
         a = s.attn
         x = mx.random.normal((1, 1, s.model.args.hidden_size)).astype(mx.bfloat16)
         mx.eval(x)
-        q_nope, q_pe, latent, k_pe, _ = mla_attention._project(a, x)
+        q_nope, q_pe, latent, k_pe, _ = mla_attention.project(a, x)
         base = _conversions([a.rope(q_pe, ctx), a.rope(k_pe, ctx), q_nope, latent])
         res = {"attention_read": {}, "whole_step": {}, "logits_dtype": {}}
         for which in CACHES:
@@ -279,10 +279,10 @@ def mtp_costs(
 
     # Ratios of sub-second times on a shared CPU (one busy second moved a ratio by 50%
     # between runs): best of 7, interleaved.
-    t1, t2, tm = _best_of([trunk(1), trunk(2), mtp_step], reps=7)
+    t1, t2, tm = best_of([trunk(1), trunk(2), mtp_step], reps=7)
     head = mx.random.normal((vocab, hidden)).astype(dtype) * 0.01
     mx.eval(head)
-    th1, th2 = _best_of([lambda: h1 @ head.T, lambda: h2 @ head.T], reps=7)
+    th1, th2 = best_of([lambda: h1 @ head.T, lambda: h2 @ head.T], reps=7)
     head = None  # 3.7 GB in float32 at DeepSeek-V3's vocabulary: let it go now
     per_layer1 = t1 / s.layers  # the synthetic trunk's small head is negligible at this width
     per_layer2 = t2 / s.layers

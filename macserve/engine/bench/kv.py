@@ -207,8 +207,9 @@ def quality(
     return out
 
 
-def _fill(caches, ctx: int, rank: int, rope: int, seed: int = 0, index_dims: int = 0):
-    """Pre-fill caches with `ctx` latent-shaped tokens; speed does not depend on their values."""
+def fill_latents(caches, ctx: int, rank: int, rope: int, seed: int = 0, index_dims: int = 0):
+    """Pre-fill caches with `ctx` latent-shaped tokens; speed does not depend on their values.
+    (bench kv's decode speed and bench dsa's both time decode over caches filled so.)"""
     key = mx.random.key(seed)
     for c in caches:
         parts = list(c.caches) if isinstance(c, CacheList) else [c]
@@ -244,7 +245,9 @@ def decode_speed(
             q, m = q if isinstance(q, tuple) else (q, method)
             caches[name] = caches_for(model, q, calibration, m if q.bits else None)
             indexer = getattr(attn, "indexer", None)
-            _fill(caches[name], ctx, rank, rope, index_dims=indexer.head_dim if indexer else 0)
+            fill_latents(
+                caches[name], ctx, rank, rope, index_dims=indexer.head_dim if indexer else 0
+            )
         for _ in range(rounds):
             for name in quants:
                 cs = caches[name]

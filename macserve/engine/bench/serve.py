@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ...errors import MacserveError
 from .serve_capacity import capacity
-from .serve_http import Plan, Target, _chat, _load_summary, float32_copy, load, running
+from .serve_http import Plan, Target, chat, float32_copy, load, load_summary, running
 from .serve_restart import restarts
 
 __all__ = ["Plan", "needed_lines", "run"]
@@ -67,12 +67,12 @@ def conversation(url: str, plan: Plan, lines: list[str]) -> dict:
     with httpx.Client(timeout=plan.ready_timeout) as c:
         for turn in range(plan.turns):
             msgs.append({"role": "user", "content": (nonce if turn == 0 else "") + lines.pop()})
-            r = _chat(c, url, msgs, plan.answer_tokens)
+            r = chat(c, url, msgs, plan.answer_tokens)
             ttft.append(r["ttft"])
             msgs.append({"role": "assistant", "content": r["text"]})
         again = [dict(m) for m in msgs[:-1]]
         again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
-        cold = _chat(c, url, again, plan.answer_tokens)
+        cold = chat(c, url, again, plan.answer_tokens)
     return {"ttft": ttft, "cold": cold["ttft"], "prompt_tokens": r["usage"].get("prompt_tokens")}
 
 
@@ -142,7 +142,7 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
     many = f"load_{plan.clients}_clients"
     results = {}
     for name, r in raw.items():
-        one, several = _load_summary(r["one"]), _load_summary(r["many"])
+        one, several = load_summary(r["one"]), load_summary(r["many"])
         results[name] = {
             "chat": _chat_summary(r["chat"]),
             "load_1_client": one,

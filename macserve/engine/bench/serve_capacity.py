@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from .serve_http import Plan, Target, _load_summary, load, running
+from .serve_http import Plan, Target, load, load_summary, running
 
 
 def capacity_targets(model: Path, batches: tuple[int, ...]) -> list[Target]:
@@ -48,7 +48,7 @@ def capacity(plan: Plan, log_dir: Path, progress) -> dict:
             for name, url in urls.items():
                 progress(f"capacity round {k + 1}/{plan.rounds}: {name}, {clients} clients")
                 raw[name].append(load(url, plan, clients, list(lines)))
-    servers = {n: {"max_batch": max_batch[n], **_load_summary(runs)} for n, runs in raw.items()}
+    servers = {n: {"max_batch": max_batch[n], **load_summary(runs)} for n, runs in raw.items()}
     fixed = {n: s for n, s in servers.items() if n != "default"}
     best = max(fixed, key=lambda n: fixed[n]["tokens_per_s"])
     return {

@@ -115,7 +115,7 @@ def running(target: Target, plan: Plan, log_dir: Path):
         with httpx.Client(timeout=plan.ready_timeout) as c:
             while True:  # a model still loading answers 503 (macserve) until it is in
                 try:
-                    _chat(c, url, [{"role": "user", "content": plan.lines[0]}], 8)
+                    chat(c, url, [{"role": "user", "content": plan.lines[0]}], 8)
                     break
                 except _Unavailable:
                     if time.monotonic() > deadline:
@@ -132,7 +132,8 @@ def running(target: Target, plan: Plan, log_dir: Path):
             proc.wait(5)
 
 
-def _metric(url: str, name: str, tier: str) -> float:
+def metric(url: str, name: str, tier: str) -> float:
+    """The server's Prometheus sample `name` for one prompt-cache `tier` (0 if it has none)."""
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for x in fam.samples:
             if x.name == name and x.labels.get("tier") == tier:
@@ -140,11 +141,12 @@ def _metric(url: str, name: str, tier: str) -> float:
     return 0.0
 
 
-def _cached(r: dict) -> int:
+def cached_tokens(r: dict) -> int:
+    """The prompt tokens a chat answer (`chat`'s result) says came from the prompt cache."""
     return ((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
 
 
-def _chat(client: httpx.Client, url: str, messages: list, max_tokens: int) -> dict:
+def chat(client: httpx.Client, url: str, messages: list, max_tokens: int) -> dict:
     """One streamed greedy chat request: time to the first token, the text, the usage."""
     body = {
         "model": MODEL_NAME,
@@ -238,7 +240,7 @@ def load(url: str, plan: Plan, clients: int, lines: list[str]) -> dict:
     }
 
 
-def _load_summary(runs: list[dict]) -> dict:
+def load_summary(runs: list[dict]) -> dict:
     """The median run by tokens per second (its latencies with it); refusals summed."""
     runs = sorted(runs, key=lambda r: r["tokens_per_s"])
     out = dict(runs[len(runs) // 2])

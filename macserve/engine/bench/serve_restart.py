@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from .serve_http import Plan, Target, _cached, _chat, _metric, running
+from .serve_http import Plan, Target, cached_tokens, chat, metric, running
 
 
 def restart_targets(model: Path, baseline_model: Path) -> list[Target]:
@@ -74,19 +74,19 @@ def restart(plan: Plan, target: Target, log_dir: Path, progress, system: list[st
                     {"role": "system", "content": f"[{uuid.uuid4().hex[:8]}] {system[0]}"},
                     {"role": "user", "content": "Go on."},
                 ]
-                r1 = _chat(c, url, first, plan.answer_tokens)
+                r1 = chat(c, url, first, plan.answer_tokens)
             # SIGTERM above (a service restart); the next server reads the same folder.
             msgs = first + [{"role": "assistant", "content": r1["text"]}]
             with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
                 # The warm-up request of `running` shares only the chat template's first
                 # tokens with this chat: no hit for it.
-                disk = _chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
-                warm = _chat(c, url, msgs + [{"role": "user", "content": "What then?"}], 8)
+                disk = chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
+                warm = chat(c, url, msgs + [{"role": "user", "content": "What then?"}], 8)
                 again = [dict(m) for m in msgs] + [{"role": "user", "content": "And then?"}]
                 again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
-                cold = _chat(c, url, again, 8)
+                cold = chat(c, url, again, 8)
                 reused = {  # mlx_lm.server has no /metrics
-                    tier: _metric(url, "macserve_prompt_cache_tokens_reused_total", tier)
+                    tier: metric(url, "macserve_prompt_cache_tokens_reused_total", tier)
                     for tier in ("disk", "memory")
                     if macserve
                 }
@@ -97,9 +97,9 @@ def restart(plan: Plan, target: Target, log_dir: Path, progress, system: list[st
                 "cold_ttft_s": cold["ttft"],
                 "restart_followup_ttft_s": disk["ttft"],
                 "warm_followup_ttft_s": warm["ttft"],
-                "restart_cached_tokens": _cached(disk),
-                "warm_cached_tokens": _cached(warm),
-                "cold_cached_tokens": _cached(cold),
+                "restart_cached_tokens": cached_tokens(disk),
+                "warm_cached_tokens": cached_tokens(warm),
+                "cold_cached_tokens": cached_tokens(cold),
                 "tokens_reused": reused,
             }
         )

@@ -126,7 +126,7 @@ def fill(cs: list, n: int, s: Setup, seed: int = 0, step: int = CHUNK) -> None:
         mx.eval([c.state for c in cs])
 
 
-def _best_of(fns, reps: int) -> list[float]:
+def best_of(fns, reps: int) -> list[float]:
     """Best time of each function over `reps` rounds, the functions interleaved in every
     round, so a busy moment of the machine weighs on all of them, not on one ratio's side."""
     for fn in fns:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import mla_attention
 from ..caches import latent_caches
-from ..calibration import _value_weight
+from ..calibration import value_weight
 
 
 class StoredError:
@@ -25,7 +25,7 @@ class StoredError:
 
     def __init__(self, model):
         self.attns = mla_attention.mla_attentions(model)
-        self.m_v = [_value_weight(a) for a in self.attns]
+        self.m_v = [value_weight(a) for a in self.attns]
         r = self.attns[0].kv_lora_rank
         # Σ_h q~ q~ᵀ summed, not averaged: each term is a ratio, its scale cancels.
         self.sigma_q = [np.zeros((r, r)) for _ in self.attns]

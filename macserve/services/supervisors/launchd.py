@@ -1,25 +1,16 @@
 """launchd backend (macOS): a LaunchAgent (or, with SYSTEM=1, a LaunchDaemon) per profile,
-driven with launchctl 2 verbs.
+driven with launchctl 2 verbs behind the `Backend` verbs.
 
-Files: the plist is built with plistlib (`plist_dict`, no template) into
-`~/Library/LaunchAgents/dev.macserve.NAME.plist` (MACSERVE_LAUNCH_AGENTS overrides the folder,
-for tests); a profile with SYSTEM=1 gets `/Library/LaunchDaemons/dev.macserve.NAME.plist`
-instead (MACSERVE_LAUNCH_DAEMONS), loaded into the `system` domain at boot with `UserName` the
-owner of MACSERVE_HOME, so a headless Mac serves before anyone logs in. The system domain needs
-root: without it, the error is one line with the exact sudo command.
-
-Domain, as Homebrew picks it: `gui/<uid>` normally; `user/<uid>` in an SSH session when the
-console belongs to someone else or nobody (a headless Mac: the gui domain does not exist and
-bootstrap fails with 125). MACSERVE_LAUNCHD_DOMAIN overrides it. The plist's
-`LimitLoadToSessionType` matches the domain (Aqua for gui, Background for user): launchd refuses
-to load a job into a session its plist does not name (error 5/134). An installed unit is always
-addressed in the domain its own plist names, so a unit bootstrapped over SSH is found from a
-GUI shell, and the next restart moves it.
+Which domain a unit goes to and who owns it: launchd_domains.py. The plist, where it goes and
+what it says: launchd_plist.py. launchctl itself, and its `print` read as a Status:
+launchd_ctl.py. Here: what each verb does with them.
 
 One label, one job: the gui, user and system domains are separate namespaces, so launchd would
 happily load the same label in two of them (installed over SSH, started from a GUI shell: two
 servers on one port). Every load first looks for a copy in each of them (`copies`) and stops
-and boots out every one it finds.
+and boots out every one it finds. An installed unit is always addressed in the domain its own
+plist names, so a unit bootstrapped over SSH is found from a GUI shell, and the next restart
+moves it.
 
 Verbs, and why:
   start      boot out copies in other domains; enable + bootstrap (a disabled job refuses to
@@ -35,22 +26,12 @@ Verbs, and why:
              at login)
   uninstall  graceful stop, bootout, remove the plist
   status     print  (113 = not loaded; the text is for humans, so parse it defensively)
-
-Every launchctl call goes through `_launchctl`, which runs MACSERVE_LAUNCHCTL or `launchctl`
-from PATH (tests substitute a recording stand-in there) with a timeout: a hung launchd is one
-line, not a traceback.
 """
 
 from __future__ import annotations
 
 import os
 import plistlib
-import pwd
-import re
-import shlex
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -58,185 +39,11 @@ from ... import env
 from ...errors import MacserveError
 from ...fileio import atomic_write
 from ..values import stop_wait
+from . import launchd_ctl
 from .base import ServiceSpec, Status
-
-LABEL_PREFIX = "dev.macserve."
-THROTTLE_INTERVAL = (
-    30  # seconds between spawns: a crash loop must not remap a huge model every 10 s
-)
-NOT_FOUND = 113  # launchctl print: "could not find service"
-EINPROGRESS = 36  # bootout while the job is still exiting
-CONSOLE = "/dev/console"
-SYSTEM = "system"  # launchd's domain for LaunchDaemons: loaded at boot, root only
-LAUNCHCTL_TIMEOUT = 60.0  # seconds; launchctl normally answers in milliseconds
-# launchctl verbs that change a domain: in `system` only root may run them
-WRITES = ("bootstrap", "bootout", "enable", "disable", "kill", "kickstart")
-# launchd's session type for each per-user domain (launchd.plist(5), LimitLoadToSessionType).
-SESSION_TYPES = {"gui": "Aqua", "user": "Background"}
-DOMAINS = {v: k for k, v in SESSION_TYPES.items()}
-
-
-def label(name: str) -> str:
-    return LABEL_PREFIX + name
-
-
-def agents_dir() -> Path:
-    return env.launch_agents()
-
-
-def daemons_dir() -> Path:
-    return env.launch_daemons()
-
-
-def is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def owner() -> pwd.struct_passwd:
-    """Whose profiles these are: the owner of MACSERVE_HOME (under sudo, not root)."""
-    home = env.home()
-    try:
-        uid = home.stat().st_uid
-    except OSError:
-        uid = os.getuid()
-    try:
-        return pwd.getpwuid(uid)
-    except KeyError:
-        raise MacserveError(f"{home} belongs to uid {uid}, which has no user name") from None
-
-
-def sudo_command() -> str:
-    """The command being run again as root, MACSERVE_HOME spelled out (sudo may reset HOME)."""
-    args = ["sudo", f"MACSERVE_HOME={env.home()}", sys.executable, "-m", "macserve"]
-    return shlex.join([*args, *sys.argv[1:]])
-
-
-def need_root(what: str) -> None:
-    if not is_root():
-        raise MacserveError(
-            f"{what}: launchd's system domain (a LaunchDaemon, SYSTEM=1) needs root; run: "
-            + sudo_command()
-        )
-
-
-def console_uid() -> int | None:
-    """Who owns the console (logged in at the screen); None if it cannot be read."""
-    try:
-        return os.stat(CONSOLE).st_uid
-    except OSError:
-        return None
-
-
-def domain() -> str:
-    """The domain new units go to: MACSERVE_LAUNCHD_DOMAIN, else Homebrew's rule (user/<uid>
-    over SSH when this user does not own the console, gui/<uid> otherwise)."""
-    d = env.launchd_domain()
-    if d:
-        return d
-    uid = _uid()
-    if env.ssh_session() and console_uid() != uid:
-        return f"user/{uid}"
-    return f"gui/{uid}"
-
-
-def _uid() -> int:
-    """The user whose per-user domains hold the agents: under sudo, MACSERVE_HOME's owner."""
-    return owner().pw_uid if is_root() else os.getuid()
-
-
-def all_domains() -> list[str]:
-    """Every domain a copy of a unit may be loaded in."""
-    return [f"gui/{_uid()}", f"user/{_uid()}", SYSTEM]
-
-
-def session_type(dom: str) -> str:
-    kind = dom.split("/", 1)[0]
-    if kind not in SESSION_TYPES:
-        raise MacserveError(
-            f"launchd domain {dom!r}: macserve installs per-user agents, in gui/<uid> or user/<uid>"
-        )
-    return SESSION_TYPES[kind]
-
-
-def _launchctl(*args: str) -> subprocess.CompletedProcess:
-    """The one place launchctl runs."""
-    exe = env.launchctl() or shutil.which("launchctl")
-    if not exe:
-        raise MacserveError("launchctl not found (the launchd backend needs macOS)")
-    if args[0] in WRITES and any(a == SYSTEM or a.startswith(SYSTEM + "/") for a in args):
-        need_root(f"launchctl {args[0]} {args[-1]}")
-    try:
-        return subprocess.run(
-            [exe, *args],
-            capture_output=True,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            timeout=LAUNCHCTL_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired:
-        raise MacserveError(
-            f"launchctl {shlex.join(args)} did not answer within {LAUNCHCTL_TIMEOUT:.0f}s: "
-            "launchd is hung or overloaded; nothing was changed after that call, try again"
-        ) from None
-
-
-def plist_dict(spec: ServiceSpec, dom: str, user: pwd.struct_passwd | None = None) -> dict:
-    """The LaunchAgent (or, in the system domain, the LaunchDaemon run as `user`), key by key
-    (docs/services.md explains each)."""
-    log = str(spec.log)
-    # launchd never rotates StandardOutPath; `macserve run` does it when told which file.
-    variables = {**spec.env, "MACSERVE_ROTATE_LOGS": log}
-    if dom == SYSTEM:
-        user = user or owner()
-        if user.pw_uid == 0:
-            raise MacserveError(
-                f"{env.home()} belongs to root: a LaunchDaemon runs as MACSERVE_HOME's owner, "
-                "and macserve will not run a model server as root"
-            )
-        # a daemon gets no login environment: the Hugging Face cache and ~ are the user's
-        variables["HOME"] = user.pw_dir
-    d = {
-        "Label": label(spec.name),
-        # launchd execs this directly, no shell: `python -m macserve run NAME` execs the server
-        "ProgramArguments": list(spec.argv),
-        "EnvironmentVariables": dict(sorted(variables.items())),  # a job's PATH is minimal
-        "WorkingDirectory": str(spec.workdir),
-    }
-    if dom == SYSTEM:
-        d["UserName"] = user.pw_name  # launchd starts it as root, then becomes this user
-    else:
-        d["LimitLoadToSessionType"] = session_type(dom)
-    return d | {
-        "RunAtLoad": True,
-        # restart after a crash or a non-zero exit, not after a clean stop
-        "KeepAlive": {"SuccessfulExit": False, "Crashed": True},
-        "ThrottleInterval": THROTTLE_INTERVAL,
-        # SIGTERM -> SIGKILL: launchd's on bootout, ours on a graceful stop (`grace`)
-        "ExitTimeOut": spec.stop_wait,
-        "ProcessType": "Interactive",  # unset means CPU and I/O throttling
-        "SoftResourceLimits": {"NumberOfFiles": 4096},
-        "StandardOutPath": log,
-        "StandardErrorPath": log,
-    }
-
-
-def render_plist(
-    spec: ServiceSpec, dom: str | None = None, user: pwd.struct_passwd | None = None
-) -> bytes:
-    dom = dom or (SYSTEM if spec.system else domain())
-    return plistlib.dumps(plist_dict(spec, dom, user), sort_keys=False)
-
-
-_PRINT_LINE = re.compile(r"^\t([a-z][a-z ]*?) = (.*)$")  # top-level properties: one tab in
-
-
-def parse_print(text: str) -> dict[str, str]:
-    props: dict[str, str] = {}
-    for line in text.splitlines():
-        m = _PRINT_LINE.match(line)
-        if m and m.group(1) not in props:
-            props[m.group(1)] = m.group(2).strip()
-    return props
+from .launchd_ctl import EINPROGRESS
+from .launchd_domains import DOMAINS, SYSTEM, agent_uid, all_domains, domain, need_root, owner
+from .launchd_plist import agents_dir, daemons_dir, label, render_plist
 
 
 class LaunchdBackend:
@@ -277,7 +84,7 @@ class LaunchdBackend:
         except (OSError, plistlib.InvalidFileException, AttributeError):
             kind = None
         here = domain()
-        return f"{kind}/{_uid()}" if kind and not env.launchd_domain() else here
+        return f"{kind}/{agent_uid()}" if kind and not env.launchd_domain() else here
 
     def target(self, name: str) -> str:
         return f"{self.unit_domain(name)}/{label(name)}"
@@ -311,8 +118,8 @@ class LaunchdBackend:
         return True
 
     def _print(self, target: str) -> dict[str, str] | None:
-        r = _launchctl("print", target)
-        return parse_print(r.stdout) if r.returncode == 0 else None
+        r = launchd_ctl.run("print", target)
+        return launchd_ctl.parse_print(r.stdout) if r.returncode == 0 else None
 
     def copies(self, name: str) -> dict[str, dict[str, str]]:
         """target -> `print` properties, for every domain that has the label loaded."""
@@ -330,27 +137,29 @@ class LaunchdBackend:
     def _bootstrap(self, name: str) -> None:
         dom = self.unit_domain(name)
         target = f"{dom}/{label(name)}"
-        _launchctl("enable", target)
-        r = _launchctl("bootstrap", dom, str(self.plist_path(name)))
+        launchd_ctl.run("enable", target)
+        r = launchd_ctl.run("bootstrap", dom, str(self.plist_path(name)))
         if r.returncode != 0 and self._print(target) is None:
-            raise MacserveError(f"launchctl bootstrap {dom} {label(name)} failed: {_msg(r)}")
+            raise MacserveError(
+                f"launchctl bootstrap {dom} {label(name)} failed: {launchd_ctl.failure(r)}"
+            )
 
     def _graceful_stop(self, target: str, printed: dict[str, str], grace: int) -> None:
         """SIGTERM, up to `grace` seconds for the process to go, then SIGKILL."""
-        pid = _pid(printed)
+        pid = launchd_ctl.pid(printed)
         if pid is None:
             return
-        _launchctl("kill", "SIGTERM", target)
+        launchd_ctl.run("kill", "SIGTERM", target)
         if self._gone(target, pid, grace):
             return
-        _launchctl("kill", "SIGKILL", target)
+        launchd_ctl.run("kill", "SIGKILL", target)
         self._gone(target, pid, 5.0)
 
     def _gone(self, target: str, pid: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
             p = self._print(target)
-            if p is None or _pid(p) != pid:
+            if p is None or launchd_ctl.pid(p) != pid:
                 return True
             if time.monotonic() > deadline:
                 return False
@@ -358,14 +167,14 @@ class LaunchdBackend:
 
     def _bootout(self, target: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        r = _launchctl("bootout", target)
+        r = launchd_ctl.run("bootout", target)
         while r.returncode == EINPROGRESS and time.monotonic() < deadline:
             time.sleep(0.2)  # still exiting: Homebrew retries the same way
-            r = _launchctl("bootout", target)
+            r = launchd_ctl.run("bootout", target)
         # bootout returns before the job has exited; wait until launchd forgets it
         while self._print(target) is not None:
             if r.returncode not in (0, EINPROGRESS):
-                raise MacserveError(f"launchctl bootout {target} failed: {_msg(r)}")
+                raise MacserveError(f"launchctl bootout {target} failed: {launchd_ctl.failure(r)}")
             if time.monotonic() > deadline:
                 raise MacserveError(f"{target} did not unload within {timeout:.0f}s")
             time.sleep(0.2)
@@ -393,9 +202,11 @@ class LaunchdBackend:
         if target not in found:
             self._bootstrap(name)
         else:
-            r = _launchctl("kickstart", target)  # no -k: start only if not running
+            r = launchd_ctl.run("kickstart", target)  # no -k: start only if not running
             if r.returncode != 0:
-                raise MacserveError(f"launchctl kickstart {label(name)} failed: {_msg(r)}")
+                raise MacserveError(
+                    f"launchctl kickstart {label(name)} failed: {launchd_ctl.failure(r)}"
+                )
 
     def stop(self, name: str) -> None:
         found = self.copies(name)
@@ -403,7 +214,7 @@ class LaunchdBackend:
             self._need(name)
         self._unload(name, found=found)  # a copy whose plist is gone too (status shows it)
         if self.installed(name):
-            _launchctl("disable", self.target(name))
+            launchd_ctl.run("disable", self.target(name))
 
     def restart(self, name: str) -> None:
         self._need(name)
@@ -423,7 +234,7 @@ class LaunchdBackend:
         (removed by hand) is reported as launchd runs it, not as `not installed`."""
         if not self.installed(name):
             for target, p in self.copies(name).items():
-                st = _from_print(name, p, installed=False)
+                st = launchd_ctl.status(name, p, installed=False)
                 st.detail = (
                     f"loaded in {target.rsplit('/', 1)[0]} although its plist is gone "
                     f"({st.detail}): macserve stop {name} unloads it"
@@ -433,59 +244,8 @@ class LaunchdBackend:
         p = self._print(self.target(name))
         if p is None:
             return Status(name, True, "stopped", detail="not loaded")
-        return _from_print(name, p, installed=True)
+        return launchd_ctl.status(name, p, installed=True)
 
     def _need(self, name: str) -> None:
         if not self.installed(name):
             raise MacserveError(f"service {name} is not installed")
-
-
-def _from_print(name: str, p: dict[str, str], installed: bool) -> Status:
-    """`launchctl print`'s fields as a Status. `crash-loop`: loaded, not running, its last
-    run failed (a non-zero exit code or a terminating signal) and launchd has already
-    respawned it at least once (`runs` counts the spawns of this job: every macserve (re)start
-    is a fresh bootstrap, at 1), so KeepAlive will spawn it again after ThrottleInterval."""
-    pid = _pid(p)
-    m = re.match(r"-?\d+", p.get("last exit code", ""))  # "(never exited)" has none
-    exit_code = int(m.group()) if m else None
-    sig = p.get("last terminating signal") or None
-    runs = int(p["runs"]) if p.get("runs", "").isdigit() else None
-    st = p.get("state", "unknown")
-    running = st == "running" and pid is not None
-    died = not running and (exit_code is not None or sig is not None)
-    failed = bool(sig) or (exit_code is not None and exit_code != 0)
-    if running:
-        state = "running"
-    elif died and failed and (runs or 0) >= 2:
-        state = "crash-loop"
-    elif died:  # loaded, not running, its last run ended: launchd may respawn it
-        state = "exited"
-    elif st in ("spawn scheduled", "waiting"):
-        state = "starting"
-    elif st == "not running":
-        state = "stopped"
-    else:
-        state = st
-    return Status(
-        name,
-        installed,
-        state,
-        pid=pid,
-        exit_code=exit_code,
-        runs=runs,
-        died=died,
-        signal=sig,
-        detail=f"launchd state {st}"
-        + (f", runs {runs}" if runs else "")
-        + (f", last exit code {exit_code}" if exit_code is not None else "")
-        + (f", last terminating signal {sig}" if sig else ""),
-    )
-
-
-def _pid(p: dict[str, str]) -> int | None:
-    return int(p["pid"]) if p.get("pid", "").isdigit() else None
-
-
-def _msg(r: subprocess.CompletedProcess) -> str:
-    out = (r.stderr or r.stdout).strip().splitlines()
-    return f"{out[-1] if out else ''} (exit {r.returncode})".strip()

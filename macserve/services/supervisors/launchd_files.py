@@ -4,7 +4,7 @@ before installing one: as LaunchAgents in `launchd/`, and with SYSTEM=1 as Launc
 `launchd/LaunchDaemons/`. `macserve dev launchd-plists` writes them; with `--check` it fails when
 the files differ from what the code renders (tests/test_launchd.py runs the same check).
 
-They are rendered by the installer's own path, `spec_for` then `launchd.render_plist`, with the
+They are rendered by the installer's own path, `spec_for` then `launchd_plist.render_plist`, with the
 machine's paths swapped for fixed placeholders after `spec_for` (the home, the interpreter, the
 checkout), so the files are byte-identical wherever they are generated. Variables copied from
 the installing shell (env.PASSTHROUGH, env.SERVICE_SETTINGS) are left out for the same reason.
@@ -24,7 +24,8 @@ from .. import providers
 from ..profiles import Profile, parse
 from ..providers.router import DEFAULT_PORT as ROUTER_PORT
 from .base import SYSTEM_PATH, ServiceSpec, spec_for
-from .launchd import SYSTEM, label, render_plist
+from .launchd_domains import SYSTEM
+from .launchd_plist import label, render_plist
 
 # A user "you" on a Mac, macserve checked out in ~/macserve with a venv inside it.
 USER_HOME = "/Users/you"

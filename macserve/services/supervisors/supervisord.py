@@ -1,51 +1,25 @@
-"""supervisord backend (Linux servers, CI): a real restart-on-crash supervisor from PyPI `supervisor`.
+"""supervisord backend (Linux servers, CI): a real restart-on-crash supervisor from PyPI
+`supervisor`, behind the `Backend` verbs (install, apply, start, stop, restart, uninstall,
+status).
 
-Layout under $MACSERVE_HOME/supervisor/:
-  supervisord.conf      generated; includes programs/*.conf
-  programs/NAME.conf    one [program:macserve-NAME] per profile
-  supervisord.pid/.log  the daemon's own
-The control socket is supervisor.sock there, unless that path is longer than AF_UNIX allows
-(~104-108 bytes; pytest tmp dirs get close), then /tmp/macserve-<uid>-<hash>.sock.
-
-supervisord is started on demand (daemonized, its own session, so it outlives the CLI) and
-driven over XML-RPC on the unix socket. Programs are added and removed the way
-`supervisorctl update` does it: reloadConfig, then add/remove the changed groups.
-
-Restart semantics match the launchd plist: autorestart=unexpected with exitcodes=0 restarts
-after a crash or non-zero exit but not after a clean exit; a process that dies within startsecs
-is retried startretries times with growing back-off, then marked FATAL (no endless crash loop).
+The files it reads are supervisord_files.py's (layout, rendering); supervisord itself, started
+on demand and driven over XML-RPC, and the servers a killed one left behind, are
+supervisord_daemon.py's. Here: what each verb asks of them, and supervisord's process states
+read as a `Status`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import hashlib
-import os
-import re
-import shlex
-import socket
-import subprocess
-import sys
-import time
 import xmlrpc.client
 from pathlib import Path
 
-import psutil
-
 from ... import env
 from ...errors import MacserveError
-from ...fileio import atomic_write
-from ..values import stop_wait
-from . import logs
-from .base import ServiceSpec, Status, service_path
-from .control import RPC_STOP_SLACK, RPC_TIMEOUT, Rpc
-
-PREFIX = "macserve-"
-START_SECS = 2
-START_RETRIES = 3
-_SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 104 (macOS) / 108 (Linux) bytes incl. NUL
+from .base import ServiceSpec, Status
+from .control import RPC_TIMEOUT
+from .supervisord_daemon import Daemon
+from .supervisord_files import PREFIX, START_SECS, Files
 
 _STATE = {
     "RUNNING": "running",
@@ -59,259 +33,34 @@ _STATE = {
 }
 
 
-def _sv(value: str) -> str:
-    # supervisor expands %(name)s in values; a literal % must be doubled.
-    return str(value).replace("%", "%%")
-
-
-def _env_value(value: str) -> str:
-    return '"' + _sv(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 class SupervisorBackend:
     name = "supervisor"
 
     def __init__(self, home: Path | None = None):
-        self.home = Path(home) if home else env.home()
-        self.dir = self.home / "supervisor"
-        self.conf = self.dir / "supervisord.conf"
-        self.programs = self.dir / "programs"
-        self.pidfile = self.dir / "supervisord.pid"
-        sock = self.dir / "supervisor.sock"
-        if len(str(sock).encode()) > _SUN_PATH_MAX:
-            h = hashlib.sha256(str(self.dir).encode()).hexdigest()[:12]
-            sock = Path(f"/tmp/macserve-{os.getuid()}-{h}.sock")
-        self.sock = sock
-        self.started_now = False  # ensure_running() started supervisord (apply, restart)
-
-    # ---- files -------------------------------------------------------------------------------
-
-    def program_conf(self, spec: ServiceSpec) -> str:
-        # MACSERVE_SERVICE: how a server left running by a killed supervisord is found again
-        env_ = {**spec.env, "MACSERVE_SERVICE": spec.name}
-        variables = ",".join(f"{k}={_env_value(v)}" for k, v in sorted(env_.items()))
-        return "\n".join(
-            [
-                f"[program:{PREFIX}{spec.name}]",
-                f"command={_sv(shlex.join(spec.argv))}",
-                f"directory={_sv(spec.workdir)}",
-                f"environment={variables}",
-                "autostart=true",
-                # restart after a crash or non-zero exit, not after a clean exit (launchd: KeepAlive
-                # {SuccessfulExit: false, Crashed: true})
-                "autorestart=unexpected",
-                "exitcodes=0",
-                f"startsecs={START_SECS}",
-                f"startretries={START_RETRIES}",
-                "stopsignal=TERM",
-                # SIGKILL only after `macserve run`'s drain (the profile's DRAIN) and the rest
-                f"stopwaitsecs={spec.stop_wait}",
-                # the server may spawn helpers; stop and kill the whole process group
-                "stopasgroup=true",
-                "killasgroup=true",
-                "redirect_stderr=true",
-                f"stdout_logfile={_sv(spec.log)}",
-                f"stdout_logfile_maxbytes={logs.max_bytes()}",
-                "stdout_logfile_backups=3",
-                "",
-            ]
-        )
-
-    def main_conf(self) -> str:
-        d = self.dir
-        return "\n".join(
-            [
-                "; generated by macserve; edit profiles, not this file",
-                "[unix_http_server]",
-                f"file={_sv(self.sock)}",
-                "chmod=0700",
-                "[supervisord]",
-                f"logfile={_sv(d / 'supervisord.log')}",
-                "logfile_maxbytes=5MB",
-                "logfile_backups=2",
-                f"pidfile={_sv(self.pidfile)}",
-                f"childlogdir={_sv(d)}",
-                f"directory={_sv(self.home)}",
-                "nodaemon=false",
-                "[rpcinterface:supervisor]",
-                "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
-                "[supervisorctl]",
-                f"serverurl=unix://{_sv(self.sock)}",
-                "[include]",
-                f"files={_sv(self.programs)}/*.conf",
-                "",
-            ]
-        )
-
-    def _program_path(self, name: str) -> Path:
-        return self.programs / f"{name}.conf"
+        self.files = Files(Path(home) if home else env.home())
+        self.daemon = Daemon(self.files)
 
     def installed(self, name: str) -> bool:
-        return self._program_path(name).exists()
+        return self.files.installed(name)
 
     def install(self, spec: ServiceSpec) -> bool:
-        path = self._program_path(spec.name)
-        text = self.program_conf(spec)
-        spec.log.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            if path.read_text() == text:
-                return False
-        except FileNotFoundError:
-            pass
-        atomic_write(path, text)
-        return True
-
-    # ---- the daemon --------------------------------------------------------------------------
-
-    def rpc(self, deadline: float | None = None, at_least: int = 0):
-        """The control channel; by default with a deadline a stop of any program fits in
-        (`at_least`: a stopwaitsecs supervisord still holds that is no longer on file)."""
-        if deadline is None:
-            waits = [stop_wait(None), at_least, *map(self.stop_wait, self._names())]
-            deadline = max(waits) + RPC_STOP_SLACK
-        return Rpc(self.sock, deadline, self.hung)
-
-    def stop_wait(self, name: str) -> int:
-        """The program's stopwaitsecs as its file says (what supervisord was given)."""
-        try:
-            text = self._program_path(name).read_text()
-        except OSError:
-            return stop_wait(None)
-        m = re.search(r"^stopwaitsecs=(\d+)$", text, re.M)
-        return int(m.group(1)) if m else stop_wait(None)
-
-    def hung(self, deadline: float) -> str:
-        pid = self._daemon_pid()
-        try:
-            stopped = pid is not None and psutil.Process(pid).status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            stopped = False
-        if stopped:
-            return (
-                f"supervisord (pid {pid}) is stopped (SIGSTOP or Ctrl-Z): its services cannot be "
-                f"controlled until it runs again: kill -CONT {pid}"
-            )
-        return (
-            f"supervisord (pid {pid or '?'}) did not answer on {self.sock} within "
-            f"{deadline:.0f}s: it is hung; kill {pid or 'it'} and run the command again"
-        )
-
-    def running(self) -> bool:
-        pid = self._daemon_pid()
-        if pid and _alive(pid):
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
-                    # at once: its socket still accepts connections, and nothing answers them
-                    raise MacserveError(self.hung(0))
-            except psutil.Error:
-                pass
-        if not self.sock.exists():
-            return False
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(2)
-            s.connect(str(self.sock))
-        except OSError:
-            return False
-        finally:
-            s.close()
-        try:
-            return self.rpc(RPC_TIMEOUT).getState()["statename"] == "RUNNING"
-        except xmlrpc.client.Error:
-            return False
-
-    @contextlib.contextmanager
-    def _lock(self):
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
-    def ensure_running(self, timeout: float = 30.0):
-        with self._lock():
-            self.programs.mkdir(parents=True, exist_ok=True)
-            text = self.main_conf()
-            try:
-                same = self.conf.read_text() == text
-            except FileNotFoundError:
-                same = False
-            if not same:
-                atomic_write(self.conf, text, 0o600)
-            if self.running():
-                return self.rpc()
-            with contextlib.suppress(FileNotFoundError):
-                self.sock.unlink()  # stale socket from a killed daemon
-            # A killed supervisord leaves its servers running, holding their ports: the new one
-            # would start every program again beside them (never binding, crash-looping).
-            for name in self._names():
-                for proc in self.orphans(name):
-                    _stop_group(proc, self.stop_wait(name))
-            # supervisord forks into the background and setsid()s; the parent returns at once.
-            r = subprocess.run(
-                [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                cwd=self.home,
-                timeout=60,
-                env=daemon_env(),
-            )
-            if r.returncode != 0:
-                msg = (r.stderr or r.stdout).strip().splitlines()
-                raise MacserveError(
-                    f"supervisord did not start: {msg[-1] if msg else r.returncode}"
-                )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self.running():
-                    self.started_now = True
-                    return self.rpc()
-                time.sleep(0.1)
-            raise MacserveError(f"supervisord did not answer on {self.sock} within {timeout:.0f}s")
+        return self.files.install(spec)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop supervisord and with it every service (tests' teardown; `macserve` never needs it)."""
-        if not self.running():
-            return
-        pid = self._daemon_pid()
-        with contextlib.suppress(OSError, xmlrpc.client.Error, MacserveError):
-            self.rpc().shutdown()
-        deadline = time.monotonic() + timeout
-        while pid and _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    def _daemon_pid(self) -> int | None:
-        try:
-            return int(self.pidfile.read_text().strip())
-        except (OSError, ValueError):
-            return None
-
-    def _update(self, rpc) -> tuple[list[str], list[str], list[str]]:
-        """`supervisorctl update`, limited to macserve's groups."""
-        added, changed, removed = rpc.reloadConfig()[0]
-        ours = lambda gs: [g for g in gs if g.startswith(PREFIX)]  # noqa: E731
-        for g in ours(removed) + ours(changed):
-            with contextlib.suppress(xmlrpc.client.Fault):
-                rpc.stopProcessGroup(g, True)
-            rpc.removeProcessGroup(g)
-        for g in ours(changed) + ours(added):
-            rpc.addProcessGroup(g)  # autostart=true: starts it
-        return ours(added), ours(changed), ours(removed)
-
-    # ---- service operations ------------------------------------------------------------------
+        self.daemon.shutdown(timeout)
 
     def apply(self, spec: ServiceSpec) -> None:
-        before = self.stop_wait(spec.name)  # a lower DRAIN: the old process stops with the old
+        before = self.files.stop_wait(
+            spec.name
+        )  # a lower DRAIN: the old process stops with the old
         self.install(spec)
-        self.started_now = False
-        self.ensure_running()
-        rpc = self.rpc(at_least=before)
-        added, changed, _ = self._update(rpc)
+        self.daemon.started_now = False
+        self.daemon.ensure_running()
+        rpc = self.daemon.rpc(at_least=before)
+        added, changed, _ = self.daemon.update(rpc)
         group = PREFIX + spec.name
-        if group in added or group in changed or self.started_now:
+        if group in added or group in changed or self.daemon.started_now:
             # (re)added with the new config and started; or supervisord itself was just
             # started, with this config, and started the program (autostart=true). A stop
             # now would come within milliseconds of its spawn, where supervisord's forked
@@ -323,8 +72,8 @@ class SupervisorBackend:
 
     def start(self, name: str) -> None:
         self._need(name)
-        rpc = self.ensure_running()
-        self._update(rpc)
+        rpc = self.daemon.ensure_running()
+        self.daemon.update(rpc)
         try:
             rpc.startProcess(PREFIX + name, False)
         except xmlrpc.client.Fault as e:
@@ -335,9 +84,9 @@ class SupervisorBackend:
 
     def stop(self, name: str) -> None:
         self._need(name)
-        if not self.running():
+        if not self.daemon.running():
             return
-        rpc = self.rpc()
+        rpc = self.daemon.rpc()
         try:
             rpc.stopProcess(PREFIX + name, True)
         except xmlrpc.client.Fault as e:
@@ -346,10 +95,10 @@ class SupervisorBackend:
 
     def restart(self, name: str) -> None:
         self._need(name)
-        self.started_now = False
-        rpc = self.ensure_running()
-        added, changed, _ = self._update(rpc)
-        if PREFIX + name not in added + changed and not self.started_now:  # see apply()
+        self.daemon.started_now = False
+        rpc = self.daemon.ensure_running()
+        added, changed, _ = self.daemon.update(rpc)
+        if PREFIX + name not in added + changed and not self.daemon.started_now:  # see apply()
             self._restart(rpc, name)
 
     def _restart(self, rpc, name: str) -> None:
@@ -364,42 +113,21 @@ class SupervisorBackend:
                 ) from None
 
     def uninstall(self, name: str) -> None:
-        path = self._program_path(name)
-        if self.running():
+        path = self.files.program_path(name)
+        if self.daemon.running():
             self.stop(name) if path.exists() else None
             path.unlink(missing_ok=True)
-            self._update(self.rpc())
+            self.daemon.update(self.daemon.rpc())
         else:
             path.unlink(missing_ok=True)
-        if not any(self.programs.glob("*.conf")):
+        if not self.files.names():
             self.shutdown()  # the last service gone: no private supervisord left behind
-
-    def _names(self) -> list[str]:
-        return sorted(p.stem for p in self.programs.glob("*.conf"))
-
-    def orphans(self, name: str) -> list[psutil.Process]:
-        """Servers of program `name` left running by a supervisord that died: found by the
-        MACSERVE_HOME and MACSERVE_SERVICE their environment was given, whose parent is no
-        live supervisord."""
-        daemon = self._daemon_pid()
-        want = {"MACSERVE_HOME": str(self.home), "MACSERVE_SERVICE": name}
-        out = []
-        for proc in psutil.process_iter(["pid", "ppid"]):
-            try:
-                if daemon and proc.info["ppid"] == daemon and _alive(daemon):
-                    continue  # supervised
-                environ = proc.environ()
-            except psutil.Error:
-                continue
-            if all(environ.get(k) == v for k, v in want.items()):
-                out.append(proc)
-        return out
 
     def status(self, name: str) -> Status:
         if not self.installed(name):
             return Status(name, False, "not installed")
-        if not self.running():
-            orphans = self.orphans(name)
+        if not self.daemon.running():
+            orphans = self.daemon.orphans(name)
             if orphans:
                 return Status(
                     name,
@@ -420,7 +148,7 @@ class SupervisorBackend:
                 extra={"supervisor_down": True},  # not stopped by anyone: see wait_ready
             )
         try:
-            info = self.rpc(RPC_TIMEOUT).getProcessInfo(PREFIX + name)
+            info = self.daemon.rpc(RPC_TIMEOUT).getProcessInfo(PREFIX + name)
         except xmlrpc.client.Fault:
             return Status(name, True, "stopped", detail="not loaded into supervisord")
         state = _STATE.get(info["statename"], info["statename"].lower())
@@ -445,37 +173,3 @@ class SupervisorBackend:
     def _need(self, name: str) -> None:
         if not self.installed(name):
             raise MacserveError(f"service {name} is not installed (macserve start installs it)")
-
-
-# What supervisord itself inherits from the shell that happens to start it: the basics of a
-# login, nothing else. Its programs get their environment from their `environment=` line (the
-# same set launchd gets), so a key or token in that shell never reaches a service.
-_DAEMON_ENV = ("HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ")
-
-
-def daemon_env() -> dict[str, str]:
-    out = {k: os.environ[k] for k in _DAEMON_ENV if os.environ.get(k)}
-    out["PATH"] = service_path()
-    return out
-
-
-def _stop_group(proc: psutil.Process, grace: int) -> None:
-    """SIGTERM the orphan's process group (supervisord gave each program its own), then SIGKILL
-    after the same grace supervisord gives."""
-    try:
-        pgid = os.getpgid(proc.pid)
-        os.killpg(pgid, 15)
-        proc.wait(grace)
-    except psutil.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, 9)
-    except (OSError, psutil.Error):
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
