@@ -156,16 +156,24 @@ def test_imports_are_at_the_top():
     assert not bad, "\n".join(bad)
 
 
-# Another module's private names in use, each in a module another branch of issue 39 owns now;
-# the lead clears these at the merge (the name made public, or moved where both users belong).
-PRIVATE_FOR_NOW = {
-    # cli helper: macserve/cli/**
-    ("macserve.cli.router", "macserve.cli.services._read_secret"),
-    ("macserve.cli.router", "macserve.cli.services._run_waiting"),
-    # dialects helper: server/anthropic.py, server/protocol.py
-    ("macserve.server.anthropic", "macserve.server.protocol._is_int"),
-    ("macserve.server.anthropic", "macserve.server.protocol._opt"),
-}
+def lazy_modules(tree: ast.Module) -> dict[str, str]:
+    """The CLI's `name = lazy("macserve.x.y")` bindings (cli/lazy.py): a module imported on
+    first use is still a module its reader takes names from, so the scans below see it."""
+    out = {}
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "lazy"
+            and node.value.args
+            and isinstance(node.value.args[0], ast.Constant)
+            and node.value.args[0].value in MODULES
+        ):
+            out[node.targets[0].id] = node.value.args[0].value
+    return out
 
 
 def private_uses(mod: str) -> set[str]:
@@ -173,7 +181,7 @@ def private_uses(mod: str) -> set[str]:
     _helper`) or read off an imported module (`x._helper`)."""
     path = MODULES[mod]
     tree = ast.parse(path.read_text())
-    modules: dict[str, str] = {}  # local name -> the macserve module it is bound to
+    modules = lazy_modules(tree)  # local name -> the macserve module it is bound to
     out = set()
 
     def private(name: str) -> bool:
@@ -208,10 +216,8 @@ def test_no_module_uses_another_modules_private_names():
     (named without it, with a docstring: part of its module's API) or moved where both users
     belong. (Tests may reach into privates: they are not scanned.)"""
     found = {(m, name) for m in MODULES for name in private_uses(m)}
-    bad = sorted(found - PRIVATE_FOR_NOW)
+    bad = sorted(found)
     assert not bad, "\n".join(f"{m} uses {name}" for m, name in bad)
-    stale = sorted(PRIVATE_FOR_NOW - found)
-    assert not stale, "no longer used, drop from PRIVATE_FOR_NOW: " + ", ".join(map(str, stale))
 
 
 def test_the_private_name_scan_finds_both_spellings(monkeypatch, tmp_path):
@@ -253,7 +259,7 @@ def reexports_used() -> set[tuple[str, str, str]]:
     found = set()
     for m, path in MODULES.items():
         tree = ast.parse(path.read_text())
-        modules: dict[str, str] = {}
+        modules = lazy_modules(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 for a in node.names:
@@ -282,10 +288,6 @@ REEXPORTS_FOR_NOW = {
 # Single names taken through a module that only imported them, in files other branches own.
 REEXPORTED_FOR_NOW = {
     # cli helper (macserve/cli/**)
-    ("macserve.cli.bench", "macserve.engine.bench.serve", "Plan"),  # home: bench.serve_http
-    ("macserve.cli.bench_engine", "macserve.engine.bench.engine", "setup_folder"),  # bench.setup
-    ("macserve.cli.bench_engine", "macserve.engine.bench.engine", "setup_synthetic"),
-    ("macserve.cli.router", "macserve.services.profiles", "parse_duration"),  # services.values
     ("macserve.cli.router", "macserve.services.router.pool", "Settings"),  # router.model
     # providers helper (services/providers/**)
     ("macserve.services.providers.base", "macserve.services.profiles", "check_secret"),  # values
@@ -403,21 +405,14 @@ def test_the_services_wing_never_imports_the_router():
 WARN_LINES = 400
 MAX_LINES = 600
 
-# Modules exempt from the rule by name, each while another branch changes it.
-LONG_FOR_NOW: set[str] = {
-    "macserve/server/app.py",  # while another branch changes them
-    "macserve/server/protocol.py",  # while another branch changes them
-}
-
 
 def _lines() -> dict[str, int]:
     """Lines of every module but the models (macserve/models/: weights, tokenizers, generated
-    tables are data, not code) and the exempt ones."""
+    tables are data, not code)."""
     return {
-        rel: len(p.read_text().splitlines())
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
         for m, p in MODULES.items()
         if not m.startswith("macserve.models")
-        and (rel := str(p.relative_to(REPO))) not in LONG_FOR_NOW
     }
 
 

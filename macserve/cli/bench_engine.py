@@ -14,6 +14,7 @@ from .engine import held_out_prompts
 from .lazy import lazy
 
 engine_bench = lazy("macserve.engine.bench.engine")
+bench_setup = lazy("macserve.engine.bench.setup")
 engine_model = lazy("macserve.engine.model")
 mtp_bench = lazy("macserve.engine.bench.mtp")
 
@@ -111,9 +112,9 @@ def bench_engine(
     if acceptance is None:
         acceptance = _demo_acceptance()
     setup = (
-        engine_bench.setup_synthetic(synthetic, layers)
+        bench_setup.setup_synthetic(synthetic, layers)
         if synthetic
-        else engine_bench.setup_folder(model)
+        else bench_setup.setup_folder(model)
     )
     res = engine_bench.run(
         setup,

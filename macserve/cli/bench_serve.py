@@ -11,6 +11,7 @@ import click
 from .lazy import lazy
 
 serve_bench = lazy("macserve.engine.bench.serve")
+serve_http = lazy("macserve.engine.bench.serve_http")
 tiny_data = lazy("macserve.dev.tiny.data")
 
 
@@ -94,7 +95,7 @@ def bench_serve(
     """macserve serve (bf16, then --kv int2 --mtp-k 1) against mlx_lm.server on MODEL, over
     HTTP: time to first token in a growing chat, and tokens/s and latency under concurrent
     clients; ratios against mlx_lm.server."""
-    plan = serve_bench.Plan(
+    plan = serve_http.Plan(
         Path(model).resolve(),
         (),
         turns=turns,
@@ -111,7 +112,7 @@ def bench_serve(
     if logs:
         Path(logs).mkdir(parents=True, exist_ok=True)
     lines = _user_messages(serve_bench.needed_lines(plan))
-    plan = serve_bench.Plan(**{**plan.__dict__, "lines": tuple(lines)})
+    plan = serve_http.Plan(**{**plan.__dict__, "lines": tuple(lines)})
     res = serve_bench.run(plan, progress=lambda m: click.echo(f"... {m}", err=True))
     if as_json:
         click.echo(json.dumps(res, indent=1))

@@ -15,6 +15,7 @@ from .services import read_secret, run_waiting
 budget = lazy("macserve.sizing.budget")
 manager = lazy("macserve.services.manager")
 profiles = lazy("macserve.services.profiles")
+values = lazy("macserve.services.values")
 providers = lazy("macserve.services.providers")
 router_app = lazy("macserve.services.router.app")
 router_pool = lazy("macserve.services.router.pool")
@@ -33,7 +34,7 @@ def ttl_value(ctx, param, value: str):
         return (
             None
             if value.strip().lower() == profiles.NEVER
-            else profiles.parse_duration(value, "--ttl")
+            else values.parse_duration(value, "--ttl")
         )
     except MacserveError as e:
         raise click.BadParameter(str(e).removeprefix("bad --ttl ")) from None

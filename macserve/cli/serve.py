@@ -12,6 +12,7 @@ budget = lazy("macserve.sizing.budget")
 caches = lazy("macserve.engine.caches")
 model_files = lazy("macserve.engine.model")
 server = lazy("macserve.server.app")
+server_settings = lazy("macserve.server.settings")
 
 
 @click.command()
@@ -177,7 +178,7 @@ def serve(
     model_files.read_config(model)  # a missing folder or config.json is the first thing to say
     options = caches.EngineOptions(caches.CacheSpec.for_model(model, kv, rotation), mtp_k, mtp)
     server.run(
-        server.Settings(
+        server_settings.Settings(
             model,
             host=host,
             port=port,

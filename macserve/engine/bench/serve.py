@@ -43,7 +43,7 @@ from .serve_capacity import capacity
 from .serve_http import Plan, Target, chat, float32_copy, load, load_summary, running
 from .serve_restart import restarts
 
-__all__ = ["Plan", "needed_lines", "run"]
+__all__ = ["needed_lines", "run"]
 
 
 def targets(model: Path) -> list[Target]:
