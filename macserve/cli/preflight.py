@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from ..errors import MacserveError
-from ..services import manager
+from ..services import manager, providers
 from ..services import preflight as pf
 from .fmt import gb as _gb
 
@@ -16,7 +16,7 @@ def preflight(name):
     profile = manager.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")
-    result = pf.run(profile)
+    result = pf.run(profile, providers.for_profile(profile).macserve_on_hosts(profile))
     for c in result.hosts:
         share = ""
         if c.need_bytes is not None:

@@ -28,7 +28,7 @@ from .health import (
     with_log_line,
 )
 from .ports import DEFAULT_PORT, check_port, pick_port, ports_used
-from .profiles import MODELLESS, Profile, ProfileStore, check_name
+from .profiles import Profile, ProfileStore, check_name
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .providers.router import DEFAULT_PORT as ROUTER_DEFAULT_PORT
 from .pull import ENGINE_FILES
@@ -75,12 +75,10 @@ def new(
         )
     notes = []
     folder = Path(source).expanduser()
-    if kv is None and provider == "macserve" and (folder / SHIPPED_ROTATION).is_file():
-        kv = "int2"
-        notes.append(
-            f"the folder ships its calibration ({SHIPPED_ROTATION}): the INT2 latent cache, "
-            "KV=int2 (about 5x the context of bf16; --kv bf16 for the plain cache)"
-        )
+    shipped = providers.get(provider).shipped_kv(folder) if kv is None and provider else None
+    if shipped:
+        kv = shipped[0]
+        notes.append(shipped[1])
     plan = sizing_plan.plan(source, quant, provider, ctx, kv=kv)
     prov = providers.get(plan.provider)
     if ctx not in (None, "auto"):
@@ -256,9 +254,9 @@ def refuse_ctx(
 def check_ctx(profile: Profile, what: str = "CTX") -> None:
     """`refuse_ctx` for a profile's typed CTX, sized by inspect for its MODEL and KV; a model
     inspect cannot read here is left to its server."""
-    if profile.ctx is None or profile.provider in MODELLESS or not profile.model:
-        return
     prov = providers.for_profile(profile)
+    if profile.ctx is None or not prov.serves_model or not profile.model:
+        return
     key = prov.cache_key(profile)
     try:
         r = report(profile.model)

@@ -28,7 +28,7 @@ from .health import (
 )
 from .ports import check_port, ports_used
 from .profiles import KEYS, ROUTER_KEYS, SECRET_KEYS, Profile, ProfileStore, check_secret
-from .providers.base import edit_flags, flag_groups
+from .providers.flags import edit_flags, flag_groups
 from .supervisors import Status, get_backend, log_path, logs
 
 

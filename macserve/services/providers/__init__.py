@@ -12,10 +12,13 @@ line in REGISTRY below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from ...errors import MacserveError
-from ..profiles import PROVIDER_NAMES, Profile
+from ..profiles import Profile
+from ..values import MODELLESS, PROVIDER_NAMES
 from . import engine, llama_cpp, llama_rpc, mlx_lm, router
 from .base import base_url, url_host
 
@@ -35,6 +38,15 @@ class Provider(Protocol):
     # the router: whether it answers /v1/messages, and the `model` to send it (None: the client's)
     anthropic_api: bool
     upstream_model: str | None
+    # a router (sends requests on to the other profiles); takes PROMPT_CACHE_DISK
+    routes: bool
+    prompt_cache_disk: bool
+    # footprint's note for a server of no model
+    footprint_note: str
+
+    # a profile of it names a MODEL (False: llama.cpp-rpc, the router)
+    @property
+    def serves_model(self) -> bool: ...
 
     # the profile's keys: its own rules, no I/O, one-line MacserveError
     def validate(self, profile: Profile) -> None: ...
@@ -70,6 +82,24 @@ class Provider(Protocol):
     def failed(self, profile: Profile) -> str | None: ...
     # the server's own reason for failing, from its log lines
     def error_line(self, lines: list[str]) -> str | None: ...
+    # why every host of a multi-host profile needs macserve installed (None: none does)
+    def macserve_on_hosts(self, profile: Profile) -> str | None: ...
+    # (KV, note) `new` picks for a folder that ships what that cache needs (None: the default)
+    def shipped_kv(self, folder: Path) -> tuple[str, str] | None: ...
+
+    # A planned stop. drains: its server has no drain of its own, so `macserve run` stays its
+    # parent (services/graceful.py) and calls, in order: prepare before the start, after_start
+    # once ready; on a stop busy until 0 (None: cannot tell) or DRAIN, then before_stop.
+    drains: bool
+
+    def prepare(self, profile: Profile) -> None: ...
+    def busy(self, profile: Profile) -> int | None: ...
+    def before_stop(
+        self, profile: Profile, argv: list[str], log: Callable[[str], None]
+    ) -> None: ...
+    def after_start(
+        self, profile: Profile, argv: list[str], log: Callable[[str], None]
+    ) -> None: ...
 
 
 REGISTRY: dict[str, Provider] = {
@@ -79,7 +109,12 @@ REGISTRY: dict[str, Provider] = {
     "llama.cpp-rpc": llama_rpc.PROVIDER,
     "router": router.PROVIDER,
 }
-assert tuple(REGISTRY) == PROVIDER_NAMES  # the profile format lists the same names
+# A profile is parsed by these two (values.py, below both profiles and providers): they must
+# say what the providers say.
+assert tuple(REGISTRY) == PROVIDER_NAMES, "values.PROVIDER_NAMES lists the registry's names"
+assert tuple(n for n, p in REGISTRY.items() if not p.serves_model) == MODELLESS, (
+    "values.MODELLESS lists the registry's providers of no model"
+)
 
 
 def get(name: str) -> Provider:

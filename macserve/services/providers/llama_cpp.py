@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Callable
 
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
 from . import llama_slots
-from .base import BaseProvider, flag_value, help_flags, help_text
+from .base import BaseProvider
+from .flags import flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -169,11 +171,11 @@ class LlamaCpp(BaseProvider):
     def busy(self, profile: Profile) -> int | None:
         return llama_slots.busy(profile)
 
-    def before_stop(self, profile: Profile, argv: list[str], log) -> None:
+    def before_stop(self, profile: Profile, argv: list[str], log: Callable[[str], None]) -> None:
         if "--slot-save-path" in argv and self.keeps_slots(profile):
             llama_slots.save(profile, argv, log)
 
-    def after_start(self, profile: Profile, argv: list[str], log) -> None:
+    def after_start(self, profile: Profile, argv: list[str], log: Callable[[str], None]) -> None:
         if "--slot-save-path" in argv and self.keeps_slots(profile):
             llama_slots.restore(profile, argv, log)
 

@@ -39,7 +39,6 @@ from ...sizing.budget import machine_budget
 from ...web.errors import HttpError
 from .. import manager, providers, usage
 from .. import routed as state_file
-from ..profiles import MODELLESS
 from ..supervisors import Status
 from .activity import Activity
 
@@ -121,7 +120,7 @@ class Pool:
                 self.models.pop(name, None)
                 continue
             self.broken.pop(name, None)
-            if p.provider in MODELLESS:
+            if not providers.for_profile(p).serves_model:
                 self.models.pop(name, None)
             elif m:
                 m.update(p, key, stamp)
