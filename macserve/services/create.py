@@ -31,10 +31,7 @@ from .ports import DEFAULT_PORT, check_port, pick_port, ports_used
 from .profiles import Profile, ProfileStore, check_name
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .providers.router import DEFAULT_PORT as ROUTER_DEFAULT_PORT
-from .pull import ENGINE_FILES
 from .supervisors import get_backend, log_path, logs
-
-SHIPPED_ROTATION = ENGINE_FILES[0]  # the engine's calibration file (engine/caches.py reads it)
 
 
 def default_name(source: str, quant: str | None) -> str:
@@ -140,8 +137,8 @@ def new(
     secrets = {}
     if api_key:
         secrets["API_KEY"] = api_key
-    if env.hf_token():
-        secrets["HF_TOKEN"] = env.hf_token()
+    if token := env.hf_token():
+        secrets["HF_TOKEN"] = token
         notes.append(f"HF_TOKEN from this shell kept for the service in {st.secrets_path(name)}")
     comment = f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")
     return _create(st, name, values, comment, port, start, timeout, tick, notes, secrets)
@@ -228,7 +225,7 @@ def refuse_ctx(
     inspect counts it), naming the limit and the largest context that fits."""
     if not n:
         return
-    over_limit = bool(model_max) and n > model_max
+    over_limit = model_max is not None and 0 < model_max < n
     fits = None if multi_host else fits  # split over several Macs: each holds a part
     over_budget = fits is not None and n > fits
     if not (over_limit or over_budget):

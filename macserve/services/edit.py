@@ -53,7 +53,10 @@ def parse_assignments(items: tuple[str, ...]) -> Changes:
         pairs = [list(items)]
     else:
         raise MacserveError("expected KEY=VALUE ... or KEY VALUE")
-    values, secrets, add, drop = {}, {}, [], []
+    values: dict[str, str] = {}
+    secrets: dict[str, str] = {}
+    add: list[str] = []
+    drop: list[str] = []
     for k, v in pairs:
         k = k.strip()
         op = k[-1] if k[-1:] in ("+", "-") else ""

@@ -273,8 +273,8 @@ def run(profile: Profile, macserve: str | None = None) -> Result:
             "(each rank downloads its share)"
         )
     per, why = shares(profile, len(hosts))
-    if why:
-        notes.append(why)
+    if per is None:
+        notes.append(why or "memory not checked")
     else:
         notes.append("memory: weights of each host's share only; the KV cache needs room on top")
         for c, (rng, need) in zip(checks, per):

@@ -371,7 +371,7 @@ def parse(text: str, name: str, label: str | None = None) -> Profile:
             raise MacserveError(f"{name_}: line {i}: {key} has several words; quote the value")
         values[key] = parts[0] if parts else ""
     try:
-        return Profile(name, values, lines)
+        return Profile(name, values, tuple(lines))
     except MacserveError as e:
         raise MacserveError(f"{name_}: {e}") from None
 
@@ -443,7 +443,7 @@ class ProfileStore:
             return {}
         if st.st_mode & 0o077:
             p.chmod(0o600)  # a copy or a hand edit widened it: a secret is for this user only
-        out = {}
+        out: dict[str, str] = {}
         try:
             data = p.read_bytes()
         except OSError as e:

@@ -56,12 +56,12 @@ def check_secret(key: str, value: str) -> None:
     if key not in SECRET_KEYS:
         raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
     at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
-    if not value or at is not None:
+    if not value:
+        raise MacserveError(f"{key}: empty")
+    if at is not None:
         # An HTTP header carries ASCII only: a key with any other character could never be
         # sent by a client, so the server would be locked for everyone. (The character itself
         # is not shown: a secret is never echoed, not even in part.)
         raise MacserveError(
             f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
-            if value
-            else f"{key}: empty"
         )

@@ -26,27 +26,30 @@ __all__ = ["Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
 
 
 class Provider(Protocol):
-    # who it is
-    name: str  # the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
-    label: str  # the server, in messages ("llama-server does not accept --foo")
-    # what it serves: the model formats `new` may give it ("gguf", "mlx"); () serves no model
-    formats: tuple[str, ...]
-    # KV names -> sizing's cache key (None: inspect does not model it); the default first
-    cache_types: dict[str, str | None]
-    # the variable its server reads an API key from (None: no API key support)
-    api_key_env: str | None
-    # the router: whether it answers /v1/messages, and the `model` to send it (None: the client's)
-    anthropic_api: bool
-    upstream_model: str | None
-    # a router (sends requests on to the other profiles); takes PROMPT_CACHE_DISK
-    routes: bool
-    prompt_cache_disk: bool
-    # footprint's note for a server of no model
-    footprint_note: str
+    # Its facts, read-only here (a provider declares them as class attributes: BaseProvider).
 
-    # a profile of it names a MODEL (False: llama.cpp-rpc, the router)
-    @property
+    @property  # the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
+    def name(self) -> str: ...
+    @property  # the server, in messages ("llama-server does not accept --foo")
+    def label(self) -> str: ...
+    @property  # the model formats `new` may give it ("gguf", "mlx"); () serves no model
+    def formats(self) -> tuple[str, ...]: ...
+    @property  # a profile of it names a MODEL (False: llama.cpp-rpc, the router)
     def serves_model(self) -> bool: ...
+    @property  # KV names -> sizing's cache key (None: inspect does not model it); default first
+    def cache_types(self) -> dict[str, str | None]: ...
+    @property  # the variable its server reads an API key from (None: no API key support)
+    def api_key_env(self) -> str | None: ...
+    @property  # for the router: whether it answers /v1/messages
+    def anthropic_api(self) -> bool: ...
+    @property  # for the router: the `model` to send it (None: the client's)
+    def upstream_model(self) -> str | None: ...
+    @property  # it is a router: it sends requests on to the other profiles
+    def routes(self) -> bool: ...
+    @property  # it takes PROMPT_CACHE_DISK
+    def prompt_cache_disk(self) -> bool: ...
+    @property  # footprint's note for a server of no model
+    def footprint_note(self) -> str: ...
 
     # the profile's keys: its own rules, no I/O, one-line MacserveError
     def validate(self, profile: Profile) -> None: ...
@@ -90,7 +93,8 @@ class Provider(Protocol):
     # A planned stop. drains: its server has no drain of its own, so `macserve run` stays its
     # parent (services/graceful.py) and calls, in order: prepare before the start, after_start
     # once ready; on a stop busy until 0 (None: cannot tell) or DRAIN, then before_stop.
-    drains: bool
+    @property
+    def drains(self) -> bool: ...
 
     def prepare(self, profile: Profile) -> None: ...
     def busy(self, profile: Profile) -> int | None: ...

@@ -79,8 +79,9 @@ def find_rpc_server() -> str:
     for name in RPC_SERVER_NAMES:
         if here and os.access(os.path.join(here, name), os.X_OK):
             return os.path.join(here, name)
-        if shutil.which(name):
-            return os.path.abspath(shutil.which(name))
+        found = shutil.which(name)
+        if found:
+            return os.path.abspath(found)
     raise MacserveError("rpc-server not found (a llama.cpp build with -DGGML_RPC=ON has it)")
 
 

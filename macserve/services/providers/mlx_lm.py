@@ -192,7 +192,7 @@ def _installed_with_mlx() -> str | None:
         return None
     for f in dist.files or ():
         if f.name == "mlx.launch":
-            path = Path(dist.locate_file(f)).resolve()
+            path = Path(str(dist.locate_file(f))).resolve()
             if os.access(path, os.X_OK):
                 return str(path)
     return None

@@ -203,7 +203,7 @@ def plist_dict(spec: ServiceSpec, dom: str, user: pwd.struct_passwd | None = Non
         "WorkingDirectory": str(spec.workdir),
     }
     if dom == SYSTEM:
-        d["UserName"] = user.pw_name  # launchd starts it as root, then becomes this user
+        d["UserName"] = (user or owner()).pw_name  # launchd starts it as root, then this user
     else:
         d["LimitLoadToSessionType"] = session_type(dom)
     return d | {
@@ -422,8 +422,8 @@ class LaunchdBackend:
         last exit code and terminating signal. A job loaded although its plist is gone
         (removed by hand) is reported as launchd runs it, not as `not installed`."""
         if not self.installed(name):
-            for target, p in self.copies(name).items():
-                st = _from_print(name, p, installed=False)
+            for target, text in self.copies(name).items():
+                st = _from_print(name, text, installed=False)
                 st.detail = (
                     f"loaded in {target.rsplit('/', 1)[0]} although its plist is gone "
                     f"({st.detail}): macserve stop {name} unloads it"

@@ -59,7 +59,7 @@ _STATE = {
 }
 
 
-def _sv(value: str) -> str:
+def _sv(value: str | Path) -> str:
     # supervisor expands %(name)s in values; a literal % must be doubled.
     return str(value).replace("%", "%%")
 
