@@ -213,7 +213,8 @@ class Profile:
         except ValueError as e:
             raise MacserveError(f"EXTRA_ARGS does not parse: {e}") from None
         hosts_text = v.get("HOSTS", "")
-        hostfile, hosts = None, ()
+        hostfile: Path | None = None
+        hosts: tuple[HostEntry, ...] = ()
         if _is_hostfile(hosts_text):
             hostfile = Path(hosts_text).expanduser()
         elif hosts_text:
