@@ -1,13 +1,17 @@
 """Providers: how a profile becomes a running model server, and every fact about that server.
 
 A provider is a module in this package that defines `PROVIDER`, an object with the `Provider`
-interface below (`base.BaseProvider` supplies the common parts). Registration is explicit:
-REGISTRY maps each profile PROVIDER value to its object. The interface lists exactly what the
-rest of macserve uses; a provider's flag spellings, cache types, health route and reserved
-flags are its own, and nothing outside this package parses EXTRA_ARGS for them.
+interface below (`base.BaseProvider` supplies the common parts and every default).
+Registration is explicit: REGISTRY maps each profile PROVIDER value to its object, typed as the
+interface, so the type checker (tests/test_types.py) holds every provider to it. The interface
+lists exactly what the rest of macserve uses; a provider's flag spellings, cache types, health
+route and reserved flags are its own, nothing outside this package parses EXTRA_ARGS for them,
+and nothing outside it compares a provider's name: it asks the provider (`serves_model`,
+`routes`, `macserve_on_hosts`, ...).
 
-Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, and one
-line in REGISTRY below.
+Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, one line in
+REGISTRY below, and its name in values.PROVIDER_NAMES (values.MODELLESS too if it serves no
+model): a profile is parsed before any provider loads, and the check below keeps the two agreed.
 """
 
 from __future__ import annotations
