@@ -232,6 +232,7 @@ def test_the_profile_format_names_what_the_registry_holds():
     """A profile is parsed before any provider loads (values.py holds the two facts it needs):
     they say what the providers say."""
     assert values.PROVIDER_NAMES == tuple(providers.REGISTRY)
+    assert all(p.name == name for name, p in providers.REGISTRY.items())
     assert values.MODELLESS == tuple(n for n, p in providers.REGISTRY.items() if not p.serves_model)
     for name in values.MODELLESS:  # no MODEL, and footprint says where its memory goes
         p = parse(f"PROVIDER={name}\nPORT=8000\n", "x")
