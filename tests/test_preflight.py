@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from macserve.errors import MacserveError
-from macserve.services import preflight
+from macserve.services import preflight, providers
 from macserve.services.profiles import parse
 
 from .conftest import REPO, TINY_MODEL
@@ -65,8 +65,9 @@ def override(monkeypatch, **hosts):
 
 
 def one_line(p) -> str:
+    """The one-line refusal of a start: pre-flight as the provider's check_args runs it."""
     with pytest.raises(MacserveError) as e:
-        preflight.check(p)
+        preflight.check(p, providers.for_profile(p).macserve_on_hosts(p))
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -201,14 +202,20 @@ def test_cli(ssh, macserve_home, monkeypatch):
     assert r.stderr.strip() == "error: pre-flight failed on 1 host(s)"
 
 
-def test_split_sets_the_shares_and_needs_macserve_on_every_host(ssh, monkeypatch):
+def test_split_sets_the_shares_and_every_host_needs_macserve(ssh, monkeypatch):
+    """Every rank of an mlx profile runs mlx-lm's server under macserve's drain shim (and
+    SPLIT's shim): the provider says so, and pre-flight refuses a host without macserve."""
     r = preflight.run(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n"))
     assert r.ok, r.error()
     assert [h.layers for h in r.hosts] == [(1, 4), (0, 1)]  # rank 0 runs the last 3 layers
     assert r.hosts[0].need_bytes > r.hosts[1].need_bytes
     override(monkeypatch, **{"10_0_0_2": {"macserve": None}})
     assert one_line(profile("127.0.0.1,10.0.0.2", extra="SPLIT=3,1\n")) == (
-        "pre-flight: host 10.0.0.2: macserve not installed there (every rank runs macserve's "
-        "engine or its SPLIT shim: pip install macserve there)"
+        "pre-flight: host 10.0.0.2: macserve not installed there (every rank runs mlx-lm's "
+        "server under macserve's drain shim and its SPLIT shim: pip install macserve there)"
     )
-    preflight.check(profile("127.0.0.1,10.0.0.2"))  # without SPLIT macserve is not needed there
+    assert one_line(profile("127.0.0.1,10.0.0.2")) == (
+        "pre-flight: host 10.0.0.2: macserve not installed there (every rank runs mlx-lm's "
+        "server under macserve's drain shim: pip install macserve there)"
+    )
+    preflight.check(profile("127.0.0.1,10.0.0.2"), macserve=None)  # asked only when needed

@@ -7,12 +7,13 @@ import sys
 import pytest
 
 from macserve.errors import MacserveError
-from macserve.services import providers
-from macserve.services.profiles import Profile
-from macserve.services.providers.base import check_flags, flags_from_help
+from macserve.services import providers, values
+from macserve.services.footprint import footprint_of
+from macserve.services.profiles import Profile, parse
+from macserve.services.providers.flags import check_flags, flags_from_help
 from macserve.services.supervisors import logs
 
-from .conftest import REPO
+from .conftest import REPO, TINY_MODEL
 
 ARGPARSE_HELP = """usage: server.py [-h] [--model MODEL] [--port PORT] [--trust-remote-code]
 
@@ -227,6 +228,43 @@ def test_registry():
             providers.get("macserve")
 
 
+def test_the_profile_format_names_what_the_registry_holds():
+    """A profile is parsed before any provider loads (values.py holds the two facts it needs):
+    they say what the providers say."""
+    assert values.PROVIDER_NAMES == tuple(providers.REGISTRY)
+    assert all(p.name == name for name, p in providers.REGISTRY.items())
+    assert values.MODELLESS == tuple(n for n, p in providers.REGISTRY.items() if not p.serves_model)
+    for name in values.MODELLESS:  # no MODEL, and footprint says where its memory goes
+        p = parse(f"PROVIDER={name}\nPORT=8000\n", "x")
+        assert not providers.for_profile(p).serves_model
+        assert footprint_of(p).note == providers.get(name).footprint_note != ""
+
+
+def test_what_callers_once_asked_by_name_the_providers_answer(tmp_path):
+    reg = providers.REGISTRY
+    assert [n for n, p in reg.items() if p.routes] == ["router"]
+    # only llama-server is drained by `macserve run`; the others' hooks are the base's no-ops
+    assert [n for n, p in reg.items() if p.drains] == ["llama.cpp"]
+    p = parse(f"PROVIDER=mlx\nMODEL={tmp_path}\nPORT=8000\n", "x")
+    mlx = reg["mlx"]
+    assert mlx.busy(p) is None
+    mlx.prepare(p), mlx.before_stop(p, [], print), mlx.after_start(p, [], print)
+    # PROMPT_CACHE_DISK: the engine's key, refused by the others' validate
+    with pytest.raises(MacserveError, match="PROMPT_CACHE_DISK applies to PROVIDER=macserve"):
+        mlx.validate(p.updated({"PROMPT_CACHE_DISK": "1GB"}))
+    eng = p.updated({"PROVIDER": "macserve", "PROMPT_CACHE_DISK": "1GB"})
+    reg["macserve"].validate(eng)
+    # `new` picks the INT2 cache for a folder that ships its calibration, on the engine only
+    assert reg["macserve"].shipped_kv(TINY_MODEL)[0] == "int2"
+    assert reg["macserve"].shipped_kv(tmp_path) is None
+    assert all(reg[n].shipped_kv(TINY_MODEL) is None for n in reg if n != "macserve")
+    # pre-flight asks whether every host needs macserve: the engine's ranks and mlx's (its
+    # drain shim) do, llama.cpp's RPC workers do not
+    assert "engine" in reg["macserve"].macserve_on_hosts(eng)
+    assert "drain shim" in mlx.macserve_on_hosts(p)
+    assert reg["llama.cpp"].macserve_on_hosts(p) is None
+
+
 def test_rotate_copy_truncates(tmp_path):
     log = tmp_path / "a.log"
     log.write_bytes(b"x" * 100)
@@ -315,7 +353,7 @@ def test_the_servers_own_error_line():
 
 
 def test_edit_flags_by_alias_and_arity():
-    from macserve.services.providers.base import edit_flags, flag_table
+    from macserve.services.providers.flags import edit_flags, flag_table
 
     table = flag_table(LLAMA_HELP)
     assert table["-c"] == table["--ctx-size"] == ("--ctx-size", True)

@@ -51,7 +51,7 @@ def _router_key(url: str) -> str | None:
     for n in st.names():
         with contextlib.suppress(MacserveError):
             p = st.load(n)
-            if p.provider == "router" and str(p.port) == port:
+            if providers.for_profile(p).routes and str(p.port) == port:
                 return st.load_secrets(n).get("API_KEY")
     return None
 

@@ -11,6 +11,7 @@ from .lazy import lazy
 
 manager = lazy("macserve.services.manager")
 pf = lazy("macserve.services.preflight")
+providers = lazy("macserve.services.providers")
 
 
 @click.command()
@@ -20,7 +21,7 @@ def preflight(name):
     profile = manager.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")
-    result = pf.run(profile)
+    result = pf.run(profile, providers.for_profile(profile).macserve_on_hosts(profile))
     for c in result.hosts:
         share = ""
         if c.need_bytes is not None:

@@ -28,13 +28,10 @@ from .health import (
     with_log_line,
 )
 from .ports import DEFAULT_PORT, check_port, pick_port, ports_used
-from .profiles import MODELLESS, Profile, ProfileStore, check_name
+from .profiles import Profile, ProfileStore, check_name
 from .providers.llama_rpc import DEFAULT_PORT as RPC_DEFAULT_PORT
 from .providers.router import DEFAULT_PORT as ROUTER_DEFAULT_PORT
-from .pull import ENGINE_FILES
 from .supervisors import get_backend, log_path, logs
-
-SHIPPED_ROTATION = ENGINE_FILES[0]  # the engine's calibration file (engine/caches.py reads it)
 
 
 def default_name(source: str, quant: str | None) -> str:
@@ -75,12 +72,10 @@ def new(
         )
     notes = []
     folder = Path(source).expanduser()
-    if kv is None and provider == "macserve" and (folder / SHIPPED_ROTATION).is_file():
-        kv = "int2"
-        notes.append(
-            f"the folder ships its calibration ({SHIPPED_ROTATION}): the INT2 latent cache, "
-            "KV=int2 (about 5x the context of bf16; --kv bf16 for the plain cache)"
-        )
+    shipped = providers.get(provider).shipped_kv(folder) if kv is None and provider else None
+    if shipped:
+        kv = shipped[0]
+        notes.append(shipped[1])
     plan = sizing_plan.plan(source, quant, provider, ctx, kv=kv)
     prov = providers.get(plan.provider)
     if ctx not in (None, "auto"):
@@ -142,8 +137,8 @@ def new(
     secrets = {}
     if api_key:
         secrets["API_KEY"] = api_key
-    if env.hf_token():
-        secrets["HF_TOKEN"] = env.hf_token()
+    if token := env.hf_token():
+        secrets["HF_TOKEN"] = token
         notes.append(f"HF_TOKEN from this shell kept for the service in {st.secrets_path(name)}")
     comment = f"# macserve new {shlex.quote(source)}" + (f" --quant {quant}" if quant else "")
     return _create(st, name, values, comment, port, start, timeout, tick, notes, secrets)
@@ -230,7 +225,7 @@ def refuse_ctx(
     inspect counts it), naming the limit and the largest context that fits."""
     if not n:
         return
-    over_limit = bool(model_max) and n > model_max
+    over_limit = model_max is not None and 0 < model_max < n
     fits = None if multi_host else fits  # split over several Macs: each holds a part
     over_budget = fits is not None and n > fits
     if not (over_limit or over_budget):
@@ -256,9 +251,9 @@ def refuse_ctx(
 def check_ctx(profile: Profile, what: str = "CTX") -> None:
     """`refuse_ctx` for a profile's typed CTX, sized by inspect for its MODEL and KV; a model
     inspect cannot read here is left to its server."""
-    if profile.ctx is None or profile.provider in MODELLESS or not profile.model:
-        return
     prov = providers.for_profile(profile)
+    if profile.ctx is None or not prov.serves_model or not profile.model:
+        return
     key = prov.cache_key(profile)
     try:
         r = report(profile.model)

@@ -28,7 +28,7 @@ from .health import (
 )
 from .ports import check_port, ports_used
 from .profiles import KEYS, ROUTER_KEYS, Profile, ProfileStore
-from .providers.base import edit_flags, flag_groups
+from .providers.flags import edit_flags, flag_groups
 from .supervisors import Status, get_backend, log_path, logs
 from .values import SECRET_KEYS, check_secret
 
@@ -54,7 +54,10 @@ def parse_assignments(items: tuple[str, ...]) -> Changes:
         pairs = [list(items)]
     else:
         raise MacserveError("expected KEY=VALUE ... or KEY VALUE")
-    values, secrets, add, drop = {}, {}, [], []
+    values: dict[str, str] = {}
+    secrets: dict[str, str] = {}
+    add: list[str] = []
+    drop: list[str] = []
     for k, v in pairs:
         k = k.strip()
         op = k[-1] if k[-1:] in ("+", "-") else ""

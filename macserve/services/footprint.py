@@ -10,7 +10,7 @@ from ..errors import MacserveError
 from ..sizing.report import inspect_source
 from . import providers
 from .health import store
-from .profiles import MODELLESS, Profile
+from .profiles import Profile
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,8 @@ def footprint_of(profile: Profile) -> Footprint:
     p = providers.typed(profile)
     name = p.name
     prov = providers.for_profile(p)
-    if p.provider in MODELLESS:
-        note = (
-            "the router: it holds no model"
-            if p.provider == "router"
-            else "an RPC worker: the head sends it layers to hold"
-        )
-        return Footprint(name, note=note)
+    if not prov.serves_model:
+        return Footprint(name, note=prov.footprint_note)
     key = prov.cache_key(p)
     try:
         rep = inspect_source(p.model)

@@ -24,8 +24,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
+from .profiles import Profile
+from .providers import Provider
 from .values import drain_secs
+
+Log = Callable[[str], None]
 
 EXIT_SECS = 8.0  # after the drain: within values.STOP_MARGIN, with the slots' save
 _LINUX = sys.platform.startswith("linux")
@@ -36,7 +41,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run(name: str, provider, profile, argv: list[str], variables: dict[str, str]) -> int:
+def run(
+    name: str, provider: Provider, profile: Profile, argv: list[str], variables: dict[str, str]
+) -> int:
     def log(msg: str) -> None:
         print(f"macserve run {name}: {msg}", file=sys.stderr, flush=True)
 
@@ -68,7 +75,13 @@ def run(name: str, provider, profile, argv: list[str], variables: dict[str, str]
     return 128 - rc if rc < 0 else rc  # killed by signal N: 128+N, as a shell reports it
 
 
-def wait_idle(busy, drain: float, name: str, log, alive=lambda: True) -> int | None:
+def wait_idle(
+    busy: Callable[[], int | None],
+    drain: float,
+    name: str,
+    log: Log,
+    alive: Callable[[], bool] = lambda: True,
+) -> int | None:
     """Wait, up to `drain` seconds, until `busy()` (generations in flight; None: cannot tell)
     is 0, logging what the wait was and how it ended; the count left (0: none, cut: some).
     The lines are the same for every server that drains (mlx_drain.py too)."""
@@ -91,7 +104,9 @@ def wait_idle(busy, drain: float, name: str, log, alive=lambda: True) -> int | N
     return n
 
 
-def _stop(provider, profile, argv, child: subprocess.Popen, log) -> None:
+def _stop(
+    provider: Provider, profile: Profile, argv: list[str], child: subprocess.Popen, log: Log
+) -> None:
     wait_idle(
         lambda: provider.busy(profile),
         drain_secs(profile.drain),

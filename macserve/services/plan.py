@@ -52,7 +52,7 @@ def plan(
         )
     if kv is not None and kv not in prov.cache_types:
         raise MacserveError(f"--kv {kv}: {prov.label} caches {' | '.join(prov.cache_types)}")
-    key = prov.cache_types[kv or prov.default_kv()]
+    key = prov.cache_types.get(kv or prov.default_kv() or "")
     fits = r["max_context"].get(key) if key else None
     if ctx in (None, "auto"):
         if key is not None and fits is None:

@@ -212,7 +212,7 @@ def _judge(
     head: dict,
     model: str,
     model_is_path: bool,
-    need_macserve: bool = False,
+    macserve: str | None = None,
 ) -> None:
     err = (proc.stderr or "").strip().splitlines()
     last = err[-1].strip() if err else ""
@@ -241,11 +241,8 @@ def _judge(
             c.problems.append(f"{label} not installed there ({label} {here} here)")
         elif _mm(there) != _mm(here):
             c.problems.append(f"{label} {there} there, {here} here (major.minor must match)")
-    if need_macserve and not f.get("macserve"):
-        c.problems.append(
-            "macserve not installed there (every rank runs macserve's engine or "
-            "its SPLIT shim: pip install macserve there)"
-        )
+    if macserve and not f.get("macserve"):
+        c.problems.append(f"macserve not installed there ({macserve}: pip install macserve there)")
     if model_is_path and not f.get("model"):
         c.problems.append(
             f"model {model} not found there (copy it to the same path, e.g. "
@@ -253,7 +250,10 @@ def _judge(
         )
 
 
-def run(profile: Profile) -> Result:
+def run(profile: Profile, macserve: str | None = None) -> Result:
+    """The checks of every host. `macserve`: why each host needs macserve installed (the
+    provider's `macserve_on_hosts`, which this module cannot ask: providers call it); None:
+    not checked."""
     hosts = hosts_of(profile)
     head = head_versions()
     model_is_path = local_model_path(profile.model) is not None
@@ -265,14 +265,7 @@ def run(profile: Profile) -> Result:
             ex.map(lambda c: remote(ssh_argv(c.host, sys.executable, model)), remote_checks)
         )
     for c, p in zip(remote_checks, procs):
-        _judge(
-            c,
-            p,
-            head,
-            model,
-            model_is_path,
-            need_macserve=bool(profile.split) or profile.provider == "macserve",
-        )
+        _judge(c, p, head, model, model_is_path, macserve)
     notes = []
     if not model_is_path:
         notes.append(
@@ -280,8 +273,8 @@ def run(profile: Profile) -> Result:
             "(each rank downloads its share)"
         )
     per, why = shares(profile, len(hosts))
-    if why:
-        notes.append(why)
+    if per is None:
+        notes.append(why or "memory not checked")
     else:
         notes.append("memory: weights of each host's share only; the KV cache needs room on top")
         for c, (rng, need) in zip(checks, per):
@@ -302,10 +295,10 @@ def run(profile: Profile) -> Result:
     return Result(checks, notes)
 
 
-def check(profile: Profile) -> None:
+def check(profile: Profile, macserve: str | None = None) -> None:
     """Raise one line naming each host and what is wrong; nothing when all hosts are fit."""
     if not needs_preflight(profile):
         return
-    err = run(profile).error()
+    err = run(profile, macserve).error()
     if err:
         raise MacserveError(err)

@@ -6,8 +6,9 @@ shell quoting (`EXTRA_ARGS='-c 8192 --threads 8'`), so the file can be read by a
 file: `set` changes the value in place instead of regenerating the file.
 
 Keys:
-  PROVIDER    llama.cpp | mlx | macserve | llama.cpp-rpc (required; the last is an RPC worker)
-  MODEL       path, HF repo id, or repo:QUANT         (required, except for llama.cpp-rpc)
+  PROVIDER    llama.cpp | mlx | macserve | llama.cpp-rpc | router (required; values.py lists
+              them, services/providers says what each runs; llama.cpp-rpc is an RPC worker)
+  MODEL       path, HF repo id, or repo:QUANT   (required, except for llama.cpp-rpc and router)
   PORT        1..65535                                (required)
   HOST        bind address, default 127.0.0.1
   CTX         context tokens the server is configured for (a positive integer); each provider
@@ -64,17 +65,12 @@ from ..fileio import atomic_write
 from ..sizing.budget import parse_size
 from .values import (  # noqa: F401  (their home before values.py)
     MAX_DRAIN,
+    MODELLESS,
+    PROVIDER_NAMES,
     SECRET_KEYS,
     check_secret,
     parse_duration,
 )
-
-# Provider names a profile may name. The registry in services.providers maps each to a module;
-# the list lives here so profiles never import providers (data flows one way).
-PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc", "router")
-# Profiles that serve no model: llama.cpp-rpc is an RPC worker (rpc-server) for another Mac's
-# llama-server, router is `macserve router` (it sends requests to the other profiles).
-MODELLESS = ("llama.cpp-rpc", "router")
 
 KEYS = (
     "PROVIDER",
@@ -217,7 +213,8 @@ class Profile:
         except ValueError as e:
             raise MacserveError(f"EXTRA_ARGS does not parse: {e}") from None
         hosts_text = v.get("HOSTS", "")
-        hostfile, hosts = None, ()
+        hostfile: Path | None = None
+        hosts: tuple[HostEntry, ...] = ()
         if _is_hostfile(hosts_text):
             hostfile = Path(hosts_text).expanduser()
         elif hosts_text:
@@ -260,8 +257,6 @@ class Profile:
             raise MacserveError(f"bad SYSTEM {v['SYSTEM']!r}: expected 1 (a LaunchDaemon) or 0")
         set_(self, "system", v.get("SYSTEM") == "1")
         pcd = v.get("PROMPT_CACHE_DISK", "").strip()
-        if pcd and v.get("PROVIDER") != "macserve":
-            raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
         _ = pcd in ("", "0") or parse_size(pcd)  # a bad size: one line naming it
         set_(self, "prompt_cache_disk", pcd or None)
         drain = v.get("DRAIN", "").strip()
@@ -377,7 +372,7 @@ def parse(text: str, name: str, label: str | None = None) -> Profile:
             raise MacserveError(f"{name_}: line {i}: {key} has several words; quote the value")
         values[key] = parts[0] if parts else ""
     try:
-        return Profile(name, values, lines)
+        return Profile(name, values, tuple(lines))
     except MacserveError as e:
         raise MacserveError(f"{name_}: {e}") from None
 
@@ -449,7 +444,7 @@ class ProfileStore:
             return {}
         if st.st_mode & 0o077:
             p.chmod(0o600)  # a copy or a hand edit widened it: a secret is for this user only
-        out = {}
+        out: dict[str, str] = {}
         try:
             data = p.read_bytes()
         except OSError as e:

@@ -64,12 +64,12 @@ def pull(source: str, quant: str | None = None) -> Pulled:
     repo, quant = sources.split_source(source, quant)
     if env.hf_offline():
         cached = sources.cached_source(repo, quant)
-        if cached is None:
+        snap = sources.hub_snapshot(repo)  # not None when cached is not
+        if cached is None or snap is None or cached.local_path is None:
             raise MacserveError(
                 f"{source}: HF_HUB_OFFLINE is set and the Hugging Face cache "
                 f"({env.hf_hub_cache()}) does not hold it complete"
             )
-        snap = sources.hub_snapshot(repo)
         path = Path(cached.local_path)
         return Pulled(repo, quant, snap, (), path if cached.is_gguf else snap)
     patterns, gguf = _wanted(repo, quant)

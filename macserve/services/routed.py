@@ -48,7 +48,7 @@ def remove(port: int) -> None:
 
 def live() -> list[dict]:
     """The states of the routers running now (each file whose writer is still that process)."""
-    out = []
+    out: list[dict] = []
     d = folder()
     if not d.is_dir():
         return out

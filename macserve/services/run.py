@@ -121,7 +121,7 @@ def exec_profile(name: str) -> None:
     sys.stdout.flush()
     if rotate:
         _watch_log(rotate, psutil.Process())  # this pid: the server once exec'd, or its parent
-    if getattr(provider, "drains", False):
+    if provider.drains:
         # A server with no graceful stop of its own: this process stays its parent and stops
         # it only once its generations are done (graceful.py).
         os.environ.update(provider.secret_env(st.load_secrets(name)))  # for its HTTP calls

@@ -1,5 +1,5 @@
-"""The profile values that need more than a type: durations (TTL, the router's --ttl) and
-secrets (API_KEY, HF_TOKEN), each checked once where it enters."""
+"""The profile values that need more than a type: provider names, durations (TTL, the router's
+--ttl) and secrets (API_KEY, HF_TOKEN), each checked once where it enters."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import math
 import re
 
 from ..errors import MacserveError
+
+# The PROVIDER values a profile may name, and those of servers of no model (a profile of one
+# has no MODEL). A profile is parsed before any provider is loaded, and the providers read
+# profiles, so the two facts a profile's parsing needs are here, below both; everything else
+# about a provider is its own (services/providers). The registry there checks, on import, that
+# it and these two agree (a provider added to one and not the other fails at once).
+PROVIDER_NAMES = ("llama.cpp", "mlx", "macserve", "llama.cpp-rpc", "router")
+MODELLESS = ("llama.cpp-rpc", "router")
 
 SECRET_KEYS = ("API_KEY", "HF_TOKEN")
 # DRAIN: how long a planned stop waits for the generations in flight (`macserve run`'s drain
@@ -48,12 +56,12 @@ def check_secret(key: str, value: str) -> None:
     if key not in SECRET_KEYS:
         raise MacserveError(f"unknown secret {key} (known: {', '.join(SECRET_KEYS)})")
     at = next((i for i, c in enumerate(value) if not "!" <= c <= "~"), None)
-    if not value or at is not None:
+    if not value:
+        raise MacserveError(f"{key}: empty")
+    if at is not None:
         # An HTTP header carries ASCII only: a key with any other character could never be
         # sent by a client, so the server would be locked for everyone. (The character itself
         # is not shown: a secret is never echoed, not even in part.)
         raise MacserveError(
             f"{key}: expected printable ASCII without spaces (character {at + 1} is not)"
-            if value
-            else f"{key}: empty"
         )

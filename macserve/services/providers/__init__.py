@@ -1,21 +1,28 @@
 """Providers: how a profile becomes a running model server, and every fact about that server.
 
 A provider is a module in this package that defines `PROVIDER`, an object with the `Provider`
-interface below (`base.BaseProvider` supplies the common parts). Registration is explicit:
-REGISTRY maps each profile PROVIDER value to its object. The interface lists exactly what the
-rest of macserve uses; a provider's flag spellings, cache types, health route and reserved
-flags are its own, and nothing outside this package parses EXTRA_ARGS for them.
+interface below (`base.BaseProvider` supplies the common parts and every default).
+Registration is explicit: REGISTRY maps each profile PROVIDER value to its object, typed as the
+interface, so the type checker (tests/test_types.py) holds every provider to it. The interface
+lists exactly what the rest of macserve uses; a provider's flag spellings, cache types, health
+route and reserved flags are its own, nothing outside this package parses EXTRA_ARGS for them,
+and nothing outside it compares a provider's name: it asks the provider (`serves_model`,
+`routes`, `macserve_on_hosts`, ...).
 
-Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, and one
-line in REGISTRY below.
+Adding a provider: a module defining a `BaseProvider` subclass and `PROVIDER = ...`, one line in
+REGISTRY below, and its name in values.PROVIDER_NAMES (values.MODELLESS too if it serves no
+model): a profile is parsed before any provider loads, and the check below keeps the two agreed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from ...errors import MacserveError
-from ..profiles import PROVIDER_NAMES, Profile
+from ..profiles import Profile
+from ..values import MODELLESS, PROVIDER_NAMES
 from . import engine, llama_cpp, llama_rpc, mlx_lm, router
 from .base import base_url, url_host
 
@@ -23,18 +30,30 @@ __all__ = ["Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
 
 
 class Provider(Protocol):
-    # who it is
-    name: str  # the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
-    label: str  # the server, in messages ("llama-server does not accept --foo")
-    # what it serves: the model formats `new` may give it ("gguf", "mlx"); () serves no model
-    formats: tuple[str, ...]
-    # KV names -> sizing's cache key (None: inspect does not model it); the default first
-    cache_types: dict[str, str | None]
-    # the variable its server reads an API key from (None: no API key support)
-    api_key_env: str | None
-    # the router: whether it answers /v1/messages, and the `model` to send it (None: the client's)
-    anthropic_api: bool
-    upstream_model: str | None
+    # Its facts, read-only here (a provider declares them as class attributes: BaseProvider).
+
+    @property  # the PROVIDER value in profiles ("llama.cpp", "mlx", ...)
+    def name(self) -> str: ...
+    @property  # the server, in messages ("llama-server does not accept --foo")
+    def label(self) -> str: ...
+    @property  # the model formats `new` may give it ("gguf", "mlx"); () serves no model
+    def formats(self) -> tuple[str, ...]: ...
+    @property  # a profile of it names a MODEL (False: llama.cpp-rpc, the router)
+    def serves_model(self) -> bool: ...
+    @property  # KV names -> sizing's cache key (None: inspect does not model it); default first
+    def cache_types(self) -> dict[str, str | None]: ...
+    @property  # the variable its server reads an API key from (None: no API key support)
+    def api_key_env(self) -> str | None: ...
+    @property  # for the router: whether it answers /v1/messages
+    def anthropic_api(self) -> bool: ...
+    @property  # for the router: the `model` to send it (None: the client's)
+    def upstream_model(self) -> str | None: ...
+    @property  # it is a router: it sends requests on to the other profiles
+    def routes(self) -> bool: ...
+    @property  # it takes PROMPT_CACHE_DISK
+    def prompt_cache_disk(self) -> bool: ...
+    @property  # footprint's note for a server of no model
+    def footprint_note(self) -> str: ...
 
     # the profile's keys: its own rules, no I/O, one-line MacserveError
     def validate(self, profile: Profile) -> None: ...
@@ -70,6 +89,25 @@ class Provider(Protocol):
     def failed(self, profile: Profile) -> str | None: ...
     # the server's own reason for failing, from its log lines
     def error_line(self, lines: list[str]) -> str | None: ...
+    # why every host of a multi-host profile needs macserve installed (None: none does)
+    def macserve_on_hosts(self, profile: Profile) -> str | None: ...
+    # (KV, note) `new` picks for a folder that ships what that cache needs (None: the default)
+    def shipped_kv(self, folder: Path) -> tuple[str, str] | None: ...
+
+    # A planned stop. drains: its server has no drain of its own, so `macserve run` stays its
+    # parent (services/graceful.py) and calls, in order: prepare before the start, after_start
+    # once ready; on a stop busy until 0 (None: cannot tell) or DRAIN, then before_stop.
+    @property
+    def drains(self) -> bool: ...
+
+    def prepare(self, profile: Profile) -> None: ...
+    def busy(self, profile: Profile) -> int | None: ...
+    def before_stop(
+        self, profile: Profile, argv: list[str], log: Callable[[str], None]
+    ) -> None: ...
+    def after_start(
+        self, profile: Profile, argv: list[str], log: Callable[[str], None]
+    ) -> None: ...
 
 
 REGISTRY: dict[str, Provider] = {
@@ -79,7 +117,12 @@ REGISTRY: dict[str, Provider] = {
     "llama.cpp-rpc": llama_rpc.PROVIDER,
     "router": router.PROVIDER,
 }
-assert tuple(REGISTRY) == PROVIDER_NAMES  # the profile format lists the same names
+# A profile is parsed by these two (values.py, below both profiles and providers): they must
+# say what the providers say.
+assert tuple(REGISTRY) == PROVIDER_NAMES, "values.PROVIDER_NAMES lists the registry's names"
+assert tuple(n for n, p in REGISTRY.items() if not p.serves_model) == MODELLESS, (
+    "values.MODELLESS lists the registry's providers of no model"
+)
 
 
 def get(name: str) -> Provider:

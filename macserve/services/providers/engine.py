@@ -13,10 +13,12 @@ from pathlib import Path
 
 from ... import env
 from ...errors import MacserveError
+from ...int2_format import SHIPPED_ROTATION
 from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
-from .base import BaseProvider, cli_parse
+from .base import BaseProvider
+from .flags import cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
 DEFAULT_PROMPT_CACHE_DISK = "20GB"  # serve's own default
@@ -44,6 +46,7 @@ class Engine(BaseProvider):
     kv_flags = ("--kv",)
     api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
+    prompt_cache_disk = True
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "macserve", "serve"]
@@ -104,7 +107,7 @@ class Engine(BaseProvider):
         self.parse(BaseProvider.argv(self, profile)[len(self.command()) :])
         if profile.multi_host:
             check_hosts(profile)
-            preflight.check(profile)
+            preflight.check(profile, self.macserve_on_hosts(profile))
 
     def parse(self, args: list[str]) -> None:
         """`serve`'s own click parser on `args` (macserve parse-args serve ...)."""
@@ -112,6 +115,17 @@ class Engine(BaseProvider):
 
     def kv_args(self, kind: str) -> list[str]:
         return ["--kv", kind]
+
+    def shipped_kv(self, folder: Path) -> tuple[str, str] | None:
+        if not (folder / SHIPPED_ROTATION).is_file():
+            return None
+        return "int2", (
+            f"the folder ships its calibration ({SHIPPED_ROTATION}): the INT2 latent cache, "
+            "KV=int2 (about 5x the context of bf16; --kv bf16 for the plain cache)"
+        )
+
+    def macserve_on_hosts(self, profile: Profile) -> str | None:
+        return "every rank runs macserve's engine"
 
     def draft_args(self, mtp_layers: int) -> list[str]:
         return ["--mtp-k", "1"] if mtp_layers > 0 else []

@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Callable
 
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
 from . import llama_slots
-from .base import BaseProvider, flag_value, help_flags, help_text
+from .base import BaseProvider
+from .flags import flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -77,8 +79,9 @@ def find_rpc_server() -> str:
     for name in RPC_SERVER_NAMES:
         if here and os.access(os.path.join(here, name), os.X_OK):
             return os.path.join(here, name)
-        if shutil.which(name):
-            return os.path.abspath(shutil.which(name))
+        found = shutil.which(name)
+        if found:
+            return os.path.abspath(found)
     raise MacserveError("rpc-server not found (a llama.cpp build with -DGGML_RPC=ON has it)")
 
 
@@ -169,11 +172,11 @@ class LlamaCpp(BaseProvider):
     def busy(self, profile: Profile) -> int | None:
         return llama_slots.busy(profile)
 
-    def before_stop(self, profile: Profile, argv: list[str], log) -> None:
+    def before_stop(self, profile: Profile, argv: list[str], log: Callable[[str], None]) -> None:
         if "--slot-save-path" in argv and self.keeps_slots(profile):
             llama_slots.save(profile, argv, log)
 
-    def after_start(self, profile: Profile, argv: list[str], log) -> None:
+    def after_start(self, profile: Profile, argv: list[str], log: Callable[[str], None]) -> None:
         if "--slot-save-path" in argv and self.keeps_slots(profile):
             llama_slots.restore(profile, argv, log)
 

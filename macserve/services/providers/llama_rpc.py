@@ -19,6 +19,7 @@ class RpcWorker(BaseProvider):
     name = "llama.cpp-rpc"
     label = "rpc-server"
     reserved = {"-H": "HOST", "--host": "HOST", "-p": "PORT", "--port": "PORT"}
+    footprint_note = "an RPC worker: the head sends it layers to hold"
 
     def command(self) -> list[str]:
         return [find_rpc_server()]

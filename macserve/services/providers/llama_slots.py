@@ -26,7 +26,8 @@ import httpx
 from ... import env
 from ...fileio import atomic_write
 from ..profiles import Profile, local_model_path
-from .base import base_url, flag_value
+from .base import base_url
+from .flags import flag_value
 
 META = "slots.json"  # which server the saved files belong to
 

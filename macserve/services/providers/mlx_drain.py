@@ -50,6 +50,7 @@ import threading
 import time
 import traceback
 from http import HTTPStatus
+from typing import Any
 
 from ...web.errors import HttpError
 from ...web.openai_api import error_body, error_event
@@ -132,10 +133,13 @@ class Drain:
         with self.lock:
             return sum(1 for kind in self.running.values() if kind == "gen")
 
-    def handler(self, base):
+    def handler(self, base: Any) -> Any:
+        """mlx-lm's APIHandler (`base`, untyped: mlx-lm has no stubs) draining on a stop."""
         drain = self
 
         class Draining(base):
+            wfile: Any  # socketserver's writer of the connection, wrapped in do_POST
+
             def handle(self):
                 # from the connection's first byte: a request still sending its headers when
                 # the stop comes is answered (a 503) before the exit, not reset

@@ -107,12 +107,20 @@ class MlxLm(BaseProvider):
         super().validate(profile)
         validate_hosts(profile)
 
+    def macserve_on_hosts(self, profile: Profile) -> str | None:
+        # argv: mlx.launch runs the drain shim (and SPLIT's shim) on every rank
+        return "every rank runs mlx-lm's server under macserve's drain shim" + (
+            " and its SPLIT shim" if profile.split else ""
+        )
+
     def check_args(self, profile: Profile) -> None:
         check_model_folder(profile.model)
         super().check_args(profile)
         if profile.multi_host:
             check_hosts(profile)
-            preflight.check(profile)  # ssh, versions, model, memory on the non-local hosts
+            preflight.check(
+                profile, self.macserve_on_hosts(profile)
+            )  # ssh, versions, model, memory on the non-local hosts
 
     def ready(self, profile: Profile, timeout: float = 5.0) -> bool:
         try:
@@ -184,7 +192,7 @@ def _installed_with_mlx() -> str | None:
         return None
     for f in dist.files or ():
         if f.name == "mlx.launch":
-            path = Path(dist.locate_file(f)).resolve()
+            path = Path(str(dist.locate_file(f))).resolve()
             if os.access(path, os.X_OK):
                 return str(path)
     return None

@@ -16,7 +16,8 @@ from pathlib import Path
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile
-from .base import BaseProvider, cli_parse, is_flag, normalize_flag
+from .base import BaseProvider
+from .flags import cli_parse, is_flag, normalize_flag
 
 DEFAULT_PORT = 8000
 # `macserve router` options that install a service: meaningless inside one.
@@ -28,6 +29,8 @@ class Router(BaseProvider):
     label = "macserve router"
     api_key_env = env.API_KEY  # `router --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
+    routes = True
+    footprint_note = "the router: it holds no model"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "macserve", "router"]

@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anyio
 import httpx
@@ -99,7 +100,7 @@ class Router:
     def __init__(self, pool: Pool):
         self.pool = pool
         self.settings = pool.settings
-        self.http: httpx.AsyncClient | None = None
+        self.http: httpx.AsyncClient  # made and closed by the app's lifespan (create_app)
         self.metrics = Metrics()
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -144,8 +145,8 @@ class Router:
         except RouteError as e:
             return dialects.error_response(e, request.url.path)
         except httpx.HTTPError as e:
-            e = RouteError(502, f"model {m.name}: /metrics: {e}", "server_error")
-            return dialects.error_response(e, request.url.path)
+            err = RouteError(502, f"model {m.name}: /metrics: {e}", "server_error")
+            return dialects.error_response(err, request.url.path)
         ctype = r.headers.get("content-type", prom.CONTENT_TYPE)
         return Response(r.content, status_code=r.status_code, media_type=ctype)
 
@@ -391,7 +392,7 @@ def _message(text: str) -> str:
     try:
         d = json.loads(text)
         err = d.get("error")
-        return err.get("message") if isinstance(err, dict) else str(err or d)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err or d)
     except (ValueError, AttributeError):
         return text.strip()[:500]
 
@@ -457,7 +458,7 @@ def create_app(settings: Settings):
         exception_handlers={Exception: _server_error},
         lifespan=lifespan,
     )
-    outer = guards.ApiKeyGate(
+    outer: Any = guards.ApiKeyGate(  # an ASGI app, given `.router` below
         app, settings.api_key, public=("/health", *ui.PUBLIC), cookie_prefix=ui.PREFIX
     )
     if guards.is_loopback(settings.host):

@@ -39,7 +39,6 @@ from ...sizing.budget import machine_budget
 from ...web.errors import HttpError
 from .. import manager, providers, usage
 from .. import routed as state_file
-from ..profiles import MODELLESS
 from ..supervisors import Status
 from .activity import Activity
 
@@ -121,7 +120,7 @@ class Pool:
                 self.models.pop(name, None)
                 continue
             self.broken.pop(name, None)
-            if p.provider in MODELLESS:
+            if not providers.for_profile(p).serves_model:
                 self.models.pop(name, None)
             elif m:
                 m.update(p, key, stamp)
@@ -364,10 +363,13 @@ class Pool:
     # ---- the reaper -----------------------------------------------------------------------------
 
     def tick(self) -> float:
-        ttls = [self.settings.ttl] + [
-            t for m in self.models.values() if (t := m.ttl(self.settings.ttl)) is not None
+        # None: never (--ttl never, TTL=never): no clock of its own to keep
+        ttls = [
+            t
+            for t in (self.settings.ttl, *(m.ttl(self.settings.ttl) for m in self.models.values()))
+            if t is not None
         ]
-        return min(TICK_MAX, max(TICK_MIN, min(ttls) / 4))
+        return min(TICK_MAX, max(TICK_MIN, min(ttls) / 4)) if ttls else TICK_MAX
 
     async def reap(self) -> None:
         """Stop every profile idle past its TTL; note the ones seen running for the first time."""

@@ -18,7 +18,8 @@ class Renamer:
         self.buf = b""
 
     def _sub(self, b: bytes) -> bytes:
-        return self.FIELD.sub(lambda mt: mt.group(1) + self.value, b) if self.value else b
+        value = self.value
+        return self.FIELD.sub(lambda mt: mt.group(1) + value, b) if value else b
 
     def whole(self, b: bytes) -> bytes:
         return self._sub(b)

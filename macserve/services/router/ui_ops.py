@@ -28,7 +28,8 @@ async def overview(pool: Pool) -> dict:
     pool.refresh()
     sts = await pool.statuses()
     now = time.monotonic()
-    rows, used = [], []
+    rows: list[dict] = []
+    used: list[dict] = []
     for name in sorted(set(pool.models) | set(pool.broken)):
         m = pool.models.get(name)
         if m is None:

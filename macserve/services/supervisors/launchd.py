@@ -233,8 +233,8 @@ class LaunchdBackend:
         last exit code and terminating signal. A job loaded although its plist is gone
         (removed by hand) is reported as launchd runs it, not as `not installed`."""
         if not self.installed(name):
-            for target, p in self.copies(name).items():
-                st = launchd_ctl.status(name, p, installed=False)
+            for target, props in self.copies(name).items():
+                st = launchd_ctl.status(name, props, installed=False)
                 st.detail = (
                     f"loaded in {target.rsplit('/', 1)[0]} although its plist is gone "
                     f"({st.detail}): macserve stop {name} unloads it"

@@ -59,7 +59,7 @@ def plist_dict(spec: ServiceSpec, dom: str, user: pwd.struct_passwd | None = Non
         "WorkingDirectory": str(spec.workdir),
     }
     if dom == SYSTEM:
-        d["UserName"] = user.pw_name  # launchd starts it as root, then becomes this user
+        d["UserName"] = (user or owner()).pw_name  # launchd starts it as root, then this user
     else:
         d["LimitLoadToSessionType"] = session_type(dom)
     return d | {

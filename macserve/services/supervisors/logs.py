@@ -97,7 +97,7 @@ def follow(path: Path, n: int, out, poll: float = 0.5, stop=lambda: False) -> No
                 buf += f.read(cur - pos)
             pos = cur
             *lines, buf = buf.split(b"\n")
-            for line in lines:
-                out(line.decode("utf-8", "replace"))
+            for raw in lines:
+                out(raw.decode("utf-8", "replace"))
         else:
             time.sleep(poll)

@@ -31,7 +31,7 @@ START_RETRIES = 3
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 104 (macOS) / 108 (Linux) bytes incl. NUL
 
 
-def _sv(value: str) -> str:
+def _sv(value: str | Path) -> str:
     # supervisor expands %(name)s in values; a literal % must be doubled.
     return str(value).replace("%", "%%")
 
