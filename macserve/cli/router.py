@@ -1,7 +1,7 @@
 """`macserve router`: one endpoint for every profile, in the foreground or as a service.
 
 Its own module so the other service commands never import the HTTP stack (starlette, uvicorn).
-Parsing and printing only; the work is in services/router/ and services/manager.py.
+Parsing and printing only; the work is in router/ and services/manager.py.
 Each command's arguments, options and help: cli/commands/router.py.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 import click
 
 from ..errors import MacserveError
+from ..router import app as router_app
+from ..router import pool as router_pool
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
 from ..services.providers import url_host
 from ..services.providers.router import DEFAULT_PORT as ROUTER_PORT
-from ..services.router import app as router_app
-from ..services.router import pool as router_pool
 from ..sizing.budget import parse_size
 from .services import _read_secret, _run_waiting
 

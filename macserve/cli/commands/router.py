@@ -8,7 +8,7 @@ from ... import env
 from ..lazy import later, runs
 
 _BODY = "macserve.cli.router:"
-# the services wing's (services/providers/router.py, services/router/model.py: starlette and
+# the wings' (services/providers/router.py, router/model.py: starlette and
 # uvicorn); tests/test_cli_help.py checks that they agree
 ROUTER_PORT = 8000
 DEFAULT_START_TIMEOUT = 300.0

@@ -42,11 +42,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ... import listen
-from ...web import anthropic_api, dialects, guards, jsonbody
-from ...web.body import read_body
-from ...web.errors import HttpError
-from .. import providers
+from .. import listen
+from ..services import providers
+from ..web import anthropic_api, dialects, guards, jsonbody
+from ..web.body import read_body
+from ..web.errors import HttpError
 from . import prom, ui
 from .metrics import Meter, Metrics
 from .pool import Lease, Model, Pool, RouteError, Settings, size
@@ -128,7 +128,7 @@ class Router:
     # ---- listing -------------------------------------------------------------------------------
 
     async def prometheus(self, request: Request) -> Response:
-        """The router's own counters (services/router/prom.py)."""
+        """The router's own counters (router/prom.py)."""
         return Response(self.pool.prom.render(), media_type=prom.CONTENT_TYPE)
 
     async def profile_metrics(self, request: Request) -> Response:

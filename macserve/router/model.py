@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from .. import manager, providers
-from ..profiles import Profile
+from ..services import manager, providers
+from ..services.profiles import Profile
 
 DEFAULT_TTL = 300.0  # seconds idle before a stop, like Ollama's keep_alive default (5 min)
 DEFAULT_START_TIMEOUT = 300.0

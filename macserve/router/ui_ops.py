@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import time
 
-from ...errors import MacserveError
-from .. import manager, providers
-from ..health import failing_before
-from ..profiles import ProfileStore
-from ..supervisors import log_path, logs
+from ..errors import MacserveError
+from ..services import manager, providers
+from ..services.health import failing_before
+from ..services.profiles import ProfileStore
+from ..services.supervisors import log_path, logs
 from .model import Model, size
 from .pool import IN_MEMORY, Pool, RouteError
 

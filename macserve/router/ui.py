@@ -35,9 +35,9 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from ...web import guards
-from ...web.body import read_body
-from ...web.errors import HttpError
+from ..web import guards
+from ..web.body import read_body
+from ..web.errors import HttpError
 from . import ui_ops, ui_page
 from .pool import RouteError
 

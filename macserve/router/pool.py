@@ -34,13 +34,13 @@ import contextlib
 import logging
 import time
 
-from ...errors import MacserveError
-from ...sizing.budget import machine_budget
-from ...web.errors import HttpError
-from .. import manager, providers, usage
-from .. import routed as state_file
-from ..profiles import MODELLESS
-from ..supervisors import Status
+from ..errors import MacserveError
+from ..services import manager, providers, usage
+from ..services import routed as state_file
+from ..services.profiles import MODELLESS
+from ..services.supervisors import Status
+from ..sizing.budget import machine_budget
+from ..web.errors import HttpError
 from .activity import Activity
 
 # Model and Settings live in model.py; app.py and cli/router.py still name them (and size,
