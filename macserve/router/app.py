@@ -11,96 +11,51 @@
                                  profile's server, same path and query: chat/completions,
                                  completions, messages, messages/count_tokens, embeddings ...
 
-A request for a stopped profile is held while the pool starts it; a streaming request that has
-waited `keep_alive` seconds gets its 200 and an SSE comment every `keep_alive` seconds until the
-server is up (clients ignore comments; proxies and read timeouts see bytes). Then the request
-goes upstream as it came (its key swapped for the profile's, `model` rewritten only for
-mlx_lm.server) and the answer comes back as the server wrote it: status, headers, bytes. A
-client that goes away closes the upstream connection, which is how the servers notice.
+Forwarding (holding a request while its model starts, streaming, renaming, the error event of a
+stream whose server died) is proxy.py's; which profile runs is pool.py's; the web page's routes
+are ui.py's.
 
 Failures the router answers itself are RouteErrors (web.errors.HttpError), rendered in the
 shape of the API the path belongs to (web/dialects.py: Anthropic's for /v1/messages*, as
-`serve` renders its own), with `x-should-retry: false` unless retrying can help. A stream
-whose server dies ends with an error event in its own format (`data: {"error": ...}` then
-`data: [DONE]`; Anthropic's `event: error`).
+`serve` renders its own), with `x-should-retry: false` unless retrying can help.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import anyio
 import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import listen
 from ..services import providers
-from ..web import anthropic_api, dialects, guards, jsonbody
-from ..web.body import read_body
-from ..web.errors import HttpError
+from ..web import dialects, guards
 from . import prom, ui
-from .metrics import Meter, Metrics
-from .pool import Lease, Model, Pool, RouteError, Settings, size
-from .rename import Renamer
+from .model import Settings, size
+from .pool import Pool, RouteError
+from .proxy import READ_TIMEOUT, Proxy
 
 log = logging.getLogger("macserve.router")
-
-# Not forwarded either way: hop-by-hop headers (RFC 9110 7.6.1), the length (re-framed), the
-# client's key (replaced by the profile's), and what each server sets itself.
-_HOP = {
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-    "host",
-}
-_REQUEST_DROP = _HOP | {"authorization", "x-api-key", "accept-encoding"}
-_RESPONSE_DROP = _HOP | {"date", "server", "content-encoding"}
 THREADS = 64  # starts and health waits block a thread each; status reads must not queue behind
-# A client has this long to send its request headers, and again its body (which may be up to
-# web.body.MAX_BODY): far more than any client on a network needs, short enough that a
-# half-sent request does not hold a connection for ever.
-READ_TIMEOUT = 30.0
-
-
-class _Leased(StreamingResponse):
-    """A streamed answer that releases the model and closes the upstream response however it
-    ends (done, client gone before or during the stream, error)."""
-
-    def __init__(self, content, lease: Lease, cleanup=None, **kw):
-        super().__init__(content, **kw)
-        self.lease, self.cleanup = lease, cleanup
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                if self.cleanup is not None:
-                    await self.cleanup()
-            self.lease.release()
 
 
 class Router:
+    """The routes: the router's own (health, metrics, models) here, `/v1/...` forwarded by
+    the proxy, `/ui` by ui.py."""
+
     def __init__(self, pool: Pool):
         self.pool = pool
         self.settings = pool.settings
-        self.http: httpx.AsyncClient | None = None
-        self.metrics = Metrics()
+        self.proxy = Proxy(pool)
+        self.forward = self.proxy.forward  # POST /v1/...: routed by the body's `model`
+        self.metrics = self.proxy.metrics  # what the proxy streamed (the page's live figures)
 
     # ---- keys ----------------------------------------------------------------------------------
     # The client's key is checked before any route by web.guards.ApiKeyGate (create_app).
@@ -114,18 +69,7 @@ class Router:
             return []
         return sorted(n for n, m in self.pool.models.items() if m.api_key)
 
-    def _check_keyed(self, m: Model) -> None:
-        if m.api_key and not self.settings.api_key and not self.settings.allow_unauthenticated:
-            raise RouteError(
-                401,
-                f"model {m.name} has its own API key, and this router has none: it would "
-                "serve the model to anyone who reaches it. Start the router with --api-key "
-                "(or MACSERVE_API_KEY), or with --allow-unauthenticated to forward anyway",
-                "authentication_error",
-                code="router_has_no_key",
-            )
-
-    # ---- listing -------------------------------------------------------------------------------
+    # ---- the router's own ------------------------------------------------------------------------
 
     async def prometheus(self, request: Request) -> Response:
         """The router's own counters (router/prom.py)."""
@@ -140,7 +84,7 @@ class Router:
                 raise RouteError(503, f"model {m.name} is not running", "unavailable_error")
             headers = [("authorization", f"Bearer {m.api_key}")] if m.api_key else []
             url = providers.base_url(m.profile) + "/metrics"
-            r = await self.http.get(url, headers=headers, timeout=10.0)
+            r = await self.proxy.http.get(url, headers=headers, timeout=10.0)
         except RouteError as e:
             return dialects.error_response(e, request.url.path)
         except httpx.HTTPError as e:
@@ -174,227 +118,6 @@ class Router:
             return dialects.error_response(e, request.url.path)
         return JSONResponse(next(_entry(x) for x in await self.pool.listing() if x["id"] == name))
 
-    # ---- forwarding ----------------------------------------------------------------------------
-
-    async def forward(self, request: Request, path: str | None = None) -> Response:
-        """Route one request; `path` is the upstream path (default: the request's own)."""
-        path = path or request.url.path
-        t0 = time.monotonic()  # time to first token counts from here, a start included
-        try:
-            body, m, stream = await self._parse(request, path)
-            self._check_keyed(m)
-        except RouteError as e:
-            return dialects.error_response(e, path)
-        lease = self.pool.lease(m)
-        handed_over = False
-        waiting = asyncio.ensure_future(self.pool.ready(m))
-        try:
-            if stream and self.settings.keep_alive > 0:
-                await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
-                if not waiting.done():
-                    handed_over = True
-                    gen = self._kept_alive(waiting, m, request, body, path, t0)
-                    return _Leased(
-                        gen,
-                        lease,
-                        _closer(gen),
-                        media_type="text/event-stream",
-                        headers={"cache-control": "no-cache"},
-                    )
-            await _until(request, waiting)
-            # Until the headers: a plain answer sends them only once it is whole.
-            resp = await _until(request, self._open(m, request, body, path))
-            if _is_stream(resp):
-                handed_over = True
-                gen = self._pipe(resp, m, path, t0, request.state.asked)
-                return _Leased(
-                    gen,
-                    lease,
-                    _closer(gen, resp),
-                    status_code=resp.status_code,
-                    headers=_headers(resp),
-                )
-            try:
-                content = await _until(request, resp.aread())
-            except httpx.HTTPError as e:
-                raise RouteError(502, _gone(m, e)) from None
-            finally:
-                await resp.aclose()
-            content = Renamer(request.state.asked).whole(content)
-            return Response(content, resp.status_code, headers=_headers(resp))
-        except RouteError as e:
-            return dialects.error_response(e, path)
-        except _ClientGone:
-            return Response(status_code=499)  # nobody reads it; the work was cancelled
-        finally:
-            if not handed_over:
-                waiting.cancel()
-                lease.release()
-
-    async def _parse(self, request: Request, path: str) -> tuple[bytes, Model, bool]:
-        try:
-            body = await read_body(request, READ_TIMEOUT)
-            data = jsonbody.parse_object(body)
-        except HttpError as e:  # 400, 408, 413: said with the router's x-should-retry: false
-            raise RouteError(e.status, e.message, e.type) from None
-        self.pool.refresh()
-        name = data.get("model")
-        if not isinstance(name, str) or not name:
-            known = ", ".join(sorted(self.pool.models)) or "none"
-            raise RouteError(
-                400,
-                f"`model` is required: the router sends each request to the profile it names "
-                f"(known: {known})",
-                "invalid_request_error",
-            )
-        m = self.pool.resolve(name)
-        request.state.asked = name  # answers carry it as their `model`, not the upstream's
-        prov = m.provider
-        if dialects.for_path(path) is anthropic_api and not prov.anthropic_api:
-            raise RouteError(
-                400,
-                f"model {m.name} is served by {prov.label}, which has no Anthropic Messages "
-                "API: use /v1/chat/completions, or serve it with PROVIDER=macserve or llama.cpp",
-                "invalid_request_error",
-            )
-        if prov.upstream_model and data.get("model") != prov.upstream_model:
-            data["model"] = prov.upstream_model
-            body = json.dumps(data).encode()
-        return body, m, bool(data.get("stream"))
-
-    async def _open(self, m: Model, request: Request, body: bytes, path: str) -> httpx.Response:
-        """Send the request upstream; a connection that fails before any answer (the server
-        died since it was found ready) is retried once, after waiting for it again."""
-        url = providers.base_url(m.profile) + path
-        if request.url.query:
-            url += "?" + request.url.query
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP]
-        headers.append(("accept-encoding", "identity"))  # bytes pass through as they are
-        if m.api_key:
-            headers += [("authorization", f"Bearer {m.api_key}"), ("x-api-key", m.api_key)]
-        for attempt in (1, 2):
-            req = self.http.build_request(request.method, url, content=body, headers=headers)
-            try:
-                return await self.http.send(req, stream=True)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-                if attempt == 2:
-                    raise RouteError(502, _gone(m, e)) from None
-                log.warning("%s: %s; waiting for it again", m.name, e)
-                m.ready_pid = None
-                await _until(request, self.pool.ready(m))
-        raise AssertionError("unreachable")
-
-    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float, asked=None):
-        """The upstream stream as it comes (each event's `model` the name asked for); if the
-        server goes away mid-stream, an error event (after a blank line if it was cut
-        mid-event) instead of a silent end."""
-        tail = b"\n\n"
-        meter = Meter(m.name, t0)
-        names = Renamer(asked)
-        try:
-            async for chunk in resp.aiter_raw():
-                if chunk:
-                    tail = (tail + chunk)[-2:]
-                    meter.feed(chunk)
-                    if out := names.feed(chunk):
-                        yield out
-            if out := names.rest():
-                yield out
-        except httpx.HTTPError as e:
-            m.ready_pid = None
-            log.warning("%s: stream cut: %s", m.name, e)
-            cut = b"" if tail == b"\n\n" else b"\n" if tail.endswith(b"\n") else b"\n\n"
-            yield cut + dialects.error_event(RouteError(502, _gone(m, e)), path)
-        finally:
-            self.metrics.add(meter.sample())  # also for a client gone mid-answer
-
-    async def _kept_alive(
-        self, waiting: asyncio.Future, m: Model, request, body, path: str, t0: float
-    ):
-        """SSE comments while the model starts, then its stream (or the reason it failed)."""
-        resp = None
-        try:
-            while not waiting.done():
-                yield f": macserve router: starting {m.name} ({time.monotonic() - t0:.0f}s)\n\n".encode()
-                await asyncio.wait({waiting}, timeout=self.settings.keep_alive)
-            try:
-                waiting.result()
-                resp = await self._open(m, request, body, path)
-            except RouteError as e:
-                yield dialects.error_event(e, path)
-                return
-            except _ClientGone:
-                return
-            if not _is_stream(resp):  # the server refused the request (4xx): say why
-                text = (await resp.aread()).decode(errors="replace")
-                err = RouteError(resp.status_code, _message(text))
-                yield dialects.error_event(err, path)
-                return
-            async for b in self._pipe(resp, m, path, t0, request.state.asked):
-                yield b
-        finally:
-            waiting.cancel()
-            if resp is not None:
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _until(request: Request, aw):
-    """Await `aw` unless the client disconnects first (then cancel it: an upstream request in
-    it is closed, which the server sees as a disconnect)."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        raise _ClientGone
-    finally:
-        watcher.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _closer(gen, resp: httpx.Response | None = None):
-    async def close():
-        await gen.aclose()
-        if resp is not None:
-            await resp.aclose()
-
-    return close
-
-
-def _is_stream(resp: httpx.Response) -> bool:
-    return resp.headers.get("content-type", "").startswith("text/event-stream")
-
-
-def _headers(resp: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _RESPONSE_DROP}
-
-
-def _gone(m: Model, e: Exception) -> str:
-    why = " ".join(str(e).split()) or type(e).__name__
-    return (
-        f"model {m.name}: its server went away ({why}); the next request waits for it to come back"
-    )
-
-
-def _message(text: str) -> str:
-    try:
-        d = json.loads(text)
-        err = d.get("error")
-        return err.get("message") if isinstance(err, dict) else str(err or d)
-    except (ValueError, AttributeError):
-        return text.strip()[:500]
-
 
 def _entry(x: dict) -> dict:
     """A /v1/models entry: OpenAI's fields, Anthropic's (its client lists these), the pool's."""
@@ -426,7 +149,7 @@ def create_app(settings: Settings):
     async def lifespan(app):
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(THREADS))
         # No read timeout: a long answer may take minutes between its first and last byte.
-        router.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        router.proxy.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
         await pool.reap()  # what already runs, counted from now
         keyed = router.keyed_open()
         if keyed:
@@ -441,7 +164,7 @@ def create_app(settings: Settings):
             yield
         finally:
             reaper.cancel()
-            await router.http.aclose()
+            await router.proxy.http.aclose()
             pool.unpublish()
 
     app = Starlette(
