@@ -148,11 +148,11 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert (state("tiny"), state("gguf"), state("tiny2")) == ("stopped", "running", "running")
     rlog = log_text(macserve_home, "router")
-    assert "stopping tiny: evicted, least recently used: tiny2 needs" in rlog
+    assert "tiny: running -> stopping: evicted, least recently used: tiny2 needs" in rlog
 
     # tiny2's TTL of 2s: stopped once idle; gguf (TTL 60s) keeps running
     poll(lambda: state("tiny2") == "stopped", "tiny2 to be stopped after its TTL", timeout=30)
-    assert "stopping tiny2: idle 2." in log_text(macserve_home, "router")
+    assert "tiny2: running -> stopping: idle 2." in log_text(macserve_home, "router")
     assert state("gguf") == "running"
     rows = {x["name"]: x for x in json.loads(cli("ls", "--json").stdout)}
     assert rows["gguf"]["routed"][0]["router"] == url
@@ -301,7 +301,7 @@ def test_router_failures_races_keep_alive_and_disconnects(
         assert lines[-1] == "data: [DONE]"
         assert any(x.startswith("data: {") for x in lines)
         assert starts(macserve_home, "tiny") == 1
-        assert router.log.read_text().count("starting tiny") == 1
+        assert router.log.read_text().count("tiny: stopped -> starting") == 1
 
         # a client that goes away mid-stream: the engine sees it (its /health counts it)
         tiny_url = manager.base_url(ProfileStore().load("tiny"))
@@ -403,7 +403,7 @@ def test_router_drives_launchd(launchctl, macserve_home, tmp_path):
 
             poll(disabled, "the router to stop tiny after its TTL", timeout=30)
             assert seen == [["kill", "SIGTERM", target], ["bootout", target], ["disable", target]]
-            assert "stopping tiny: idle" in router.log.read_text()
+            assert "tiny: running -> stopping: idle" in router.log.read_text()
 
 
 def cli_launchd(*args):

@@ -11,7 +11,7 @@ import click
 
 from ..errors import MacserveError
 from ..router import app as router_app
-from ..router import pool as router_pool
+from ..router.model import Settings as RouterSettings
 from ..services import manager
 from ..services.profiles import NEVER, parse_duration
 from ..services.providers import url_host
@@ -93,7 +93,7 @@ def router(
     url = f"http://{url_host(host)}:{port or ROUTER_PORT}"
     click.echo(f"router: API at {url}/v1, web page at {url}/ui", err=True)
     router_app.run(
-        router_pool.Settings(
+        RouterSettings(
             host=host,
             port=port or ROUTER_PORT,
             ttl=ttl,

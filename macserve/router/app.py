@@ -38,8 +38,9 @@ from .. import listen
 from ..services import providers
 from ..web import dialects, guards
 from . import prom, ui
+from .errors import RouteError
 from .model import Settings, size
-from .pool import Pool, RouteError
+from .pool import Pool
 from .proxy import READ_TIMEOUT, Proxy
 
 log = logging.getLogger("macserve.router")

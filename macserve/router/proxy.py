@@ -29,9 +29,10 @@ from ..services import providers
 from ..web import anthropic_api, dialects, jsonbody
 from ..web.body import read_body
 from ..web.errors import HttpError
+from .errors import RouteError
 from .metrics import Meter, Metrics
 from .model import Model, Settings
-from .pool import Lease, Pool, RouteError
+from .pool import Lease, Pool
 from .rename import Renamer
 
 log = logging.getLogger("macserve.router")
