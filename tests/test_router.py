@@ -202,18 +202,9 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     assert json.loads(cli("status", "gguf", "--json").stdout)["services"][0]["pid"] == gguf_pid
 
 
-def test_router_failures_races_keep_alive_and_disconnects(
-    llama_server,
-    model_gguf,
-    services,
-    macserve_home,
-    tmp_path,
-):
-    """Keys: the router's own, the profile's sent upstream in its place. A profile that
-    cannot start returns its server's own error line (and is left stopped);
-    one bigger than the whole budget is refused; two racing requests start a profile once,
-    the streaming one kept alive with SSE comments; a client that goes away mid-stream
-    disconnects the server too."""
+def _keyed_router_profiles(model_gguf, tmp_path):
+    """tiny (its own upstream key), bad (weights cut short: cannot load) and gguf, with a RAM
+    whose budget holds tiny but not gguf; the router's args for it."""
     broken = tmp_path / "broken"
     shutil.copytree(TINY_MODEL, broken)
     with open(broken / "model.safetensors", "r+b") as f:
@@ -233,16 +224,52 @@ def test_router_failures_races_keep_alive_and_disconnects(
 
     port = free_port()
     args = ["router", "--port", str(port), "--memory", f"{ram}B", "--keep-alive", "0.3"]
+    return broken, port, args
+
+
+def _keyed_router(macserve_home, port, args):
     variables = dict(
         os.environ,
         PYTHONPATH=str(REPO),
         MACSERVE_SERVICE_BACKEND="supervisor",
         MACSERVE_API_KEY=KEY,
     )
-    with router_process(macserve_home, args, port, variables) as router:
+    return router_process(macserve_home, args, port, variables)
+
+
+def test_router_refuses_a_keyed_profile_a_failed_start_a_model_too_big_and_no_model(
+    llama_server,
+    model_gguf,
+    services,
+    macserve_home,
+    tmp_path,
+):
+    """Keys: the router's own asked for. A profile that cannot start returns its server's own
+    error line (and is left stopped); one bigger than the whole budget is refused at once; an
+    unknown model and no model get clear 4xx in each API's shape."""
+    broken, port, args = _keyed_router_profiles(model_gguf, tmp_path)
+    with _keyed_router(macserve_home, port, args) as router:
         url = router.url
         r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny"}, timeout=30)
         assert r.status_code == 401 and state("tiny") == "not installed"
+
+        # an unknown model, and no model: clear 4xx in each API's shape
+        auth = {"authorization": f"Bearer {KEY}"}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, headers=auth)
+        assert r.status_code == 404 and "known: bad, gguf, tiny" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=auth)
+        assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
+
+        # bigger than the budget alone: refused at once, nothing started
+        r = httpx.post(
+            url + "/v1/messages",
+            json={"model": "gguf", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-api-key": KEY},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert "cannot fit even alone" in r.json()["error"]["message"]
+        assert state("gguf") == "not installed"
 
         # cannot start: a 5xx carrying the engine's own error line; no crash loop left
         with pytest.raises(openai.APIStatusError) as e:
@@ -256,23 +283,21 @@ def test_router_failures_races_keep_alive_and_disconnects(
         assert state("bad") == "stopped"
         assert listing(url, KEY)["bad"]["error"]
 
-        # bigger than the budget alone: refused at once, nothing started
-        r = httpx.post(
-            url + "/v1/messages",
-            json={"model": "gguf", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
-            headers={"x-api-key": KEY},
-            timeout=30,
-        )
-        assert r.status_code == 400 and r.json()["type"] == "error"
-        assert "cannot fit even alone" in r.json()["error"]["message"]
-        assert state("gguf") == "not installed"
 
-        # an unknown model, and no model: clear 4xx in each API's shape
+def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnects_on(
+    llama_server,
+    model_gguf,
+    services,
+    macserve_home,
+    tmp_path,
+):
+    """The profile's key sent upstream in place of the router's; two racing requests start a
+    profile once, the streaming one kept alive with SSE comments; a client that goes away
+    mid-stream disconnects the server too."""
+    _, port, args = _keyed_router_profiles(model_gguf, tmp_path)
+    with _keyed_router(macserve_home, port, args) as router:
+        url = router.url
         auth = {"authorization": f"Bearer {KEY}"}
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, headers=auth)
-        assert r.status_code == 404 and "known: bad, gguf, tiny" in r.json()["error"]["message"]
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=auth)
-        assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
 
         # two requests race for the stopped tiny: one start; the streaming one is kept alive
         results = {}
