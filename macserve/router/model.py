@@ -43,9 +43,7 @@ class Model(Machine):
     def __init__(self, profile: Profile, api_key: str | None, stamp: tuple):
         super().__init__(profile.name)
         self.inflight = 0  # requests waiting for it or being answered by it
-        self.last_used = (
-            0.0  # the pool's clock (ops.clock) at the end of its last request; 0: never
-        )
+        self.last_used = 0.0  # ops.clock() at the end of its last request; 0: never
         self.start_task: asyncio.Task | None = None
         self.stop_task: asyncio.Task | None = None
         self.ready_pid: int | None = None  # the process last seen ready
