@@ -471,3 +471,28 @@ def test_the_pool_logs_each_move_of_a_request_and_an_eviction(caplog):
         "b: starting -> running",
     ]
     assert any(x.startswith("a: running -> stopping: evicted, least recently used") for x in moves)
+
+
+SUPERVISOR_STATES = (
+    "running",
+    "starting",
+    "stopping",
+    "stopped",
+    "exited",
+    "failed",
+    "not installed",
+)
+
+
+@pytest.mark.parametrize("was", list(State))
+def test_whatever_the_supervisor_says_is_a_legal_move_from_every_state(was):
+    """The pool follows the supervisor (a crash, a start or stop by hand) from any state without
+    an illegal move: a refusal there would break every reaper tick."""
+    w = World()
+    pool = pool_of(w, a=0.4)
+    m = pool.models["a"]
+    for says in SUPERVISOR_STATES:
+        m._state = was  # the state under test, however it was reached
+        pool.observe(m, Status("a", True, says, pid=7 if says == "running" else None))
+        want = {"running": State.RUNNING, "starting": State.STARTING, "stopping": State.STOPPING}
+        assert m.state is want.get(says, State.FAILED if was is State.FAILED else State.STOPPED)

@@ -200,6 +200,9 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     )
     assert out.content[0].text
     assert json.loads(cli("status", "gguf", "--json").stdout)["services"][0]["pid"] == gguf_pid
+    # every move of every profile's state was one the table allows (a refused one is logged
+    # with its traceback, in a request's 500 or a failed reaper tick)
+    assert "IllegalTransition" not in log_text(macserve_home, "router")
 
 
 def _keyed_router_profiles(model_gguf, tmp_path):
@@ -350,6 +353,7 @@ def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnec
         # the upstream key went only where it belongs: tiny refuses a request without it
         r = httpx.post(tiny_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 401
+        assert "IllegalTransition" not in router.log.read_text()
 
 
 def test_router_mlx_profile(tiny_mlx_f32, services, macserve_home):
