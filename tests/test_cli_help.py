@@ -192,8 +192,8 @@ def test_declared_defaults_agree_with_their_wings():
     from macserve.cli import bench, chat, engine, router
     from macserve.engine import gate
     from macserve.engine.bench import kv
+    from macserve.router.model import DEFAULT_START_TIMEOUT
     from macserve.services.providers.router import DEFAULT_PORT
-    from macserve.services.router.model import DEFAULT_START_TIMEOUT
 
     assert chat.DEFAULT_MAX_TOKENS == chat_client.DEFAULT_MAX_TOKENS
     assert engine.DEFAULT_TARGET == gate.DEFAULT_TARGET

@@ -148,11 +148,11 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert (state("tiny"), state("gguf"), state("tiny2")) == ("stopped", "running", "running")
     rlog = log_text(macserve_home, "router")
-    assert "stopping tiny: evicted, least recently used: tiny2 needs" in rlog
+    assert "tiny: running -> stopping: evicted, least recently used: tiny2 needs" in rlog
 
     # tiny2's TTL of 2s: stopped once idle; gguf (TTL 60s) keeps running
     poll(lambda: state("tiny2") == "stopped", "tiny2 to be stopped after its TTL", timeout=30)
-    assert "stopping tiny2: idle 2." in log_text(macserve_home, "router")
+    assert "tiny2: running -> stopping: idle 2." in log_text(macserve_home, "router")
     assert state("gguf") == "running"
     rows = {x["name"]: x for x in json.loads(cli("ls", "--json").stdout)}
     assert rows["gguf"]["routed"][0]["router"] == url
@@ -200,20 +200,14 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     )
     assert out.content[0].text
     assert json.loads(cli("status", "gguf", "--json").stdout)["services"][0]["pid"] == gguf_pid
+    # every move of every profile's state was one the table allows (a refused one is logged
+    # with its traceback, in a request's 500 or a failed reaper tick)
+    assert "IllegalTransition" not in log_text(macserve_home, "router")
 
 
-def test_router_failures_races_keep_alive_and_disconnects(
-    llama_server,
-    model_gguf,
-    services,
-    macserve_home,
-    tmp_path,
-):
-    """Keys: the router's own, the profile's sent upstream in its place. A profile that
-    cannot start returns its server's own error line (and is left stopped);
-    one bigger than the whole budget is refused; two racing requests start a profile once,
-    the streaming one kept alive with SSE comments; a client that goes away mid-stream
-    disconnects the server too."""
+def _keyed_router_profiles(model_gguf, tmp_path):
+    """tiny (its own upstream key), bad (weights cut short: cannot load) and gguf, with a RAM
+    whose budget holds tiny but not gguf; the router's args for it."""
     broken = tmp_path / "broken"
     shutil.copytree(TINY_MODEL, broken)
     with open(broken / "model.safetensors", "r+b") as f:
@@ -233,16 +227,52 @@ def test_router_failures_races_keep_alive_and_disconnects(
 
     port = free_port()
     args = ["router", "--port", str(port), "--memory", f"{ram}B", "--keep-alive", "0.3"]
+    return broken, port, args
+
+
+def _keyed_router(macserve_home, port, args):
     variables = dict(
         os.environ,
         PYTHONPATH=str(REPO),
         MACSERVE_SERVICE_BACKEND="supervisor",
         MACSERVE_API_KEY=KEY,
     )
-    with router_process(macserve_home, args, port, variables) as router:
+    return router_process(macserve_home, args, port, variables)
+
+
+def test_router_refuses_a_keyed_profile_a_failed_start_a_model_too_big_and_no_model(
+    llama_server,
+    model_gguf,
+    services,
+    macserve_home,
+    tmp_path,
+):
+    """Keys: the router's own asked for. A profile that cannot start returns its server's own
+    error line (and is left stopped); one bigger than the whole budget is refused at once; an
+    unknown model and no model get clear 4xx in each API's shape."""
+    broken, port, args = _keyed_router_profiles(model_gguf, tmp_path)
+    with _keyed_router(macserve_home, port, args) as router:
         url = router.url
         r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny"}, timeout=30)
         assert r.status_code == 401 and state("tiny") == "not installed"
+
+        # an unknown model, and no model: clear 4xx in each API's shape
+        auth = {"authorization": f"Bearer {KEY}"}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, headers=auth)
+        assert r.status_code == 404 and "known: bad, gguf, tiny" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=auth)
+        assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
+
+        # bigger than the budget alone: refused at once, nothing started
+        r = httpx.post(
+            url + "/v1/messages",
+            json={"model": "gguf", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-api-key": KEY},
+            timeout=30,
+        )
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert "cannot fit even alone" in r.json()["error"]["message"]
+        assert state("gguf") == "not installed"
 
         # cannot start: a 5xx carrying the engine's own error line; no crash loop left
         with pytest.raises(openai.APIStatusError) as e:
@@ -256,23 +286,21 @@ def test_router_failures_races_keep_alive_and_disconnects(
         assert state("bad") == "stopped"
         assert listing(url, KEY)["bad"]["error"]
 
-        # bigger than the budget alone: refused at once, nothing started
-        r = httpx.post(
-            url + "/v1/messages",
-            json={"model": "gguf", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
-            headers={"x-api-key": KEY},
-            timeout=30,
-        )
-        assert r.status_code == 400 and r.json()["type"] == "error"
-        assert "cannot fit even alone" in r.json()["error"]["message"]
-        assert state("gguf") == "not installed"
 
-        # an unknown model, and no model: clear 4xx in each API's shape
+def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnects_on(
+    llama_server,
+    model_gguf,
+    services,
+    macserve_home,
+    tmp_path,
+):
+    """The profile's key sent upstream in place of the router's; two racing requests start a
+    profile once, the streaming one kept alive with SSE comments; a client that goes away
+    mid-stream disconnects the server too."""
+    _, port, args = _keyed_router_profiles(model_gguf, tmp_path)
+    with _keyed_router(macserve_home, port, args) as router:
+        url = router.url
         auth = {"authorization": f"Bearer {KEY}"}
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "nope"}, headers=auth)
-        assert r.status_code == 404 and "known: bad, gguf, tiny" in r.json()["error"]["message"]
-        r = httpx.post(url + "/v1/chat/completions", json={"messages": []}, headers=auth)
-        assert r.status_code == 400 and "`model` is required" in r.json()["error"]["message"]
 
         # two requests race for the stopped tiny: one start; the streaming one is kept alive
         results = {}
@@ -301,7 +329,7 @@ def test_router_failures_races_keep_alive_and_disconnects(
         assert lines[-1] == "data: [DONE]"
         assert any(x.startswith("data: {") for x in lines)
         assert starts(macserve_home, "tiny") == 1
-        assert router.log.read_text().count("starting tiny") == 1
+        assert router.log.read_text().count("tiny: stopped -> starting") == 1
 
         # a client that goes away mid-stream: the engine sees it (its /health counts it)
         tiny_url = manager.base_url(ProfileStore().load("tiny"))
@@ -325,6 +353,7 @@ def test_router_failures_races_keep_alive_and_disconnects(
         # the upstream key went only where it belongs: tiny refuses a request without it
         r = httpx.post(tiny_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
         assert r.status_code == 401
+        assert "IllegalTransition" not in router.log.read_text()
 
 
 def test_router_mlx_profile(tiny_mlx_f32, services, macserve_home):
@@ -403,7 +432,7 @@ def test_router_drives_launchd(launchctl, macserve_home, tmp_path):
 
             poll(disabled, "the router to stop tiny after its TTL", timeout=30)
             assert seen == [["kill", "SIGTERM", target], ["bootout", target], ["disable", target]]
-            assert "stopping tiny: idle" in router.log.read_text()
+            assert "tiny: running -> stopping: idle" in router.log.read_text()
 
 
 def cli_launchd(*args):

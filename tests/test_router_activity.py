@@ -1,10 +1,10 @@
 """Issue 27: the router's idle clock sees clients that talk to a profile's port directly, from
-the server's own /metrics (services/router/activity.py). A real router process, a real
+the server's own /metrics (router/activity.py). A real router process, a real
 engine profile and a real llama-server profile under supervisord, raw HTTP to their ports."""
 
 import httpx
 
-from macserve.services.router.activity import reading
+from macserve.router.activity import reading
 
 from .conftest import TINY_MODEL
 from .fixtures import cli, free_port, poll, router_process, status

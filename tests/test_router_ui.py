@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from macserve.router.model import size
 from macserve.services import manager
-from macserve.services.router.model import size
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, router_process, state

@@ -1,6 +1,6 @@
 """`macserve router`: one endpoint for every profile, in the foreground or as a service.
 
-Parsing and printing only; the work is in services/router/ and services/manager.py.
+Parsing and printing only; the work is in router/ and services/manager.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ manager = lazy("macserve.services.manager")
 profiles = lazy("macserve.services.profiles")
 values = lazy("macserve.services.values")
 providers = lazy("macserve.services.providers")
-router_app = lazy("macserve.services.router.app")
-router_pool = lazy("macserve.services.router.pool")
+router_app = lazy("macserve.router.app")
+router_model = lazy("macserve.router.model")
 
-# the services wing's (services/providers/router.py, services/router/model.py: starlette and
+# the wings' (services/providers/router.py, router/model.py: starlette and
 # uvicorn); tests/test_cli_help.py checks that they agree
 ROUTER_PORT = 8000
 DEFAULT_START_TIMEOUT = 300.0
@@ -174,7 +174,7 @@ def router(
     url = f"http://{providers.url_host(host)}:{port or ROUTER_PORT}"
     click.echo(f"router: API at {url}/v1, web page at {url}/ui", err=True)
     router_app.run(
-        router_pool.Settings(
+        router_model.Settings(
             host=host,
             port=port or ROUTER_PORT,
             ttl=ttl,

@@ -1,6 +1,6 @@
 """What a running router publishes for `macserve ls`: `$MACSERVE_HOME/run/routers/PORT.json`.
 
-A services-level file format, so the router (services/router/, which writes it) and `ls`
+A services-level file format, so the router (the router/ wing, which writes it) and `ls`
 (views.py, which reads it) share it without the services wing importing the router.
 
 Written (atomically) by the router when what it manages changes; read by `ls`, which trusts a

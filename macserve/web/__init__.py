@@ -4,5 +4,5 @@ the routes (API key, Host check, CORS), uvicorn's h11 protocol with a header rea
 a lingering close, and the bounded request-body read.
 
 A leaf: it imports nothing of macserve but the other leaves, so `server/` and
-`services/router/` can both stand on it.
+`router/` can both stand on it.
 """

@@ -1,5 +1,5 @@
 """`macserve router` as a service (`PROVIDER=router`): one endpoint in front of every other
-profile, starting each on its first request and stopping it when idle (services/router/).
+profile, starting each on its first request and stopping it when idle (router/).
 
 It serves no model (no MODEL key); EXTRA_ARGS holds the router's own options (`--ttl`,
 `--memory`, `--keep-alive`, `--start-timeout`), checked by its click parser like the engine's.

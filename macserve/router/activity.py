@@ -19,7 +19,7 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import providers
+from ..services import providers
 
 # Counters that move with every request's work, and gauges that are non-zero while one runs.
 WORK = (

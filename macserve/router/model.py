@@ -1,5 +1,5 @@
-"""What the router knows of one profile (`Model`: its requests in flight, last use, start or
-stop under way, footprint) and the router's own settings. Mutated on the event loop only.
+"""What the router knows of one profile (`Model`: its state, requests in flight, last use, start
+or stop under way, footprint) and the router's own settings. Mutated on the event loop only.
 """
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from .. import manager, providers
-from ..profiles import Profile
+from ..services import manager, providers
+from ..services.profiles import Profile
+from .state import Machine
 
 DEFAULT_TTL = 300.0  # seconds idle before a stop, like Ollama's keep_alive default (5 min)
 DEFAULT_START_TIMEOUT = 300.0
@@ -35,18 +36,19 @@ class Settings:
     allow_unauthenticated: bool = False
 
 
-class Model:
-    """One profile's runtime state in the router (mutated on the event loop only)."""
+class Model(Machine):
+    """One profile in the router: its state (state.py: `state`, `transition`) and what the
+    supervisor cannot tell (mutated on the event loop only)."""
 
     def __init__(self, profile: Profile, api_key: str | None, stamp: tuple):
-        self.name = profile.name
+        super().__init__(profile.name)
         self.inflight = 0  # requests waiting for it or being answered by it
-        self.last_used = 0.0  # time.monotonic() of the end of its last request; 0: never
+        self.last_used = 0.0  # ops.clock() at the end of its last request; 0: never
         self.start_task: asyncio.Task | None = None
         self.stop_task: asyncio.Task | None = None
         self.ready_pid: int | None = None  # the process last seen ready
         self.admitted = False  # counted in the budget, its start under way
-        self.state = "stopped"  # the supervisor's, as last read
+        self.seen = "stopped"  # the supervisor's state (Status.state), as last read
         self.error: str | None = None  # why the last start failed
         self.footprint: manager.Footprint | None = None
         self.update(profile, api_key, stamp)

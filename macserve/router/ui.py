@@ -35,11 +35,11 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
-from ...web import guards
-from ...web.body import read_body
-from ...web.errors import HttpError
+from ..web import guards
+from ..web.body import read_body
+from ..web.errors import HttpError
 from . import ui_ops, ui_page
-from .pool import RouteError
+from .errors import RouteError
 
 PREFIX = "/ui"
 PUBLIC = (PREFIX, PREFIX + "/login", PREFIX + "/static/")  # the gate lets these through

@@ -7,18 +7,18 @@ start or stop under way, and its footprint (weights + cache at its configured co
 its status is read before a request is forwarded, before a start is admitted, and at every
 reaper tick, so a service started, stopped or crashed behind the router's back is seen.
 
+What the pool asks of the world (the profiles, the supervisor, start and stop, footprints,
+clocks) comes in one `PoolOps` (ops.py), real or faked by the unit tests. Each profile's state
+is a state machine (state.py): named states, the moves allowed, every move logged.
+
 Starting (`ready`): one task per profile; every request for it waits on that task, so racing
 requests start it once. A profile the supervisor runs is only waited for; a stopped one is
 first admitted against the budget, then started with `manager.start` (the same checks, unit
 and health wait as `macserve start`); a failed start is stopped again (no crash loop left
-behind) and its error, with the server's own line, goes to every waiting request.
+behind; FAILED until the next request) and its error, with the server's own line, goes to
+every waiting request.
 
-Admission: one at a time. The footprints of the profiles in memory (running, starting or
-stopping per the supervisor, or admitted and not yet started) plus this one must fit the
-budget (the GPU wired limit, `sizing.budget.machine_budget`); if not, idle profiles are
-stopped, least recently used first. A profile with requests in flight, a start under way, or
-TTL=never is never evicted: if only such profiles stand in the way, the start waits for them
-to finish (up to the start timeout). A profile bigger than the whole budget is refused at once.
+Admission (the memory budget: who fits, who is evicted): admission.py.
 
 Idle stop: a reaper stops a profile whose last request ended more than its TTL ago (the
 profile's TTL key, else the router's --ttl). A profile found running that the router never
@@ -32,44 +32,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
-from ...errors import MacserveError
-from ...sizing.budget import machine_budget
-from ...web.errors import HttpError
-from .. import manager, providers, usage
-from .. import routed as state_file
-from ..supervisors import Status
-from .activity import Activity
-
-# Model and Settings live in model.py; app.py and cli/router.py still name them (and size,
-# DEFAULT_START_TIMEOUT) here.
-from .model import DEFAULT_START_TIMEOUT, Model, Settings, clear_task, mtime, size  # noqa: F401
+from ..errors import MacserveError
+from ..services import providers
+from ..services import routed as state_file
+from ..services.footprint import Footprint
+from ..services.supervisors import Status
+from ..sizing.budget import machine_budget
+from . import admission
+from .admission import IN_MEMORY
+from .errors import RouteError
+from .model import Model, Settings, clear_task, mtime
+from .ops import PoolOps
 from .prom import RouterMetrics
+from .state import State
 
 log = logging.getLogger("macserve.router")
 
-IN_MEMORY = ("running", "starting", "stopping")  # supervisor states that hold the model's memory
+WAITS, STARTS = "waiting for its server to answer", "starting it"  # why a request moves it
+# The supervisor's states as the router's (every other one: stopped, exited, failed, not installed).
+SEEN = {"running": State.RUNNING, "starting": State.STARTING, "stopping": State.STOPPING}
 TICK_MIN, TICK_MAX = 0.1, 5.0
-
-
-class RouteError(HttpError):
-    """A request the router answers itself (web.errors.HttpError, with the router's argument
-    order). The router always says whether a client should retry (`x-should-retry`): by
-    default not, since its errors are the request's or a server's that failed to start."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "server_error",
-        retry: bool = False,
-        retry_after: float | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(
-            status, message, type_=type_, code=code, retry_after=retry_after, retry=retry
-        )
 
 
 class Lease:
@@ -83,29 +66,28 @@ class Lease:
         if not self.done:
             self.done = True
             self.model.inflight -= 1
-            self.model.last_used = time.monotonic()
+            self.model.last_used = self.pool.ops.clock()
             self.pool.pulse()
 
 
 class Pool:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, ops: PoolOps | None = None):
         self.settings = settings
+        self.ops = ops or PoolOps.real()
         self.budget = machine_budget(settings.memory_bytes)
         self.models: dict[str, Model] = {}
         self.broken: dict[str, tuple] = {}  # profiles that do not load: name -> (why, stamp)
-        self.backend = manager.get_backend()
         self._admission: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
         self._published: str | None = None
-        self._held: set[str] = set()  # left running while a `set` changes them (logged once)
+        self.held: set[str] = set()  # left running while a `set` changes them (logged once)
         self.prom = RouterMetrics(self)
-        self.activity = Activity()
 
     # ---- the profiles --------------------------------------------------------------------------
 
     def refresh(self) -> None:
         """Pick up new, changed and removed profiles (a stat per profile; parsed on change)."""
-        st = manager.store()
+        st = self.ops.profiles()
         names = st.names()
         for name in names:
             stamp = tuple(mtime(p) for p in (st.path(name), st.secrets_path(name)))
@@ -165,7 +147,7 @@ class Pool:
     # ---- the event loop's helpers --------------------------------------------------------------
 
     @property
-    def admission(self) -> asyncio.Lock:
+    def admission_lock(self) -> asyncio.Lock:
         if self._admission is None:
             self._admission = asyncio.Lock()
         return self._admission
@@ -176,27 +158,41 @@ class Pool:
             self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _wait_change(self, timeout: float) -> None:
+    async def wait_change(self, timeout: float) -> None:
         if self._changed is None:
             self._changed = asyncio.Event()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def status(self, m: Model) -> Status:
-        st = await asyncio.to_thread(self.backend.status, m.name)
-        m.state = st.state
+        st = await asyncio.to_thread(self.ops.status, m.name)
+        self.observe(m, st)
         return st
 
     async def statuses(self) -> dict[str, Status]:
         models = list(self.models.values())
-        sts = await asyncio.to_thread(lambda: [self.backend.status(m.name) for m in models])
+        sts = await asyncio.to_thread(lambda: [self.ops.status(m.name) for m in models])
         for m, st in zip(models, sts):
-            m.state = st.state
+            self.observe(m, st)
         return {m.name: st for m, st in zip(models, sts)}
 
-    async def footprint(self, m: Model) -> manager.Footprint:
+    def observe(self, m: Model, st: Status) -> None:
+        """The supervisor's view, read: kept in `seen`, and followed by the state machine
+        when no start or stop of the router's is under way (those move it themselves): a
+        crash, a start or stop by hand, a respawn. A failed start stays FAILED while stopped."""
+        m.seen = st.state
+        if m.start_task is not None or m.stop_task is not None:
+            return
+        to = SEEN.get(st.state, State.STOPPED)
+        if to is State.STOPPED and m.state is State.FAILED:
+            return
+        if to is not m.state:
+            died = " (its process died)" if st.died else ""
+            m.transition(to, f"the supervisor says {st.state}{died}")
+
+    async def footprint(self, m: Model) -> Footprint:
         if m.footprint is None:
-            m.footprint = await asyncio.to_thread(manager.footprint, m.name)
+            m.footprint = await asyncio.to_thread(self.ops.footprint, m.name)
         return m.footprint
 
     def lease(self, m: Model) -> Lease:
@@ -214,31 +210,47 @@ class Pool:
             if st.state == "running" and st.pid and st.pid == m.ready_pid:
                 return
             if m.start_task is None and m.stop_task is None:
+                if m.state is not State.STARTING:
+                    up = st.state in ("running", "starting") and not st.died
+                    m.transition(State.STARTING, f"a request: {WAITS if up else STARTS}")
                 task = asyncio.ensure_future(self._bring_up(m, st))
                 m.start_task = task
-                task.add_done_callback(lambda t: clear_task(m, "start_task", t))
+                task.add_done_callback(lambda t: self._start_done(m, t))
         if m.start_task is None:  # a stop began while the status was read
             return await self.ready(m)
         await asyncio.shield(m.start_task)
 
+    def _start_done(self, m: Model, task: asyncio.Task) -> None:
+        """A start that ended without settling (admission refused, a bug): back to stopped."""
+        clear_task(m, "start_task", task)
+        if m.state is State.STARTING and m.start_task is None:
+            why = "not started" if task.cancelled() else f"not started: {task.exception()}"
+            m.transition(State.STOPPED, why)
+
+    def _settle(self, m: Model, to: State, why: str) -> None:
+        """The end of a start: unless a stop overtook it (the page's), which then decides."""
+        if m.state is State.STARTING:
+            m.transition(to, why)
+
     async def _bring_up(self, m: Model, st: Status) -> None:
         timeout = self.settings.start_timeout
+        clock = self.ops.clock
         restart = False
         if st.state in ("running", "starting") and not st.died:
             # Up (perhaps respawned by its supervisor after a crash): wait for it.
-            ok, why = await asyncio.to_thread(manager.wait_ready, m.profile, timeout)
+            ok, why = await asyncio.to_thread(self.ops.wait_ready, m.profile, timeout)
             if ok:
                 m.ready_pid = (await self.status(m)).pid
-                m.last_used, m.error = time.monotonic(), None
+                m.last_used, m.error = clock(), None
+                self._settle(m, State.RUNNING, f"ready (pid {m.ready_pid})")
                 return
             log.warning("%s: running but not ready (%s): restarting it", m.name, why)
             restart = True  # its memory is already counted: no admission
         else:
-            await self._admit(m)
-        t0 = time.monotonic()
-        log.info("starting %s", m.name)
+            await admission.admit(self, m)
+        t0 = clock()
         try:
-            fn = manager.restart if restart else manager.start
+            fn = self.ops.restart if restart else self.ops.start
             out = await asyncio.to_thread(fn, m.name, timeout=timeout)
         except MacserveError as e:
             m.error = str(e)
@@ -246,119 +258,43 @@ class Pool:
             log.error("%s did not start: %s", m.name, e)
             # Leave no crash loop (nor its memory) behind: the next request starts it afresh.
             with contextlib.suppress(MacserveError):
-                await asyncio.to_thread(self.backend.stop, m.name)
-            m.state = "stopped"
+                await asyncio.to_thread(self.ops.stop, m.name)
+            m.seen = "stopped"
+            self._settle(m, State.FAILED, "its start failed, stopped again")
             raise RouteError(502, f"model {m.name} did not start: {e}", "server_error") from None
         finally:
             m.admitted = False
             self.pulse()
-        m.ready_pid, m.state = out.pid, "running"
-        m.last_used, m.error = time.monotonic(), None
-        self.prom.started(m.name, time.monotonic() - t0)
-        log.info("%s ready in %.1fs (pid %s)", m.name, time.monotonic() - t0, out.pid)
-
-    # ---- the budget -----------------------------------------------------------------------------
-
-    def _evictable(self, o: Model) -> bool:
-        if o.inflight or o.admitted or o.start_task or o.stop_task or o.profile.always_on:
-            return False
-        if manager.changing(o.name):
-            # a `set` is changing it: stopping it now would read as its new settings failing
-            if o.name not in self._held:
-                self._held.add(o.name)
-                log.info("%s: left running: a change to it is in progress (macserve set)", o.name)
-            return False
-        self._held.discard(o.name)
-        return True
-
-    async def _holders(self, exclude: Model) -> list[tuple[Model, int]]:
-        """The other profiles holding memory now (or about to), with their footprints."""
-        sts = await self.statuses()
-        out = []
-        for o in list(self.models.values()):
-            if o is exclude:
-                continue
-            if o.admitted or sts[o.name].state in IN_MEMORY:
-                fp = await self.footprint(o)
-                out.append((o, fp.total_bytes or 0))
-        return out
-
-    async def _admit(self, m: Model) -> None:
-        fp = await self.footprint(m)
-        need, budget = fp.total_bytes, self.budget.budget_bytes
-        if need is None:
-            log.warning("%s: footprint unknown (%s): started without counting it", m.name, fp.error)
-            m.admitted = True
-            return
-        if need > budget:
-            fix = (
-                f"give it a smaller context (macserve set {m.name} -- CTX=N) or raise the "
-                "limit (macserve doctor)"
-                if m.provider.context_args(1)
-                else "raise the limit (macserve doctor)"
-            )
-            raise RouteError(
-                400,
-                f"model {m.name} needs {size(need)} (weights {size(fp.weights_bytes)} + cache "
-                f"{size(fp.cache_bytes)} at {fp.ctx or 0:,} tokens, {fp.cache_key}) but the "
-                f"memory budget is {size(budget)} ({self.budget.source}): it cannot fit even "
-                f"alone; {fix}",
-                "invalid_request_error",
-                code="model_too_large",
-            )
-        deadline = time.monotonic() + self.settings.start_timeout
-        async with self.admission:
-            while True:
-                holders = await self._holders(m)
-                used = sum(b for _, b in holders)
-                if used + need <= budget:
-                    m.admitted = True
-                    return
-                victims = sorted(
-                    (h for h in holders if self._evictable(h[0])), key=lambda h: h[0].last_used
-                )
-                freed = 0
-                for v, b in victims:
-                    if used - freed + need <= budget:
-                        break
-                    await self.stop(
-                        v,
-                        f"evicted, least recently used: {m.name} needs {size(need)}, "
-                        f"{size(used)} of {size(budget)} in use",
-                        "evicted",
-                    )
-                    freed += b
-                if victims:
-                    continue  # read the supervisor again: what runs now
-                busy = ", ".join(sorted(o.name for o, _ in holders))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RouteError(
-                        503,
-                        f"no room for model {m.name} ({size(need)}): {size(used)} of the "
-                        f"{size(budget)} budget is held by {busy}, busy or always on",
-                        "unavailable_error",
-                        retry=True,
-                        retry_after=5,
-                    )
-                log.info("%s waits for room: %s busy", m.name, busy)
-                await self._wait_change(min(left, 1.0))
+        m.ready_pid, m.seen = out.pid, "running"
+        m.last_used, m.error = clock(), None
+        self.prom.started(m.name, clock() - t0)
+        self._settle(m, State.RUNNING, f"ready in {clock() - t0:.1f}s (pid {out.pid})")
 
     # ---- stop -----------------------------------------------------------------------------------
 
     async def stop(self, m: Model, why: str, reason: str = "other") -> None:
         if m.stop_task is None:
-            log.info("stopping %s: %s", m.name, why)
             self.prom.stopped(m.name, reason)
-            task = asyncio.ensure_future(asyncio.to_thread(self.backend.stop, m.name))
+            if m.state is State.STOPPING:  # a stop by hand seen under way: the router's too
+                log.info("%s: stopping: %s", m.name, why)
+            else:
+                m.transition(State.STOPPING, why)
+            task = asyncio.ensure_future(self._stop(m))
             m.stop_task = task
             task.add_done_callback(lambda t: clear_task(m, "stop_task", t))
+        await asyncio.shield(m.stop_task)
+        self.pulse()
+
+    async def _stop(self, m: Model) -> None:
         try:
-            await asyncio.shield(m.stop_task)
+            await asyncio.to_thread(self.ops.stop, m.name)
+            why = "stopped"
         except MacserveError as e:
             log.warning("%s: stop failed: %s", m.name, e)
-        m.ready_pid, m.state = None, "stopped"
-        self.pulse()
+            why = f"stop failed ({e}); counted as stopped"
+        m.ready_pid, m.seen = None, "stopped"
+        if m.state is not State.STOPPED:
+            m.transition(State.STOPPED, why)
 
     # ---- the reaper -----------------------------------------------------------------------------
 
@@ -375,50 +311,24 @@ class Pool:
         """Stop every profile idle past its TTL; note the ones seen running for the first time."""
         self.refresh()
         sts = await self.statuses()
-        now = time.monotonic()
+        now = self.ops.clock()
         stops = []
         up = [m for m in self.models.values() if (st := sts.get(m.name)) and st.state in IN_MEMORY]
-        moved = await self.activity.moved(up, self.models.values())  # clients at their ports
+        moved = await self.ops.moved(up, self.models.values())  # clients at their ports
         for m, worked in zip(up, moved):
             if not m.last_used or worked:
                 m.last_used = now  # never served by this router, or used past it: from now
-            used = usage.last(m.name)  # a use past the router (chat to its port, start)
+            used = self.ops.last_use(m.name)  # a use past the router (chat to its port, start)
             if used is not None:
-                m.last_used = max(m.last_used, used - (time.time() - now))
+                m.last_used = max(m.last_used, used - (self.ops.wall() - now))
             ttl = m.ttl(self.settings.ttl)
             idle = m.idle(now)
-            if ttl is not None and idle is not None and idle > ttl and self._evictable(m):
+            if ttl is not None and idle is not None and idle > ttl and admission.evictable(self, m):
                 stops.append(self.stop(m, f"idle {idle:.1f}s, past its TTL of {ttl:g}s", "ttl"))
         if stops:
             await asyncio.gather(*stops)  # side by side: each waits for its process to exit
-        await self._trim()
+        await admission.trim(self)
         self.publish()
-
-    async def _trim(self) -> None:
-        """More in memory than the budget (supervisord starts every installed service when it
-        starts itself; someone ran `macserve start`): stop idle ones, least recently used
-        first, until it fits. A start under way makes its own room instead."""
-        if self.admission.locked():
-            return
-        budget = self.budget.budget_bytes
-        holders = [
-            (m, (await self.footprint(m)).total_bytes or 0)
-            for m in list(self.models.values())
-            if m.admitted or m.state in IN_MEMORY
-        ]
-        used = sum(b for _, b in holders)
-        victims = sorted(
-            (h for h in holders if self._evictable(h[0])), key=lambda h: h[0].last_used
-        )
-        for v, b in victims:
-            if used <= budget:
-                break
-            await self.stop(
-                v,
-                f"over the memory budget ({size(used)} of {size(budget)}), least recently used",
-                "over_budget",
-            )
-            used -= b
 
     async def reap_forever(self) -> None:
         while True:
@@ -431,18 +341,13 @@ class Pool:
     # ---- what a client or `ls` sees -------------------------------------------------------------
 
     def state_of(self, m: Model) -> str:
-        if m.stop_task is not None:
-            return "stopping"
-        if m.start_task is not None:
-            return "starting"
-        return {"running": "running", "starting": "starting", "stopping": "stopping"}.get(
-            m.state, "stopped"
-        )
+        """What clients see: running, starting, stopping or stopped."""
+        return m.state.shown
 
     async def listing(self) -> list[dict]:
         self.refresh()
         await self.statuses()
-        now = time.monotonic()
+        now = self.ops.clock()
         out = []
         for name in sorted(self.models):
             m = self.models[name]
@@ -467,7 +372,7 @@ class Pool:
 
     def publish(self) -> None:
         """Write the state file for `macserve ls` when what it says has changed."""
-        wall = time.time() - time.monotonic()
+        wall = self.ops.wall() - self.ops.clock()
         models = {
             name: {
                 "state": self.state_of(m),

@@ -11,13 +11,17 @@ import asyncio
 import contextlib
 import time
 
-from ...errors import MacserveError
-from .. import manager, providers
-from ..health import failing_before
-from ..profiles import ProfileStore
-from ..supervisors import log_path, logs
+from ..errors import MacserveError
+from ..services import manager, providers
+from ..services.health import failing_before
+from ..services.profiles import ProfileStore
+from ..services.supervisors import log_path, logs
+from . import admission
+from .admission import IN_MEMORY
+from .errors import RouteError
 from .model import Model, size
-from .pool import IN_MEMORY, Pool, RouteError
+from .pool import Pool
+from .state import State
 
 TAIL = 40  # log lines a profile's panel starts with
 EDITABLE = ("CTX", "KV")  # what the page changes; everything else is `macserve set`'s
@@ -130,9 +134,9 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
     st = await pool.status(m)
     if st.state in IN_MEMORY:
         # The budget first: a bigger context must fit beside what else is loaded.
-        async with pool.admission:
+        async with pool.admission_lock:
             fp = await asyncio.to_thread(manager.footprint_of, new)
-            others = await pool._holders(m)
+            others = await admission.holders(pool, m)
             used = sum(b for _, b in others)
             need, budget = fp.total_bytes or 0, pool.budget.budget_bytes
             if used + need > budget:
@@ -146,6 +150,8 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
     # `set` restarts the service itself: meanwhile the pool's requests for it wait on this
     # task (as on a start), and neither the reaper nor an eviction touches it.
     task = asyncio.ensure_future(asyncio.to_thread(_run_set, m.name, changes))
+    if m.state is not State.STARTING:
+        m.transition(State.STARTING, f"set {' '.join(f'{k}={v}' for k, v in changes.items())}")
     m.start_task = task
     lease = pool.lease(m)
     try:
@@ -156,6 +162,8 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
         lease.release()
         m.ready_pid = None  # a new process (or the old settings' again): waited for anew
         m.footprint = None
+        with contextlib.suppress(MacserveError):
+            await pool.status(m)  # the state machine follows what the supervisor runs now
     return out
 
 
