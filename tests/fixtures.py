@@ -215,7 +215,7 @@ def tiny_mlx_f32(tmp_path):
     """The project model with float32 weights: MLX's CPU backend (Linux CI) has no bf16 GatherMM
     for the MoE layers, so mlx_lm.server's generation thread would die on the bf16 original."""
     pytest.importorskip("mlx.core")
-    from macserve.engine.bench.serve import float32_copy
+    from macserve.engine.bench.serve_http import float32_copy
 
     return float32_copy(TINY_MODEL, tmp_path / "tiny-mla-f32")
 

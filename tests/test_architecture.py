@@ -281,31 +281,11 @@ def reexports_used() -> set[tuple[str, str, str]]:
     return found
 
 
-# Modules gathering others' names (a split's leftover) whose users other branches of issue 39
-# own now; the lead points each user at the name's home at the merge and deletes the gathering.
-REEXPORTS_FOR_NOW = {
-    # services/manager.py gathers the service commands; its users are in cli/ (cli helper) and
-    # services/router/ (router helper). Each name's home is in its docstring.
-    "macserve.services.manager",
-}
-# Single names taken through a module that only imported them, in files other branches own.
-REEXPORTED_FOR_NOW = {
-    # cli helper (macserve/cli/**)
-    # providers helper (services/providers/**)
-    ("macserve.services.providers.base", "macserve.services.profiles", "check_secret"),  # values
-}
-
-
 def test_names_are_imported_from_their_home():
     """A name moved to another module is imported from there by every user; the old module
     keeps no re-export of it (a shim hides where a name lives)."""
-    found = {f for f in reexports_used() if f[1] not in REEXPORTS_FOR_NOW}
-    bad = sorted(found - REEXPORTED_FOR_NOW)
+    bad = sorted(reexports_used())
     assert not bad, "\n".join(f"{m} takes {n} from {t}: import it from its home" for m, t, n in bad)
-    stale = sorted(REEXPORTED_FOR_NOW - found)
-    assert not stale, "no longer used, drop from REEXPORTED_FOR_NOW: " + ", ".join(map(str, stale))
-    gone = {t for _, t, _ in reexports_used()}
-    assert REEXPORTS_FOR_NOW <= gone, "drop from REEXPORTS_FOR_NOW: no user left"
 
 
 def test_the_reexport_scan_finds_both_spellings(monkeypatch, tmp_path):

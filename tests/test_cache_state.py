@@ -18,8 +18,9 @@ from macserve.cache_kinds import KIND_NAMES, CacheKind
 from macserve.engine import mla_attention
 from macserve.engine.caches import clone, make_caches
 from macserve.engine.dsa_indexer import DsaCaches
-from macserve.engine.latent_cache import LatentQuant, RotatedLatentCache
+from macserve.engine.latent_cache import RotatedLatentCache
 from macserve.engine.stored_form import restore, to_stored
+from macserve.int2_format import LatentQuant
 
 SMALL = LatentQuant(bits=2, sink=8, recent=16, slack=4)
 SMALL_BF16 = LatentQuant(bits=None, sink=8, recent=16, slack=4)

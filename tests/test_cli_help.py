@@ -242,7 +242,7 @@ def test_profile_names_complete_without_loading_a_wing(tmp_path):
 
 def _lazy_reads() -> dict[str, set[str]]:
     """{module path: the attributes read of it} for every `x = lazy("module")` of a family
-    module, read from their source: `manager.start(...)` reads `start` of services.manager."""
+    module, read from their source: `service_lifecycle.start(...)` reads `start` of services.lifecycle."""
     reads: dict[str, set[str]] = {}
     for name in sorted({cmd.callback.__module__ for _, cmd in COMMANDS}):
         mod = sys.modules[name]
@@ -269,7 +269,8 @@ def test_every_lazy_module_imports_quietly_with_what_bodies_read():
     `macserve dev` command.)"""
     reads = _lazy_reads()
     assert "macserve.services.supervisors.launchd_files" in reads
-    assert {"start", "SetFailed"} <= reads["macserve.services.manager"]
+    assert "start" in reads["macserve.services.lifecycle"]
+    assert "SetFailed" in reads["macserve.services.health"]
     code = (
         "import importlib, json, sys\n"
         "missing = [f'{m}.{a}' for m, attrs in json.loads(sys.argv[1]).items()\n"

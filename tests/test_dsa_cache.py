@@ -16,7 +16,8 @@ from macserve.engine import mla_attention
 from macserve.engine.caches import latent_caches
 from macserve.engine.calibration import caches_for
 from macserve.engine.dsa_indexer import IndexerKeyCache
-from macserve.engine.latent_cache import CODE_STEP, LatentQuant
+from macserve.engine.rows import CODE_STEP
+from macserve.int2_format import LatentQuant
 
 SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 TOPK = 24

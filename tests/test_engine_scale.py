@@ -14,8 +14,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from macserve.engine import mla_attention
 from macserve.engine.bench import engine as bench
+from macserve.engine.bench import setup as bench_setup
+from macserve.engine.bench.decode_read import read_per_step
 from macserve.engine.caches import make_caches
-from macserve.engine.latent_cache import CODE_STEP
+from macserve.engine.rows import CODE_STEP
 from macserve.int2_format import INT2
 
 # Small windows: a short prompt then crosses the sink, the codes and the window.
@@ -24,7 +26,7 @@ SMALL = replace(INT2, sink=8, recent=32, slack=4)
 
 @pytest.fixture(scope="module")
 def v3():
-    s = bench.setup_synthetic("deepseek-v3", 1)
+    s = bench_setup.setup_synthetic("deepseek-v3", 1)
     s.quant = SMALL
     return s
 
@@ -41,7 +43,7 @@ def test_a_bf16_decode_step_stays_bf16(v3):
     try:
         cs = make_caches(v3.model, SMALL, v3.rotations, [None])
         v3.model.set_dtype(mx.bfloat16)
-        bench.fill(cs, 200, v3)
+        bench_setup.fill(cs, 200, v3)
         x = mx.zeros((1, 1, 7168), mx.bfloat16)
         assert bench._conversions(v3.attn(x, None, cs[0])) > 0
     finally:
@@ -67,9 +69,9 @@ def test_greedy_tokens_equal_across_prefill_chunk_sizes_in_bf16(v3):
     prompt = np.random.default_rng(0).integers(0, 1024, size=180).tolist()
     assert len(prompt) >= mla_attention.expanded_from(v3.attn)
     for which in ("int2", "bf16"):
-        ref, rows = _greedy(v3.model, bench.caches(v3, which), prompt, 1)
+        ref, rows = _greedy(v3.model, bench_setup.caches(v3, which), prompt, 1)
         for chunk in (64, 2048):
-            got, _ = _greedy(v3.model, bench.caches(v3, which), prompt, chunk)
+            got, _ = _greedy(v3.model, bench_setup.caches(v3, which), prompt, chunk)
             for i, (a, b) in enumerate(zip(got, ref)):
                 if a != b:
                     top2 = np.sort(rows[i])[-2:]
@@ -94,7 +96,7 @@ def test_held_bytes_per_token_follow_the_layout(v3):
     """At DeepSeek-V3's dims (and the shipped windows), after a prefill in 2,048-token chunks:
     codes for tokens past the window (allocated in blocks of CODE_STEP rows), bf16 for the
     64 + 512 (+ 16 slack) window rows."""
-    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s = bench_setup.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
     s.model.set_dtype(mx.bfloat16)
     at4k = bench.held_bytes_per_token_per_layer(s, 4096, ("int2", "bf16"))["nbytes"]
     at32k = bench.held_bytes_per_token_per_layer(s, 32768, ("int2", "bf16"))["nbytes"]
@@ -115,7 +117,7 @@ def test_the_allocator_holds_what_nbytes_says_after_a_chunked_prefill(v3):
     holds what each cache's `nbytes` says (within 5 %, and a few KB of allocator rounding):
     no buffer is a slice keeping a whole chunk alive. It used to: the 64-row bf16 sink was
     the first chunk's rows themselves, 866 B/token/layer held for 308 reported."""
-    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s = bench_setup.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
     s.model.set_dtype(mx.bfloat16)
     m = bench.held_memory(s, 4096)
     for which, (held, nbytes, _) in m.items():
@@ -129,14 +131,14 @@ def test_the_projection_counts_the_rows_a_decode_step_reads(v3):
     INT2, the codes of every token past the sink and the window, the 64 sink rows, the last
     512 window rows (not the 16 of slack) and the rotation; for mlx-lm's cache its rows up to
     its offset (not its 256-row headroom). Every cache does the same products."""
-    s = bench.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
+    s = bench_setup.Setup(v3.model, v3.mtp, v3.name, v3.rotations, INT2)
     s.model.set_dtype(mx.bfloat16)
     n = 4100
     got = {}
     for w in ("int2", "bf16"):
-        cs = bench.caches(s, w)
-        bench.fill(cs, n, s)
-        got[w] = bench.read_per_step(cs, 128)
+        cs = bench_setup.caches(s, w)
+        bench_setup.fill(cs, n, s)
+        got[w] = read_per_step(cs, 128)
     bf16_rows, rot = INT2.window_tokens(), 512 * 512 * 2  # sink + recent
     codes = n - bf16_rows
     assert got["int2"]["bytes_once"] == codes * 228 + bf16_rows * 1152 + rot
@@ -175,7 +177,7 @@ def test_every_buffer_owns_its_rows_when_the_chunk_is_a_slice(chunk):
 
 @pytest.fixture(scope="module")
 def v32():
-    s = bench.setup_synthetic("deepseek-v3.2", 1)
+    s = bench_setup.setup_synthetic("deepseek-v3.2", 1)
     s.quant = SMALL
     s.model.set_dtype(mx.float32)
     return s
@@ -185,8 +187,8 @@ def test_dsa_at_real_width_selects_top_k_and_sparse_equals_masked(v32):
     """Past index_topk (2,048) a decode step reads only the selected rows of the codes, and
     gets the attention the dense, masked path gets; below it, the indexer cache is evaluated
     step by step (tied into the output), not left as a growing graph."""
-    cs = bench.caches(v32, "int2")
-    bench.fill(cs, 2100, v32)
+    cs = bench_setup.caches(v32, "int2")
+    bench_setup.fill(cs, 2100, v32)
     tok = mx.array([[5]])
     outs = {}
     for sparse in (True, False):
@@ -200,8 +202,8 @@ def test_dsa_at_real_width_selects_top_k_and_sparse_equals_masked(v32):
     np.testing.assert_allclose(np.array(outs[True]), np.array(outs[False]), rtol=2e-3, atol=2e-3)
     idx = cs[0][1]
     assert idx.offset == 2100 and idx.keys_rows.length == 2100
-    fresh = bench.caches(v32, "int2")
-    bench.fill(fresh, 100, v32)
+    fresh = bench_setup.caches(v32, "int2")
+    bench_setup.fill(fresh, 100, v32)
     for _ in range(5):
         mx.eval(v32.model(tok, cache=fresh))  # only the logits, as a decode loop does
     assert fresh[0][1].offset == 105
@@ -236,5 +238,5 @@ def test_mlx_lm_bf16_cache_is_the_baseline_it_claims(v3):
     """mlx-lm's own cache for an MLA model holds the latent and the rope key per token."""
     v3.model.set_dtype(mx.bfloat16)
     cs = make_prompt_cache(v3.model)
-    bench.fill(cs, 300, v3)
+    bench_setup.fill(cs, 300, v3)
     assert cs[0].keys.shape[-1] == 512 and cs[0].values.shape[-1] == 64

@@ -16,8 +16,10 @@ from macserve.engine.calibration import (
     collect,
     fit,
 )
-from macserve.engine.latent_cache import CODE_STEP, LatentQuant, RotatedLatentCache
+from macserve.engine.latent_cache import RotatedLatentCache
 from macserve.engine.model import load
+from macserve.engine.rows import CODE_STEP
+from macserve.int2_format import LatentQuant
 
 from .conftest import TINY_MODEL
 

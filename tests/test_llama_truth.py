@@ -21,7 +21,8 @@ from macserve.dev.skeleton_tensors import write_skeleton
 from macserve.errors import MacserveError
 from macserve.sizing.arch_config import shape_from_config
 from macserve.sizing.arch_gguf import shape_from_gguf
-from macserve.sizing.kv_layout import Layout, layout
+from macserve.sizing.kv_buffers import Layout
+from macserve.sizing.kv_layout import layout
 from macserve.sizing.model_source import read_gguf_file
 
 from .conftest import CONFIGS

@@ -7,9 +7,9 @@ from mlx_lm.generate import generate_step
 
 from macserve.dev.tiny.data import training_text
 from macserve.engine.calibration import caches_for
-from macserve.engine.latent_cache import LatentQuant
 from macserve.engine.mtp_accept import verify_sampled
 from macserve.engine.mtp_decode import MTPDecoder
+from macserve.int2_format import LatentQuant
 
 from .conftest import TINY_MODEL
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from macserve import fileio
 from macserve.cli import main
 from macserve.errors import MacserveError
-from macserve.services import profiles
+from macserve.services import profiles, values
 from macserve.services.profiles import Profile, ProfileStore, parse
 
 BASE = {"PROVIDER": "llama.cpp", "MODEL": "/models/a.gguf", "PORT": "8080"}
@@ -263,7 +263,7 @@ def test_example_profiles_in_the_repo_parse():
     assert {f.stem for f in files} >= {"tiny-mla", "glm-5.3-flash"}
     for f in files:
         p = parse(f.read_text(), f.stem)
-        assert p.provider in profiles.PROVIDER_NAMES and p.extra_args is not None
+        assert p.provider in values.PROVIDER_NAMES and p.extra_args is not None
 
 
 # ---- secrets, single-flag edits -----------------------------------------------------------

@@ -19,7 +19,10 @@ import httpx
 import openai
 import pytest
 
-from macserve.services import manager, providers
+from macserve.errors import MacserveError
+from macserve.services import providers
+from macserve.services.footprint import footprint
+from macserve.services.health import base_url
 from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.supervisors import spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
@@ -89,7 +92,7 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     assert r.returncode == 0 and "are read by the router" in r.stdout, r.stdout + r.stderr
     assert cli("set", "tiny2", "--", "TTL=2s").returncode == 0
 
-    fp = {n: manager.footprint(n).total_bytes for n in ("tiny", "gguf", "tiny2")}
+    fp = {n: footprint(n).total_bytes for n in ("tiny", "gguf", "tiny2")}
     pairs = max(fp["tiny"] + fp["gguf"], fp["gguf"] + fp["tiny2"], fp["tiny"] + fp["tiny2"])
     ram = budget_between(pairs, sum(fp.values()))
 
@@ -219,7 +222,7 @@ def _keyed_router_profiles(model_gguf, tmp_path):
     ):
         r = cli("new", *args, "--name", name, "--port", str(free_port()), "--no-start")
         assert r.returncode == 0, r.stderr
-    fp = {n: manager.footprint(n).total_bytes for n in ("tiny", "gguf")}
+    fp = {n: footprint(n).total_bytes for n in ("tiny", "gguf")}
     assert fp["tiny"] < fp["gguf"]
     ram = budget_between(fp["tiny"], fp["gguf"])
     # tiny's server wants its own key; the router wants another, and swaps one for the other
@@ -332,7 +335,7 @@ def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnec
         assert router.log.read_text().count("tiny: stopped -> starting") == 1
 
         # a client that goes away mid-stream: the engine sees it (its /health counts it)
-        tiny_url = manager.base_url(ProfileStore().load("tiny"))
+        tiny_url = base_url(ProfileStore().load("tiny"))
         before = httpx.get(tiny_url + "/health", timeout=5).json()["disconnected"]
         with httpx.stream(
             "POST",
@@ -458,7 +461,7 @@ def test_ttl_and_aliases_keys(macserve_home):
         ({"ALIASES": "a b"}, "bad ALIASES entry 'a b'"),
         ({"ALIASES": "x,x"}, "names a model twice"),
     ):
-        with pytest.raises(manager.MacserveError, match=why):
+        with pytest.raises(MacserveError, match=why):
             p.updated(bad)
     st = ProfileStore()
     st.save(p)

@@ -48,7 +48,8 @@ def test_health_is_503_while_loading_then_ready(monkeypatch):
     from starlette.testclient import TestClient
 
     from macserve.server import worker
-    from macserve.server.app import Settings, create_app
+    from macserve.server.app import create_app
+    from macserve.server.settings import Settings
 
     gate, real = threading.Event(), worker.load
     monkeypatch.setattr(worker, "load", lambda *a: (gate.wait(60), real(*a))[1])

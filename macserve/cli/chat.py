@@ -12,7 +12,8 @@ from .lazy import lazy
 from .services import Waiting
 
 c = lazy("macserve.chat")
-manager = lazy("macserve.services.manager")
+health = lazy("macserve.services.health")
+service_lifecycle = lazy("macserve.services.lifecycle")
 providers = lazy("macserve.services.providers")
 routed = lazy("macserve.services.routed")
 service_views = lazy("macserve.services.views")
@@ -47,7 +48,7 @@ def _router_for(name: str) -> str | None:
 
 def _router_key(url: str) -> str | None:
     port = url.rsplit(":", 1)[-1]
-    st = manager.store()
+    st = health.store()
     for n in st.names():
         with contextlib.suppress(MacserveError):
             p = st.load(n)
@@ -60,11 +61,11 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     """(URL, API key, model to send) for a profile: its own port when its server answers; a
     running router that serves it (which starts it, with progress comments); else the
     profile's service is started here, with a progress line, and then its port."""
-    url, key = manager.endpoint(name)
+    url, key = service_lifecycle.endpoint(name)
     c.check_key(key)  # a stored key no client can send: said before anything starts
     if name is None:
-        name = manager.store().names()[0]
-    profile = providers.typed(manager.store().load(name))
+        name = health.store().names()[0]
+    profile = providers.typed(health.store().load(name))
     prov = providers.for_profile(profile)
     if prov.ready(profile, timeout=2.0):
         usage.touch(name)  # past a router: its idle clock starts again
@@ -76,7 +77,7 @@ def reach(name: str | None) -> tuple[str, str | None, str | None]:
     click.echo(f"{name} is not running: starting it", err=True)
     w = Waiting(name)
     try:
-        out = manager.start(name, tick=w)
+        out = service_lifecycle.start(name, tick=w)
     finally:
         w.done()
     usage.touch(name)
@@ -127,12 +128,12 @@ def chat(target, prompt, system, model, max_tokens, temperature, mtp, api_key, t
     url = c.url_of(target) if target else None
     profile_key = used = routed_model = None
     if url is None:
-        if target is not None and prompt is None and not manager.has_profile(target):
+        if target is not None and prompt is None and not service_lifecycle.has_profile(target):
             # `chat "a prompt"`: no profile has that name, so it is the prompt for the only one
             target, prompt = None, target
         url, profile_key, routed_model = reach(target)
         model = model or routed_model
-        used = target or manager.store().names()[0]
+        used = target or health.store().names()[0]
     progress = _Progress()
     client = c.Client(
         url, api_key or profile_key, timeout=timeout, on_note=progress, routed=routed_model

@@ -2,8 +2,8 @@
 
 Each command is one click function (cli/<family>.py): its arguments, options and help in the
 decorators and docstring, its body below. A family module loads click and the leaves only; the
-wing modules a body uses are named at the top as `manager = lazy("macserve.services.manager")`,
-and imported the first time the body reads an attribute of them (`manager.start(...)`). So
+wing modules a body uses are named at the top as `lifecycle = lazy("macserve.services.lifecycle")`,
+and imported the first time the body reads an attribute of them (`lifecycle.start(...)`). So
 `--help`, `-h` and shell completion of any command load no wing: mlx-lm alone takes seconds to
 import. The families themselves are imported by a `Families` group only until the command
 asked for is found (all of them for a group's --help, which lists every summary): their click
@@ -35,7 +35,7 @@ class Lazy:
 
 
 def lazy(name: str) -> Any:
-    """`name`, a module path ("macserve.services.manager"), imported when first used. Typed
+    """`name`, a module path ("macserve.services.lifecycle"), imported when first used. Typed
     Any: its attributes are the module's, which a checker cannot know from a string."""
     return Lazy(name)
 

@@ -1,5 +1,5 @@
 """A profile's service: `run` (what the service runs), `start`, `stop`, `restart`, `logs`, `rm`.
-Parsing and printing only; the work is in services/lifecycle.py, through services/manager.py."""
+Parsing and printing only; the work is in services/lifecycle.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from .complete import profile_names
 from .lazy import lazy
 from .services import TIMEOUT, run_waiting
 
-manager = lazy("macserve.services.manager")
+health = lazy("macserve.services.health")
+service_lifecycle = lazy("macserve.services.lifecycle")
 service_logs = lazy("macserve.services.supervisors.logs")
 service_run = lazy("macserve.services.run")
 service_views = lazy("macserve.services.views")
@@ -33,7 +34,7 @@ def run(name):
 @TIMEOUT
 def start(name, no_wait, timeout):
     """Install (if needed) and start a profile's service."""
-    out = run_waiting(name, manager.start, name, timeout=timeout, wait=not no_wait)
+    out = run_waiting(name, service_lifecycle.start, name, timeout=timeout, wait=not no_wait)
     usage.touch(name)  # a running router's idle clock starts again
     what = "already running" if "already running" in out.notes else "started"
     click.echo(service_views.outcome_line(name, what, out.url, out.pid, healthy=not no_wait))
@@ -43,9 +44,9 @@ def start(name, no_wait, timeout):
 @click.argument("name", shell_complete=profile_names)
 def stop(name):
     """Stop a profile's service (it stays stopped until start)."""
-    url = manager.base_url(manager.store().load(name))
-    pid = manager.get_backend().status(name).pid
-    manager.stop(name)
+    url = health.base_url(health.store().load(name))
+    pid = supervisors.get_backend().status(name).pid
+    service_lifecycle.stop(name)
     click.echo(service_views.outcome_line(name, "stopped", url, pid))
 
 
@@ -55,7 +56,7 @@ def stop(name):
 @TIMEOUT
 def restart(name, no_wait, timeout):
     """Restart a profile's service (reloading its unit if that changed)."""
-    out = run_waiting(name, manager.restart, name, timeout=timeout, wait=not no_wait)
+    out = run_waiting(name, service_lifecycle.restart, name, timeout=timeout, wait=not no_wait)
     usage.touch(name)
     click.echo(service_views.outcome_line(name, "restarted", out.url, out.pid, healthy=not no_wait))
 
@@ -66,7 +67,7 @@ def restart(name, no_wait, timeout):
 @click.option("-n", "lines", type=click.IntRange(0), default=50, show_default=True)
 def logs(name, follow, lines):
     """A service's log (server output, plus one line per start)."""
-    manager.store().load(name)
+    health.store().load(name)
     path = supervisors.log_path(name)
     if not path.exists():
         raise MacserveError(f"no log yet for {name} ({path})")
@@ -82,5 +83,5 @@ def logs(name, follow, lines):
 @click.argument("name", shell_complete=profile_names)
 def rm(name):
     """Stop and uninstall a profile's service, then delete the profile (logs are kept)."""
-    manager.remove(name)
+    service_lifecycle.remove(name)
     click.echo(f"{name}: removed")

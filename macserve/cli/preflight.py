@@ -9,7 +9,7 @@ from ..errors import MacserveError
 from .fmt import gb as _gb
 from .lazy import lazy
 
-manager = lazy("macserve.services.manager")
+health = lazy("macserve.services.health")
 pf = lazy("macserve.services.preflight")
 providers = lazy("macserve.services.providers")
 
@@ -18,7 +18,7 @@ providers = lazy("macserve.services.providers")
 @click.argument("name")
 def preflight(name):
     """Check a multi-host profile's hosts: ssh, Python/mlx/mlx-lm versions, model, memory."""
-    profile = manager.store().load(name)
+    profile = health.store().load(name)
     if not profile.multi_host:
         raise MacserveError(f"profile {name} has no HOSTS: nothing to check")
     result = pf.run(profile, providers.for_profile(profile).macserve_on_hosts(profile))

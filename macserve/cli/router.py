@@ -1,6 +1,6 @@
 """`macserve router`: one endpoint for every profile, in the foreground or as a service.
 
-Parsing and printing only; the work is in router/ and services/manager.py.
+Parsing and printing only; the work is in router/ and services/create.py (`router --install`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .lazy import lazy
 from .services import read_secret, run_waiting
 
 budget = lazy("macserve.sizing.budget")
-manager = lazy("macserve.services.manager")
+create = lazy("macserve.services.create")
 profiles = lazy("macserve.services.profiles")
 values = lazy("macserve.services.values")
 providers = lazy("macserve.services.providers")
@@ -155,7 +155,7 @@ def router(
             key = read_secret("API_KEY")
         out = run_waiting(
             name,
-            manager.new_router,
+            create.new_router,
             name,
             host,
             port,

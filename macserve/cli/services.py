@@ -1,7 +1,8 @@
 """The commands that write a profile: `new`, `worker`, `set`, and `pull` (new's download
 step) and the hidden `parse-args` (how the services check a `macserve serve` profile's flags);
 and the progress and secret prompts the service commands share (also cli/lifecycle.py,
-cli/router.py, cli/chat.py). Parsing and printing only; the work is in services/manager.py.
+cli/router.py, cli/chat.py). Parsing and printing only; the work is in services/create.py
+(new, worker), services/edit.py (set) and services/pull.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from .complete import profile_names
 from .lazy import lazy
 
 hub = lazy("macserve.services.pull")
-manager = lazy("macserve.services.manager")
+create = lazy("macserve.services.create")
+edit = lazy("macserve.services.edit")
+health = lazy("macserve.services.health")
 service_views = lazy("macserve.services.views")
 
 TIMEOUT = click.option(
@@ -58,7 +61,7 @@ def run_waiting(label, fn, *args, **kw):
     w = Waiting(label)
     try:
         return fn(*args, tick=w, **kw)
-    except manager.SetFailed as e:
+    except health.SetFailed as e:
         w.done()
         if e.log_tail:
             click.echo(f"--- last lines of {label}'s log with the failed settings ---", err=True)
@@ -127,10 +130,10 @@ def new(source, quant, name, provider, ctx, kv, port, host, extra_args, no_start
     ctx = _ctx(ctx)
     if api_key == "-":
         api_key = read_secret("API_KEY")
-    nm = name or manager.default_name(source, quant)
+    nm = name or create.default_name(source, quant)
     out = run_waiting(
         nm,
-        manager.new,
+        create.new,
         source,
         quant=quant,
         name=name,
@@ -180,7 +183,7 @@ def worker(name, host, port, extra_args, no_start, timeout):
     another Mac's llama.cpp profile uses with HOSTS=THIS_HOST:PORT (BACKEND=rpc)."""
     out = run_waiting(
         name,
-        manager.new_worker,
+        create.new_worker,
         name,
         host,
         port=port,
@@ -214,14 +217,14 @@ def set_(name, items, no_restart, timeout):
     them. API_KEY=... and HF_TOKEN=... go to the profile's 0600 secrets file ('-' reads the
     value from stdin).
     """
-    changes = manager.parse_assignments(items)
+    changes = edit.parse_assignments(items)
     secrets = {k: (read_secret(k) if v == "-" else v) for k, v in changes.secrets.items()}
-    changes = manager.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
-    st = manager.store()
+    changes = edit.Changes(changes.values, secrets, changes.add_args, changes.drop_args)
+    st = health.store()
     before = st.text(name)
     try:
         out = run_waiting(
-            name, manager.set_values, name, changes, restart=not no_restart, timeout=timeout
+            name, edit.set_values, name, changes, restart=not no_restart, timeout=timeout
         )
     except KeyboardInterrupt:
         # Before the restart (the checks: a server's --help, ssh): nothing was written. Once

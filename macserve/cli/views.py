@@ -17,7 +17,8 @@ from .fmt import size as _size
 from .lazy import lazy
 
 budget = lazy("macserve.sizing.budget")
-manager = lazy("macserve.services.manager")
+health = lazy("macserve.services.health")
+service_views = lazy("macserve.services.views")
 service_doctor = lazy("macserve.services.doctor")
 supervisors = lazy("macserve.services.supervisors")
 
@@ -75,7 +76,7 @@ def _table(rows, health=False):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def ls(as_json):
     """Profiles with their service state, pid, port, uptime and memory."""
-    rows = manager.rows()
+    rows = service_views.rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif not rows:
@@ -99,8 +100,12 @@ def _journal_notes(rows) -> None:
 def status(name, as_json):
     """Service state plus a live health probe, for one profile or all."""
     if name is not None:
-        manager.store().load(name)  # unknown name (or ""): one-line error
-    rows = [manager.row(name, health=True)] if name is not None else manager.rows(health=True)
+        health.store().load(name)  # unknown name (or ""): one-line error
+    rows = (
+        [service_views.row(name, health=True)]
+        if name is not None
+        else service_views.rows(health=True)
+    )
     if as_json:
         click.echo(json.dumps({"backend": supervisors.backend_name(), "services": rows}, indent=2))
         return
@@ -115,7 +120,7 @@ def status(name, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(name, as_json):
     """A profile: its file, the exact server command, and its service."""
-    r = manager.show(name)
+    r = service_views.show(name)
     if as_json:
         click.echo(json.dumps(r, indent=2))
         return

@@ -42,8 +42,6 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from ..int2_format import LatentQuant, format_name
 from .rows import CODE_STEP, Rows, TokenRows
 
-__all__ = ["LatentQuant", "RotatedLatentCache"]  # LatentQuant: the format, int2_format.py
-
 WINDOW_STEP = 32  # bf16 window rows of headroom for decode steps between compactions
 
 

@@ -1,5 +1,5 @@
 """`macserve router`: one OpenAI- and Anthropic-compatible endpoint for every profile. A wing
-above services: it drives them (`services.manager`, `services.routed`); only the CLI imports
+above services: it drives them (`services.lifecycle`, `services.routed`, ...); only the CLI imports
 it (tests/test_architecture.py checks both).
 
   pool.py       which profiles exist, which run, and when to start or stop one: each profile

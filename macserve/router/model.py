@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ..services import manager, providers
+from ..services import providers
+from ..services.footprint import Footprint
 from ..services.profiles import Profile
 from .state import Machine
 
@@ -50,7 +51,7 @@ class Model(Machine):
         self.admitted = False  # counted in the budget, its start under way
         self.seen = "stopped"  # the supervisor's state (Status.state), as last read
         self.error: str | None = None  # why the last start failed
-        self.footprint: manager.Footprint | None = None
+        self.footprint: Footprint | None = None
         self.update(profile, api_key, stamp)
 
     def update(self, profile: Profile, api_key: str | None, stamp: tuple) -> None:

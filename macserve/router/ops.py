@@ -13,11 +13,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from ..services import manager, usage
+from ..services import footprint, health, journal, lifecycle, usage
 from ..services.footprint import Footprint
 from ..services.health import Outcome
 from ..services.profiles import Profile, ProfileStore
-from ..services.supervisors import Status
+from ..services.supervisors import Status, get_backend
 from .activity import Activity
 
 
@@ -43,16 +43,16 @@ class PoolOps:
 
     @classmethod
     def real(cls) -> PoolOps:
-        backend = manager.get_backend()
+        backend = get_backend()
         return cls(
-            profiles=manager.store,
+            profiles=health.store,
             status=backend.status,
-            start=manager.start,
-            restart=manager.restart,
+            start=lifecycle.start,
+            restart=lifecycle.restart,
             stop=backend.stop,
-            wait_ready=manager.wait_ready,
-            footprint=manager.footprint,
-            changing=manager.changing,
+            wait_ready=health.wait_ready,
+            footprint=footprint.footprint,
+            changing=journal.changing,
             last_use=usage.last,
             moved=Activity().moved,
         )

@@ -3,7 +3,7 @@
 Every profile that serves a model is in the pool (not RPC workers, not routers). For each the
 pool keeps what the supervisor cannot tell it: requests in flight, when it was last used, the
 start or stop under way, and its footprint (weights + cache at its configured context, as
-`inspect` counts them: `manager.footprint`). The supervisor stays the truth about what runs:
+`inspect` counts them: `services.footprint`). The supervisor stays the truth about what runs:
 its status is read before a request is forwarded, before a start is admitted, and at every
 reaper tick, so a service started, stopped or crashed behind the router's back is seen.
 
@@ -13,7 +13,7 @@ is a state machine (state.py): named states, the moves allowed, every move logge
 
 Starting (`ready`): one task per profile; every request for it waits on that task, so racing
 requests start it once. A profile the supervisor runs is only waited for; a stopped one is
-first admitted against the budget, then started with `manager.start` (the same checks, unit
+first admitted against the budget, then started with `services.lifecycle.start` (the same checks, unit
 and health wait as `macserve start`); a failed start is stopped again (no crash loop left
 behind; FAILED until the next request) and its error, with the server's own line, goes to
 every waiting request.

@@ -12,8 +12,10 @@ import contextlib
 import time
 
 from ..errors import MacserveError
-from ..services import manager, providers
-from ..services.health import failing_before
+from ..services import providers
+from ..services.edit import set_values
+from ..services.footprint import footprint_of
+from ..services.health import SetFailed, failing_before
 from ..services.profiles import ProfileStore
 from ..services.supervisors import log_path, logs
 from . import admission
@@ -135,7 +137,7 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
     if st.state in IN_MEMORY:
         # The budget first: a bigger context must fit beside what else is loaded.
         async with pool.admission_lock:
-            fp = await asyncio.to_thread(manager.footprint_of, new)
+            fp = await asyncio.to_thread(footprint_of, new)
             others = await admission.holders(pool, m)
             used = sum(b for _, b in others)
             need, budget = fp.total_bytes or 0, pool.budget.budget_bytes
@@ -169,8 +171,8 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
 
 def _run_set(name: str, changes: dict) -> dict:
     try:
-        out = manager.set_values(name, changes)
-    except manager.SetFailed as e:
+        out = set_values(name, changes)
+    except SetFailed as e:
         head = "rolled back" if e.restored else "failed"
         return {"ok": False, "line": f"{head}: {e}", "log": e.log_tail[-10:]}
     except MacserveError as e:

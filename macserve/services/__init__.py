@@ -2,12 +2,13 @@
 
     profiles.py     the profile file format and store; `Profile`, typed and parsed once
     plan.py         what `new` serves and how big (from sizing's report)
-    manager.py      the service commands by name (for the CLI, doctor, the router), from:
-      health.py       health waits, Outcome, SetFailed
+    the service commands (the CLI, doctor and the router import each from its module):
+      health.py       health waits, Outcome, SetFailed; store, base_url
       ports.py        a free port no other profile has
       create.py       new, new_worker, new_router
       edit.py         set: check, save, restart, roll back
       lifecycle.py    start, stop, restart, remove; endpoint
+      journal.py      the change journal: changing (a set is at work), recover (a killed one)
       footprint.py    weights + cache at the profile's CTX and KV
       views.py        the rows behind ls / status / show
     routed.py       what running routers publish for ls (router/ writes it; nothing here

@@ -63,7 +63,7 @@ from .. import env
 from ..errors import MacserveError
 from ..fileio import atomic_write
 from ..sizing.budget import parse_size
-from .values import (  # noqa: F401  (their home before values.py)
+from .values import (
     MAX_DRAIN,
     MODELLESS,
     PROVIDER_NAMES,

@@ -49,8 +49,8 @@ from .. import mla_attention
 from ..caches import latent_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
-from .decode_read import attention_parts, mac_projection, read_per_step  # noqa: F401
-from .setup import (  # noqa: F401  (tests and the CLI name them through this module)
+from .decode_read import attention_parts, mac_projection
+from .setup import (
     CACHES,
     CHUNK,
     HELD,
@@ -59,8 +59,6 @@ from .setup import (  # noqa: F401  (tests and the CLI name them through this mo
     caches,
     engine_dtype,
     fill,
-    setup_folder,
-    setup_synthetic,
     to_dtype,
 )
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 
 from ...errors import MacserveError
-from ..profiles import ROUTER_KEYS, Profile, check_secret
+from ..profiles import ROUTER_KEYS, Profile
+from ..values import check_secret
 from .flags import (
     check_flags,
     flag_groups,
