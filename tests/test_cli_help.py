@@ -61,6 +61,7 @@ def _loaded_after(args: list[str]) -> list[str]:
     return ast.literal_eval(r.stdout[r.stdout.rindex("LOADED") + len("LOADED") :].strip())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["bench", "--help"], ["dev", "-h"]])
 def test_group_help_imports_no_wing(args):
     assert _heavy(_loaded_after(args)) == []
@@ -105,6 +106,7 @@ def test_click_errors_are_one_line_naming_the_option(args, says):
     assert "-h` for help" in lines[0]
 
 
+@pytest.mark.e2e
 def test_every_commands_own_help_imports_no_wing():
     """`macserve CMD --help` for every command and subcommand of the tree, one after another in
     one interpreter: what each newly loads (modules only accumulate, so each is blamed on the
@@ -183,6 +185,7 @@ def test_declared_defaults_agree_with_their_wings():
     assert bench.KV_SETS == kv.SETS
 
 
+@pytest.mark.e2e
 def test_profile_names_complete_without_loading_a_wing(tmp_path):
     """Shell completion runs `macserve` on every Tab: it reads the profile names (by file
     name) and imports neither the services wing nor anything heavy."""
@@ -221,6 +224,7 @@ def test_profile_names_complete_without_loading_a_wing(tmp_path):
         assert _heavy(ast.literal_eval(r.stdout[cut + len("LOADED") :].strip())) == [], line
 
 
+@pytest.mark.e2e
 def test_every_body_imports_and_exits_quietly():
     """Every command's body module imported in one interpreter, which then exits: nothing on
     stderr. A struct_passwd held in a module global (services/supervisors/launchd_files.py)

@@ -18,6 +18,8 @@ from macserve.engine.calibration import caches_for
 from macserve.engine.dsa_indexer import IndexerKeyCache
 from macserve.engine.latent_cache import CODE_STEP, LatentQuant
 
+pytestmark = pytest.mark.model
+
 SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 TOPK = 24
 

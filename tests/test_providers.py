@@ -78,6 +78,7 @@ def test_check_flags_accepts_values_negatives_and_equals():
     check_flags(["-c", "-1", "--ctx_size=4096", "--jinja", "-sm", "row"], flags, "x")
 
 
+@pytest.mark.e2e
 def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch, macserve_home):
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
     m = tmp_path / "m.gguf"
