@@ -2,25 +2,24 @@
 (`pytestmark = pytest.mark.e2e` at its top, or the mark on a test or class where a file mixes
 kinds); these readings only check what the files say, they never set a mark:
 
-    e2e    starts a process (macserve serve, a CLI subprocess, supervisord, llama-server)
-    model  runs MLX in process (the demo model, a synthetic one, MLX arrays): seconds each
+    e2e    starts a process (macserve serve, a CLI subprocess, supervisord, llama-server,
+           the launchctl stand-in)
+    model  runs MLX in process (the demo model, a synthetic one, a calibration): seconds each
     none   pure Python: no process, no MLX; `-m "not e2e and not model"` runs these
 
 At collection (conftest.py's pytest_collection_modifyitems), every test is read: the code it
 runs (its function, its fixtures and the test helpers they name, followed to the end). A test
-whose code uses the `subprocess` module, or asks for `services` / `llama_server` (processes
-started inside macserve's own code), must be `e2e`; one not `e2e` whose code names an MLX
-module (`mlx.core`, `mlx.nn`, `mlx_lm`, a name imported from one, the engine's loader
-`macserve.engine.model`) or asks for a fixture that loads a
-model (MODEL_FIXTURES) must be `model`. A test that lacks its mark stops the run,
-named with the mark to add.
+whose code uses (or imports) the `subprocess` module, or asks for a fixture that starts a
+process inside macserve's own code (PROCESS_FIXTURES), must be `e2e`; one not `e2e` whose code
+names an MLX module (`mlx.core`, `mlx.nn`, `mlx_lm`, a name imported from one), the engine's
+loader (`macserve.engine.model`), or asks for a fixture that loads a model (MODEL_FIXTURES)
+must be `model`. A test that lacks its mark stops the run, named with the mark to add.
 
 At run time, what reading cannot see (macserve code that runs a model, e.g. `macserve
 calibrate` through click's CliRunner) is caught by MLX's own allocator: a test marked neither
 `e2e` nor `model` whose setup and call allocate a model's worth of MLX memory (MODEL_BYTES)
-fails, saying so. (A process started inside macserve's code is seen only through the
-fixtures named in PROCESS_FIXTURES.)
-An `e2e` test may also run MLX in process: it is counted with the e2e tests.
+fails, saying so. A process started inside macserve's code is seen only through the fixtures
+named in PROCESS_FIXTURES. An `e2e` test may also run MLX in process: it counts as e2e.
 """
 
 import ast
@@ -111,7 +110,7 @@ class Reading:
         return False
 
 
-starts_process = Reading(_uses_subprocess)
+starts_process = Reading(_uses_subprocess, imports=("subprocess",))
 runs_mlx = Reading(_is_mlx, imports=("mlx", "mlx_lm"))
 
 
