@@ -3,7 +3,8 @@ processes, and the fixtures (conftest.py imports every fixture here, so any test
 for one by name).
 
 Fixtures: `macserve_home` (autouse: every test its own MACSERVE_HOME, never the real one),
-`bundle` (the demo model in process, once per module),
+`bundle` (the demo model in process, once per test run), `gated_demo` / `gated_hard` (the
+demo model and the hard case with a gated calibration, once per run),
 `llama_server` (the binary, or a skip), `tiny_gguf` and `model_gguf` (the demo model's GGUF
 twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU backend),
 `services` (real supervisord, shut down after the test; no server may outlive it),
@@ -105,12 +106,54 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {lo}-{top}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bundle():
-    """The demo model loaded in process, once per test module (engine and cache tests)."""
+    """The demo model loaded in process, once per test run: every `model` test that asks for
+    it shares it (a load is ~1 s of CPU, and 11 files ask). Tests build their own caches from
+    it and never change its weights or dtype."""
     from macserve.engine.model import load
 
     return load(TINY_MODEL)
+
+
+def _calibrate(folder: Path) -> dict:
+    """`macserve calibrate --json` as a user runs it (2 windows of 512 tokens), its file where
+    a model folder ships it; the report."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+    from macserve.int2_format import SHIPPED_ROTATION
+
+    args = ["calibrate", str(folder), "--out", str(folder / SHIPPED_ROTATION)]
+    r = CliRunner().invoke(main, [*args, "--windows", "2", "--seq-len", "512", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def gated_demo(tmp_path_factory):
+    """(folder, report): the demo model's files, linked, beside a gated calibration of its
+    own; made once per run for the gate's and the cache plan's tests. Read-only."""
+    folder = tmp_path_factory.mktemp("gated-demo") / "tiny-mla"
+    folder.mkdir()
+    for f in TINY_MODEL.iterdir():
+        if f.name != "latent-rotation.safetensors":
+            (folder / f.name).symlink_to(f)
+    return folder, _calibrate(folder)
+
+
+@pytest.fixture(scope="session")
+def gated_hard(tmp_path_factory):
+    """(folder, report): the hard case (`macserve dev hard-mla`: random weights, near-full-rank
+    latents on layers 2-3) with its gated calibration, made once per run. Read-only."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+
+    folder = tmp_path_factory.mktemp("gated-hard") / "hard-mla"
+    r = CliRunner().invoke(main, ["dev", "hard-mla", str(folder)])
+    assert r.exit_code == 0, r.output
+    return folder, _calibrate(folder)
 
 
 def prompt_ids(bundle, text: str, n: int) -> list[int]:

@@ -10,6 +10,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 from .conftest import CONFIGS, REPO
 
 PKG = REPO / "macserve"
@@ -340,6 +342,7 @@ def _top(mods):
     return sorted({m.split(".")[0] for m in mods} & set(HEAVY + ("numpy", "transformers")))
 
 
+@pytest.mark.e2e
 def test_inspect_cold_start_loads_no_heavy_machinery(tmp_path):
     """`inspect --modelled` of a local config imports neither mlx nor the HTTP, service or
     hub stacks (what made cold starts slow); the wall times are in docs/architecture.md."""
@@ -349,6 +352,7 @@ def test_inspect_cold_start_loads_no_heavy_machinery(tmp_path):
     assert _top(mods) == []
 
 
+@pytest.mark.e2e
 def test_measuring_loads_mlx_and_one_model_module_only(tmp_path):
     """The mlx/bf16 measurement (sizing/mlx_measure.py) needs mlx and mlx-lm's model code,
     not mlx-lm's package __init__ (transformers: it would show here), nor numpy or the hub;

@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO, TINY_MODEL
+
+pytestmark = pytest.mark.e2e
 
 
 def test_bench_serve_runs_all_three_servers_and_reports_ratios(tmp_path):

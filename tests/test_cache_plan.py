@@ -22,7 +22,6 @@ from macserve.engine.rows import CODE_STEP, dequantize, unpack
 from macserve.errors import MacserveError
 from macserve.int2_format import INT2, SHIPPED_ROTATION, format_quant, read_plan
 
-from .conftest import TINY_MODEL
 from .serverproc import serve
 
 # -- INT3 (and every other width MLX packs) on the CPU path ----------------------------------
@@ -38,6 +37,7 @@ def _direct(w: mx.array, scales, biases, group: int, bits: int) -> np.ndarray:
     return codes * s + b
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_cpu_dequantize_matches_the_bit_stream_for_every_width(bits):
     x = mx.random.normal((2, 1, 7, 128), key=mx.random.key(bits))
@@ -53,6 +53,7 @@ def test_cpu_dequantize_matches_the_bit_stream_for_every_width(bits):
     assert (np.abs(got - np.array(x)) <= step + 1e-4).all()
 
 
+@pytest.mark.model
 def test_int3_cache_round_trip():
     """An INT3 latent cache's codes read back as the direct computation says, tokens in
     order (sink, codes, window), with the rotation undone."""
@@ -76,33 +77,15 @@ def test_int3_cache_round_trip():
 # -- the plan, the caches, inspect ------------------------------------------------------------
 
 
-def _calibrate(folder):
-    out = folder / SHIPPED_ROTATION
-    args = ["calibrate", str(folder), "--out", str(out), "--windows", "2", "--seq-len", "512"]
-    r = CliRunner().invoke(main, args)
-    assert r.exit_code == 0, r.output
-    return out
+@pytest.fixture(scope="module")
+def hard(gated_hard):
+    return gated_hard[0]  # the run's hard case, calibrated (tests/fixtures.py)
 
 
 @pytest.fixture(scope="module")
-def hard(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hard") / "hard-mla"
-    r = CliRunner().invoke(main, ["dev", "hard-mla", str(folder)])
-    assert r.exit_code == 0, r.output
-    _calibrate(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def demo(gated_demo):
     """The demo model's files, linked, beside a gated calibration of its own."""
-    folder = tmp_path_factory.mktemp("demo") / "tiny-mla"
-    folder.mkdir()
-    for f in TINY_MODEL.iterdir():
-        if f.name != SHIPPED_ROTATION:
-            (folder / f.name).symlink_to(f)
-    _calibrate(folder)
-    return folder
+    return gated_demo[0]  # shared with tests/test_gate.py: one calibration per run
 
 
 def _inspect(folder) -> dict:
@@ -120,6 +103,7 @@ def _prefilled(bundle, spec, n: int) -> list:
     return caches
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("which", ["demo", "hard"])
 def test_caches_follow_the_plan_and_inspect_counts_their_bytes(which, request):
     folder = request.getfixturevalue(which)
@@ -153,6 +137,7 @@ def test_caches_follow_the_plan_and_inspect_counts_their_bytes(which, request):
     assert (per_token == uniform) == all(lp.format == "int2-g64" for lp in plan.layers)
 
 
+@pytest.mark.model
 def test_inspect_labels_a_folder_without_a_calibration_uncalibrated(demo, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -170,6 +155,7 @@ def test_inspect_labels_a_folder_without_a_calibration_uncalibrated(demo, tmp_pa
     assert "modelled, calibrated" in r.output and "4 MLA layers: " in r.output
 
 
+@pytest.mark.model
 def test_a_bf16_layer_in_a_plan_is_bf16_in_the_cache_and_in_inspect(demo, tmp_path):
     """A plan naming bf16 on a layer (the gate's fallback): that layer's cache holds every
     token in bf16 with no codes, and inspect counts it so, without bf16 windows."""
@@ -205,6 +191,7 @@ def test_a_bf16_layer_in_a_plan_is_bf16_in_the_cache_and_in_inspect(demo, tmp_pa
 # -- serve says what it stores ------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_serve_logs_and_reports_each_layers_format(demo, tmp_path):
     plan = read_plan(demo / SHIPPED_ROTATION)
     rot = str(demo / SHIPPED_ROTATION)
@@ -230,6 +217,7 @@ def test_serve_logs_and_reports_each_layers_format(demo, tmp_path):
 # -- bench kv: the plan against uniform formats, on held-out text --------------------------------
 
 
+@pytest.mark.model
 def test_bench_kv_gate_rows_on_the_hard_case(hard):
     """Uniform INT2 far over the gate's target on the full-rank layers, the plan near it (the
     gate measured it on calibration text; this is held-out text), at fewer bytes than INT4
@@ -255,6 +243,7 @@ def test_bench_kv_gate_rows_on_the_hard_case(hard):
     assert int2["bytes_per_token_per_layer"] < want <= rows["int4"]["bytes_per_token_per_layer"]
 
 
+@pytest.mark.model
 def test_a_plan_naming_an_unknown_format_is_one_clear_error(demo, tmp_path):
     cal = Calibration.load(demo / SHIPPED_ROTATION)
     cal.meta["gate"]["layers"][1]["choice"] = "int5-g64"

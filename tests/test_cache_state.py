@@ -114,6 +114,7 @@ def _from_state(cache, extra):
     return type(cache).from_state(cache.state)  # mlx-lm's classes: the state alone
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kind", KINDS)
 def test_from_state_gives_the_same_cache_and_the_same_next_step(request, kind):
     m, caches, _, extra = _prefilled(request, kind)
@@ -130,6 +131,7 @@ def test_from_state_gives_the_same_cache_and_the_same_next_step(request, kind):
     assert np.array_equal(_next_step(m, back), _next_step(m, caches))
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_stored_form_restores_through_a_file(request, kind, tmp_path):
     m, caches, fresh, _ = _prefilled(request, kind)
@@ -145,6 +147,7 @@ def test_the_stored_form_restores_through_a_file(request, kind, tmp_path):
     assert np.array_equal(_next_step(m, back), _next_step(m, caches))
 
 
+@pytest.mark.model
 def test_a_stored_form_of_another_kind_or_format_is_refused(request):
     _, caches, _, _ = _prefilled(request, "int2-unrotated")
     arrays, meta = {}, {}

@@ -2,11 +2,14 @@
 memory budget holds beside the weights and the prompt cache, INT2 holding more than bf16."""
 
 import mlx.core as mx
+import pytest
 
 from macserve.engine.caches import CacheSpec, cache_bytes
 from macserve.server.capacity import MAX_AUTO_BATCH, RESERVE, size_batch, weights_bytes
 
 from .conftest import TINY_MODEL
+
+pytestmark = pytest.mark.model
 
 
 def _budget_for(bundle, per_seq: int, n: float, prompt_cache: int) -> int:

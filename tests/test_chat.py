@@ -40,6 +40,7 @@ def greedy(server, messages, n):
     return r.json()
 
 
+@pytest.mark.e2e
 def test_one_shot_prints_the_answer_and_a_stats_line(server):
     r = chat(server.url, "Good morrow.", "--max-tokens", "5", "--temperature", "0")
     assert r.exit_code == 0, r.output
@@ -53,6 +54,7 @@ def test_one_shot_prints_the_answer_and_a_stats_line(server):
     )
 
 
+@pytest.mark.e2e
 def test_scripted_session_system_clear_stats_save(server, tmp_path):
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     script = (
@@ -98,6 +100,7 @@ def test_scripted_session_system_clear_stats_save(server, tmp_path):
     assert "never sent" not in json.dumps(b)
 
 
+@pytest.mark.e2e
 def test_profile_name_is_a_target(server):
     port = int(server.url.rsplit(":", 1)[1])
     ProfileStore().save(Profile("tiny", {"PROVIDER": "macserve", "MODEL": "x", "PORT": str(port)}))
@@ -117,6 +120,7 @@ def test_unreachable_server_is_one_line_error():
     )
 
 
+@pytest.mark.e2e
 def test_server_4xx_is_one_line_error(server):
     r = chat(server.url, "hi", "--max-tokens", str(CTX))
     assert r.exit_code == 2
@@ -124,12 +128,14 @@ def test_server_4xx_is_one_line_error(server):
     assert r.stderr.count("\n") == 1
 
 
+@pytest.mark.e2e
 def test_errors_inside_a_session_do_not_end_it(server):
     r = chat(server.url, "--max-tokens", str(CTX), input="hi\n/stats\n")
     assert r.exit_code == 0
     assert "error: server answered 400" in r.stdout and "no answers yet" in r.stdout
 
 
+@pytest.mark.e2e
 def test_one_shot_against_llama_server_with_mtp(llama_server, tmp_path):
     gguf = export_gguf(TINY_MODEL, tmp_path / "tiny-mla-f32.gguf")
     port = free_port()

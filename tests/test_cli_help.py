@@ -61,6 +61,7 @@ def _loaded_after(args: list[str]) -> list[str]:
     return ast.literal_eval(r.stdout[r.stdout.rindex("LOADED") + len("LOADED") :].strip())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["bench", "--help"], ["dev", "-h"]])
 def test_group_help_imports_no_wing(args):
     assert _heavy(_loaded_after(args)) == []
@@ -69,6 +70,7 @@ def test_group_help_imports_no_wing(args):
 COMMANDS = [(path, cmd) for path, cmd in walk(main) if not isinstance(cmd, click.Group)]
 
 
+@pytest.mark.e2e
 def test_a_command_imports_the_families_only_until_its_own():
     """`macserve start` imports the service families (the first looked in), not the engine's,
     the benchmarks' or the developers' commands (cli/lazy.py: Families)."""
@@ -134,6 +136,7 @@ def test_click_errors_are_one_line_naming_the_option(args, says):
     assert "-h` for help" in lines[0]
 
 
+@pytest.mark.e2e
 def test_every_commands_own_help_imports_no_wing():
     """`macserve CMD --help` for every command and subcommand of the tree, one after another in
     one interpreter: what each newly loads (modules only accumulate, so each is blamed on the
@@ -202,6 +205,7 @@ def test_declared_defaults_agree_with_their_wings():
     assert bench.KV_SETS == kv.SETS
 
 
+@pytest.mark.e2e
 def test_profile_names_complete_without_loading_a_wing(tmp_path):
     """Shell completion runs `macserve` on every Tab: it reads the profile names (by file
     name) and imports neither the services wing nor anything heavy."""
@@ -260,6 +264,7 @@ def _lazy_reads() -> dict[str, set[str]]:
     return reads
 
 
+@pytest.mark.e2e
 def test_every_lazy_module_imports_quietly_with_what_bodies_read():
     """The wing modules the bodies use are named as strings (cli/lazy.py), which the import
     graph and the linters do not see: imported together in one interpreter, each is there and

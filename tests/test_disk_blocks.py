@@ -21,6 +21,8 @@ from macserve.server.prompt_cache import PromptCache
 from .conftest import TINY_MODEL
 from .fixtures import prompt_ids
 
+pytestmark = pytest.mark.model
+
 N = 64  # small blocks, so a demo-sized prompt makes a chain of several
 # The INT2 cache's blocks hold only its codes: a prompt needs more than the bf16 window
 # (sink 64 + recent 512) before it makes any, so the prompts below run to 760-900 tokens

@@ -17,6 +17,8 @@ from macserve.server.prompt_cache import PromptCache
 from .conftest import TINY_MODEL
 from .fixtures import prompt_ids
 
+pytestmark = pytest.mark.model
+
 TOL = dict(rtol=2e-4, atol=2e-4)
 
 

@@ -4,8 +4,12 @@ that start at login are summed against the budget; the sysctl to raise it is pri
 
 import json
 
+import pytest
+
 from .conftest import TINY_MODEL
 from .fixtures import GGUF_REPO, MLX_REPO, cli, free_port, status
+
+pytestmark = pytest.mark.e2e
 
 
 def inspect_total(source, ctx, key):

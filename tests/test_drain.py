@@ -13,11 +13,14 @@ import re
 import threading
 
 import httpx
+import pytest
 
 from macserve.services import values
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
 from .fixtures import cli, free_port, status
+
+pytestmark = pytest.mark.e2e
 
 N = 900  # tokens: the tiny model's context (1,024) holds them and the prompt
 BODY = {

@@ -26,6 +26,8 @@ from macserve.services.supervisors.supervisord import SupervisorBackend
 
 from .fixtures import cli, free_port, poll, status, stream_with_stop, wait_for_text
 
+pytestmark = pytest.mark.e2e
+
 launch_missing = shutil.which("mlx.launch") is None and not os.access(
     os.path.join(os.path.dirname(sys.executable), "mlx.launch"), os.X_OK
 )

@@ -19,6 +19,8 @@ from macserve.engine.dsa_indexer import IndexerKeyCache
 from macserve.engine.rows import CODE_STEP
 from macserve.int2_format import LatentQuant
 
+pytestmark = pytest.mark.model
+
 SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 TOPK = 24
 

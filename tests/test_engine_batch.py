@@ -14,6 +14,8 @@ from macserve.int2_format import INT2
 
 from .conftest import TINY_MODEL
 
+pytestmark = pytest.mark.model
+
 
 def _prompt(b, text, n):
     return b.tokenizer.encode(text * 40, add_special_tokens=False)[:n]

@@ -1,10 +1,14 @@
 """The engine's commands as a user runs them, on the project's model, small settings."""
 
+import functools
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
+from macserve.engine import mla_attention
+from macserve.engine.bench import setup as bench_setup
 from macserve.engine.calibration import METHODS, Calibration
 from macserve.engine.mtp_auto import should_draft
 
@@ -30,6 +34,7 @@ MTP_KEYS = {
 }
 
 
+@pytest.mark.model
 def test_calibrate_writes_a_loadable_file(tmp_path):
     out = tmp_path / "rot.safetensors"
     r = CliRunner().invoke(
@@ -41,6 +46,7 @@ def test_calibrate_writes_a_loadable_file(tmp_path):
     assert set(cal.rotations) == set(METHODS) | {"gate"} and cal.meta["calibration_tokens"] == 256
 
 
+@pytest.mark.model
 def test_bench_kv_json_rows(tmp_path):
     r = CliRunner().invoke(
         main,
@@ -78,11 +84,13 @@ def test_bench_kv_json_rows(tmp_path):
     assert all(row["kl"] >= -1e-12 for row in rows)
 
 
+@pytest.mark.model
 def test_bench_kv_refuses_bad_contexts():
     r = CliRunner().invoke(main, ["bench", "kv", str(TINY_MODEL), "--contexts", "1k,2k"])
     assert r.exit_code == 2 and "comma-separated integers" in r.output
 
 
+@pytest.mark.model
 def test_bench_mtp_json():
     r = CliRunner().invoke(
         main,
@@ -116,6 +124,7 @@ def test_bench_mtp_json():
         assert a["drafting"] == should_draft(*args)
 
 
+@pytest.mark.model
 def test_generate_with_int2_and_mtp():
     r = CliRunner().invoke(
         main,
@@ -137,6 +146,7 @@ def test_generate_with_int2_and_mtp():
     assert "drafts accepted" in r.output
 
 
+@pytest.mark.model
 def test_bench_dsa_json():
     """Just past index_topk (2,048): both DSA decode paths run and are timed in one process."""
     r = CliRunner().invoke(main, ["bench", "dsa", "--contexts", "2304", "--json"])
@@ -148,10 +158,20 @@ def test_bench_dsa_json():
     assert r.exit_code == 2 and "comma-separated token counts" in r.output
 
 
-def test_bench_engine_json_at_real_width_small_contexts():
-    """`bench engine` end to end on the synthetic DeepSeek-V3 layer (real width), contexts
-    cut to what a test affords: every key the report promises, and the relations that do not
-    depend on this machine's timings (docs/int2-latent-cache.md has the full run)."""
+@pytest.mark.model
+def test_bench_engine_json_small_contexts(monkeypatch):
+    """`bench engine` end to end on the synthetic DeepSeek-V3 layer, contexts cut to what a
+    test affords: every key the report promises, and the relations that do not depend on this
+    machine's timings (docs/int2-latent-cache.md has the full run)."""
+    # Narrowed as test_engine_scale.py's model is (16 heads of 128, hidden 1024 of 7168: the
+    # cache rows, dtypes and byte counts asserted here do not depend on them; its docstring
+    # says why), and a prefill block's budget with the heads, so a block holds the keys it
+    # holds at full width. The full width is the command itself, unpatched:
+    # `macserve bench engine --synthetic deepseek-v3` (its defaults run to 32K).
+    heads = 16
+    narrow = functools.partial(bench_setup.setup_synthetic, heads=heads, hidden=1024)
+    monkeypatch.setattr(bench_setup, "setup_synthetic", narrow)
+    monkeypatch.setattr(mla_attention, "BLOCK_BYTES", mla_attention.BLOCK_BYTES * heads // 128)
     r = CliRunner().invoke(
         main,
         [
@@ -163,6 +183,7 @@ def test_bench_engine_json_at_real_width_small_contexts():
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
+    assert d["model"] == "synthetic deepseek-v3 (1 layers, 16 heads, hidden 1024)"
     assert d["upcasts_per_decode_step"] == {"int2": 0, "bf16": 0}
     assert d["upcasts"]["logits_dtype"] == {"int2": "bfloat16", "bf16": "bfloat16"}
     # 1,024 tokens: past the INT2 cache's 592 bf16 rows (sink 64 + recent 512 + slack 16), so

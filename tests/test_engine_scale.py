@@ -1,9 +1,20 @@
-"""The engine at DeepSeek-V3's width (hidden 7168, 128 heads, latent 512, rope 64): a
-synthetic model made here with random weights (engine/bench/synthetic.py), in bf16.
+"""The engine at DeepSeek-V3's cache width (latent 512, rope 64, nope 128, v 128, q_lora
+1536; DSA's 64 indexer heads, top-2048): a synthetic model made here with random weights
+(engine/bench/synthetic.py), in bf16, one layer.
 
 Quality needs trained weights (the demo model's tests measure it); these check what width
 changes: no float32 creeping into a bf16 model, chunked prefill that equals single steps,
-memory that is bounded per chunk and held as the layout says, and DSA's selection."""
+memory that is bounded per chunk and held as the layout says, and DSA's selection.
+
+At the smallest shape that shows them: 16 query heads (of 128) and hidden 1024 (of 7168).
+A cache row is latent + rope wide whatever the heads and the hidden size, the absorbed /
+expanded switch reads only the latent, nope and v dims (mla_attention.expanded_from), DSA
+selects with the indexer's own heads, and dtypes do not depend on a width; the one figure
+that scales with the heads (a prefill block's scores, heads x chunk x block) is scaled with
+them (test_prefill_memory_is_bounded_by_the_chunk). The full width (128 heads, hidden 7168,
+contexts to 32K) runs in `macserve bench engine --synthetic deepseek-v3` (its report's
+figures and docs/int2-latent-cache.md), the 1-layer form of which test_engine_cli.py runs
+narrowed the same way."""
 
 from dataclasses import replace
 
@@ -20,13 +31,17 @@ from macserve.engine.caches import make_caches
 from macserve.engine.rows import CODE_STEP
 from macserve.int2_format import INT2
 
+pytestmark = pytest.mark.model
+
 # Small windows: a short prompt then crosses the sink, the codes and the window.
 SMALL = replace(INT2, sink=8, recent=32, slack=4)
+# Narrower than DeepSeek-V3 where no property here depends on it (the module's docstring).
+HEADS, HIDDEN = 16, 1024
 
 
 @pytest.fixture(scope="module")
 def v3():
-    s = bench_setup.setup_synthetic("deepseek-v3", 1)
+    s = bench_setup.setup_synthetic("deepseek-v3", 1, heads=HEADS, hidden=HIDDEN)
     s.quant = SMALL
     return s
 
@@ -44,7 +59,7 @@ def test_a_bf16_decode_step_stays_bf16(v3):
         cs = make_caches(v3.model, SMALL, v3.rotations, [None])
         v3.model.set_dtype(mx.bfloat16)
         bench_setup.fill(cs, 200, v3)
-        x = mx.zeros((1, 1, 7168), mx.bfloat16)
+        x = mx.zeros((1, 1, v3.model.args.hidden_size), mx.bfloat16)
         assert bench._conversions(v3.attn(x, None, cs[0])) > 0
     finally:
         v3.rotations = [x.astype(mx.bfloat16) for x in v3.rotations]
@@ -79,10 +94,15 @@ def test_greedy_tokens_equal_across_prefill_chunk_sizes_in_bf16(v3):
                     break
 
 
-def test_prefill_memory_is_bounded_by_the_chunk(v3):
+def test_prefill_memory_is_bounded_by_the_chunk(v3, monkeypatch):
     """The transient memory of the INT2 cache's last prefill chunk does not grow with the
     context (blocks of keys, merged softmaxes); mlx-lm's cache materializes heads x chunk x
     context scores, so its grows in proportion."""
+    # A block of scores is heads x chunk x keys under BLOCK_BYTES: with 16 heads of 128 the
+    # budget is cut by the same factor, so a block holds the keys it holds at full width and
+    # the 4K context spans the same blocks (at 256 MB for 16 heads, one block would hold it).
+    full = mla_attention.BLOCK_BYTES
+    monkeypatch.setattr(mla_attention, "BLOCK_BYTES", full * v3.attn.num_heads // 128)
     v3.model.set_dtype(mx.float32)
     chunk = 512
     small, big = (bench.prefill_memory(v3, n, chunk) for n in (1024, 4096))
@@ -177,7 +197,7 @@ def test_every_buffer_owns_its_rows_when_the_chunk_is_a_slice(chunk):
 
 @pytest.fixture(scope="module")
 def v32():
-    s = bench_setup.setup_synthetic("deepseek-v3.2", 1)
+    s = bench_setup.setup_synthetic("deepseek-v3.2", 1, heads=HEADS, hidden=HIDDEN)
     s.quant = SMALL
     s.model.set_dtype(mx.float32)
     return s

@@ -94,6 +94,7 @@ def server(tmp_path_factory):
 PROMPT = rb"\n> $|^> $|\r> $"
 
 
+@pytest.mark.e2e
 def test_interactive_chat_in_a_terminal(server, macserve_home):
     """Line editing and history (Up recalls a line, kept in the config home), the Ctrl-C
     hint at the prompt, /bye, and the default max tokens."""
@@ -122,6 +123,7 @@ def test_interactive_chat_in_a_terminal(server, macserve_home):
     assert "Good morrow" in hist and "/bye" in hist
 
 
+@pytest.mark.e2e
 def test_chat_streams_the_routers_progress_and_max_tokens_default(server):
     """One-shot: 512 tokens at most unless asked (the server's own default is its context)."""
     r = cli("chat", server.url, "Speak.", "--temperature", "0")
@@ -130,6 +132,7 @@ def test_chat_streams_the_routers_progress_and_max_tokens_default(server):
     assert n <= 512
 
 
+@pytest.mark.e2e
 def test_chat_starts_a_stopped_profile_and_one_shape(services, macserve_home):
     port = free_port()
     r = cli(
@@ -171,6 +174,7 @@ def test_chat_starts_a_stopped_profile_and_one_shape(services, macserve_home):
     assert cli("rm", "tiny").returncode == 0
 
 
+@pytest.mark.e2e
 def test_router_cold_start_progress_and_model_name(services, macserve_home):
     port, rport = free_port(), free_port()
     r = cli(
@@ -210,6 +214,7 @@ def test_router_cold_start_progress_and_model_name(services, macserve_home):
     cli("stop", "tiny")
 
 
+@pytest.mark.e2e
 def test_context_beyond_the_model_refused_before_writing(macserve_home):
     r = cli("new", str(TINY_MODEL), "--name", "big", "--ctx", "99999", "--no-start")
     assert r.returncode == 2
@@ -249,6 +254,7 @@ def test_context_beyond_the_budget_refused(macserve_home):
     refuse_ctx("--ctx", 40_000, 262_144, 50_000, 2**30, "llama.cpp/f16")  # fits: nothing said
 
 
+@pytest.mark.e2e
 def test_calibrated_folder_defaults_to_int2(macserve_home):
     r = cli("new", str(TINY_MODEL), "--provider", "macserve", "--name", "t", "--no-start")
     assert r.returncode == 0, r.stderr
@@ -269,6 +275,7 @@ def test_calibrated_folder_defaults_to_int2(macserve_home):
     assert "KV=bf16" in (macserve_home / "profiles" / "p.env").read_text()
 
 
+@pytest.mark.e2e
 def test_ctrl_c_before_a_restart_changes_nothing(tmp_path, macserve_home):
     slow = tmp_path / "llama-server"
     slow.write_text("#!/bin/sh\nsleep 60\n")
@@ -326,6 +333,7 @@ def _children_cmdlines(pid):
         return []
 
 
+@pytest.mark.e2e
 def test_profile_names_complete(macserve_home):
     for n in ("tiny", "tiny-gguf", "other"):
         ProfileStore().save(Profile(n, {"PROVIDER": "mlx", "MODEL": "x", "PORT": str(8080)}))

@@ -2,14 +2,10 @@
 (latent nearly rank 10: INT2 holds) and on the hard case (`macserve dev hard-mla`: random
 weights, near-full-rank latent on layers 2-3: INT2 does not)."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from macserve.cli import main
 from macserve.dev.hard_mla import LOW_RANK
 from macserve.dev.tiny import data as tiny_data
 from macserve.engine import gate
@@ -25,9 +21,7 @@ from macserve.engine.calibration import (
 )
 from macserve.engine.gate import DEFAULT_TARGET, FORMATS
 from macserve.engine.rows import dequantize
-from macserve.int2_format import INT2, read_plan
-
-from .conftest import TINY_MODEL
+from macserve.int2_format import INT2, SHIPPED_ROTATION, read_plan
 
 INT2_NAMES = {f.name for f in FORMATS if f.bits == 2}
 QUANTIZED = [f.name for f in FORMATS if f.bits is not None]
@@ -35,27 +29,20 @@ EH = "eigen-hadamard"  # covariance eigenvectors + bit-reversal interleave + per
 BITS = {f.name: (f.bits or 16) for f in FORMATS}
 
 
-def _calibrate(model, out):
-    args = ["calibrate", str(model), "--out", str(out), "--windows", "2", "--seq-len", "512"]
-    r = CliRunner().invoke(main, [*args, "--json"])
-    assert r.exit_code == 0, r.output
-    return json.loads(r.output.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def demo(gated_demo):
+    """(report, file) of `macserve calibrate --json` on the demo model: the run's one
+    calibration of it (tests/fixtures.py), shared with tests/test_cache_plan.py."""
+    folder, report = gated_demo
+    return report, folder / SHIPPED_ROTATION
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "rot.safetensors"
-    return _calibrate(TINY_MODEL, out), out
+def hard(gated_hard):
+    return gated_hard[1]  # `macserve dev hard-mla`, then `macserve calibrate --json` on it
 
 
-@pytest.fixture(scope="module")
-def hard(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hard") / "hard-mla"
-    r = CliRunner().invoke(main, ["dev", "hard-mla", str(folder)])
-    assert r.exit_code == 0, r.output
-    return _calibrate(folder, folder / "rot.safetensors")
-
-
+@pytest.mark.model
 def test_json_lists_every_layer_choice_and_every_format(demo):
     rep, _ = demo
     assert len(rep["layers"]) == 4 and rep["target"] == DEFAULT_TARGET
@@ -66,6 +53,7 @@ def test_json_lists_every_layer_choice_and_every_format(demo):
     assert rep["bytes_per_token"] == sum(row["bytes_per_token"] for row in rep["layers"])
 
 
+@pytest.mark.model
 def test_the_file_holds_the_plan_and_the_chosen_rotations(demo):
     rep, out = demo
     cal = Calibration.load(out)
@@ -73,6 +61,7 @@ def test_the_file_holds_the_plan_and_the_chosen_rotations(demo):
     assert len(cal.rotations["gate"]) == 4
 
 
+@pytest.mark.model
 def test_more_bits_less_error_for_the_same_rotation(demo):
     # By construction: the same grid with 2^b - 1 steps; a factor 2 per bit left as margin
     # (each bit quarters the step's error power in theory).
@@ -84,12 +73,14 @@ def test_more_bits_less_error_for_the_same_rotation(demo):
         assert e["bf16"]["plain"] < e["int4-g64"]["plain"]
 
 
+@pytest.mark.model
 def test_demo_layers_get_int2(demo):
     for row in demo[0]["layers"]:
         assert row["choice"] in INT2_NAMES, row
         assert min(row["errors"][row["choice"]].values()) <= DEFAULT_TARGET
 
 
+@pytest.mark.model
 def test_hard_case_full_rank_layers_get_a_wider_format(hard):
     for row in hard["layers"]:
         best_int2 = min(min(row["errors"][f].values()) for f in INT2_NAMES)
@@ -138,6 +129,7 @@ def test_eigen_hadamard_is_orthogonal_interleaved_and_flat_within_groups(group):
         np.testing.assert_allclose(var, lam[ranks].mean(), rtol=1e-8)
 
 
+@pytest.mark.model
 def test_the_gate_scores_eigen_hadamard_in_every_quantized_format(demo):
     for row in demo[0]["layers"]:
         for f in QUANTIZED:
@@ -145,6 +137,7 @@ def test_the_gate_scores_eigen_hadamard_in_every_quantized_format(demo):
         assert set(row["errors"]["bf16"]) == {"plain"}
 
 
+@pytest.mark.model
 def test_eigen_hadamard_beats_plain_on_the_hard_case(hard):
     # Measured 0.65-0.86x plain's error in every quantized format and layer (rank-8 and
     # full-rank alike: docs/int2-latent-cache.md); asserted only as "not worse".
@@ -154,6 +147,7 @@ def test_eigen_hadamard_beats_plain_on_the_hard_case(hard):
             assert e[EH] <= e["plain"], (row["layer"], f, e)
 
 
+@pytest.mark.model
 def test_an_eigen_hadamard_plan_round_trips_through_the_file_into_the_caches(bundle, tmp_path):
     """A gate restricted to eigen-hadamard at INT2 g64: the file names it, loads the same
     rotations, and the caches serve builds from it store lat·R clipped, as codes."""

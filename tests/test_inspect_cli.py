@@ -214,6 +214,7 @@ def _cold(*args, env_extra=None):
     return p, time.perf_counter() - t
 
 
+@pytest.mark.e2e
 def test_cold_local_inspect_imports_neither_mlx_nor_the_hub(record_property):
     # --modelled: no measurement, so nothing of mlx either.
     p, seconds = _cold("inspect", V3, "--modelled")
@@ -223,6 +224,7 @@ def test_cold_local_inspect_imports_neither_mlx_nor_the_hub(record_property):
     print(f"cold `macserve inspect --modelled` of a local config: {seconds:.2f} s")
 
 
+@pytest.mark.e2e
 def test_measured_inspect_imports_mlx_once_then_reads_its_cache(tmp_path, record_property):
     home = {"MACSERVE_HOME": str(tmp_path / "home")}
     first, t1 = _cold("inspect", V3, env_extra=home)

@@ -496,6 +496,7 @@ def test_mla_layer_from_gguf_dims():
 # --- against a real llama-server (skipped without the binary) -----------------------------
 
 
+@pytest.mark.e2e
 def test_llama_server_allocates_what_inspect_says(llama_server, tmp_path):
     """The project's deepseek2 GGUF (4 MLA layers + 1 nextn) under -np 2 -c 1000 with q8_0:
     llama.cpp pads the context to 1024, gives each sequence 512 cells, and filters the nextn

@@ -4,6 +4,7 @@ they count, that bf16 against itself diverges nowhere, and that a window setting
 import json
 from dataclasses import replace
 
+import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
@@ -28,6 +29,7 @@ def test_first_divergence_counts_an_early_end_and_summary_counts_ends():
     assert s["gen_first_divergence"] == (3 + 1) / 2  # the identical prompt counts its length
 
 
+@pytest.mark.model
 def test_bf16_against_itself_diverges_nowhere_and_the_window_moves_the_divergence(bundle):
     """Prompts of 128 tokens, 32 generated: a sink 64 + recent 256 window holds every token in
     bf16, no window holds none. Bounds with margin: measured, the window-less cache diverges
@@ -60,6 +62,7 @@ def test_bf16_against_itself_diverges_nowhere_and_the_window_moves_the_divergenc
     assert res["no windows"]["gen_identical"] < 1.0
 
 
+@pytest.mark.model
 def test_bench_kv_windows_set_has_the_generation_columns():
     args = ["bench", "kv", str(TINY_MODEL), "--variants", "windows", "--windows", "1"]
     args += ["--seq-len", "128", "--gen-tokens", "4", "--contexts", "512", "--gen-prompts", "1"]
@@ -77,6 +80,7 @@ def test_bench_kv_windows_set_has_the_generation_columns():
     assert rows[0]["variant"] == "bf16 latent" and rows[0]["gen_identical"] == 1.0
 
 
+@pytest.mark.model
 def test_bench_kv_refuses_generation_longer_than_the_context():
     args = ["bench", "kv", str(TINY_MODEL), "--windows", "1", "--seq-len", "64"]
     args += ["--gen-prompts", "1", "--gen-prompt-tokens", "512", "--gen-max-tokens", "700"]

@@ -17,11 +17,8 @@ from macserve.engine.calibration import (
     fit,
 )
 from macserve.engine.latent_cache import RotatedLatentCache
-from macserve.engine.model import load
 from macserve.engine.rows import CODE_STEP
 from macserve.int2_format import LatentQuant
-
-from .conftest import TINY_MODEL
 
 INT2 = LatentQuant(bits=2)
 # Small windows so a few hundred tokens exercise sink, int and recent segments at once.
@@ -29,8 +26,8 @@ SMALL = LatentQuant(bits=2, sink=8, recent=32, slack=4)
 
 
 @pytest.fixture(scope="module")
-def model():
-    b = load(TINY_MODEL).require_mla()
+def model(bundle):
+    b = bundle.require_mla()  # the run's shared demo model (tests/fixtures.py)
     return b.model, b.tokenizer
 
 
@@ -55,6 +52,7 @@ def run(model, caches, ids, chunk):
     return mx.concatenate(outs, axis=1)[0]
 
 
+@pytest.mark.model
 def test_calibration_is_deterministic_and_round_trips(model, calibration, tmp_path):
     m, tok = model
     again = fit(collect(m, calibration_windows(tok, training_text(2), 1, 256)), INT2)
@@ -77,12 +75,14 @@ def test_bad_calibration_file_is_a_clear_error(tmp_path):
         Calibration.load(f)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method", METHODS)
 def test_rotations_are_orthogonal(calibration, method):
     for r in calibration.rotations[method]:
         np.testing.assert_allclose(r.T @ r, np.eye(r.shape[0]), atol=1e-5)
 
 
+@pytest.mark.model
 def test_eigen_rotation_orders_variance_ascending(calibration, model):
     m, tok = model
     st = collect(m, calibration_windows(tok, training_text(2), 1, 256))[1]
@@ -91,6 +91,7 @@ def test_eigen_rotation_orders_variance_ascending(calibration, model):
     assert np.all(np.diff(var) >= -1e-6 * var.max())
 
 
+@pytest.mark.model
 def test_quantize_error_is_bounded_by_the_level_step():
     u = mx.random.normal((1, 1, 200, 128), key=mx.random.key(3)) * mx.linspace(0.01, 4, 128)
     c = RotatedLatentCache(replace(INT2, sink=0, recent=0))
@@ -112,6 +113,7 @@ def test_bytes_per_token_formula():
     assert LatentQuant(bits=None).bytes_per_token(512, 64) == 1152
 
 
+@pytest.mark.model
 def test_nbytes_is_what_mlx_allocates_and_the_layout(model, calibration):
     """The cache holds what it says: its nbytes equals what MLX's allocator gained by filling
     it, and that is the layout's figure (codes for tokens past the window, bf16 for sink +
@@ -149,6 +151,7 @@ def test_nbytes_is_what_mlx_allocates_and_the_layout(model, calibration):
     assert bf[0].nbytes == 300 * bf16_row
 
 
+@pytest.mark.model
 def test_absorbed_attention_on_codes_equals_attention_on_dequantized(model, calibration):
     m, tok = model
     ids = prompt(tok, 200)
@@ -163,6 +166,7 @@ def test_absorbed_attention_on_codes_equals_attention_on_dequantized(model, cali
     np.testing.assert_allclose(np.array(fast), np.array(slow), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.model
 def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
     """Speculative verification feeds k+1 tokens at once; it must see what decode would."""
     m, tok = model
@@ -176,6 +180,7 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
     np.testing.assert_allclose(np.array(chunk), np.array(single), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.model
 def test_a_long_chunk_is_causal(model, calibration):
     """A prefill chunk longer than the windows (mlx-lm prefills 2,048 at a time) must not let
     a query see later tokens through their INT2 copies."""
@@ -207,6 +212,7 @@ def filled(q, steps):
     return c
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("steps", [[1] * 60, [30, 1, 1, 20], [100], [50, 50, 1, 1, 1], [7, 3]])
 def test_trim_is_exact_at_every_boundary_or_refuses(steps):
     """Every (length, trim) pair around the sink, the codes and the window: a trim either
@@ -242,6 +248,7 @@ def test_trim_is_exact_at_every_boundary_or_refuses(steps):
         assert c.trim(2) == 2
 
 
+@pytest.mark.model
 def test_trim_restores_exact_state(model, calibration):
     m, tok = model
     ids = prompt(tok, 140)
@@ -260,6 +267,7 @@ def test_trim_restores_exact_state(model, calibration):
     )
 
 
+@pytest.mark.model
 def test_trim_never_goes_past_what_it_can_restore(model, calibration):
     m, tok = model
     caches = caches_for(m, SMALL, calibration, "eigen")
@@ -273,6 +281,7 @@ def test_trim_never_goes_past_what_it_can_restore(model, calibration):
     assert window[1] == c.offset - SMALL.recent and window[2][0].shape[2] == SMALL.recent
 
 
+@pytest.mark.model
 def test_the_cache_works_inside_mlx_lm_generate(model, calibration):
     from mlx_lm import generate
 
@@ -287,6 +296,7 @@ def test_the_cache_works_inside_mlx_lm_generate(model, calibration):
     assert outs[0] == outs[1] and len(outs[0]) > 0
 
 
+@pytest.mark.model
 def test_quantized_cache_stays_close_to_bf16(model, calibration):
     m, tok = model
     ids = prompt(tok, 256)

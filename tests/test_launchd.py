@@ -14,6 +14,8 @@ import plistlib
 import shutil
 import sys
 
+import pytest
+
 from macserve.errors import MacserveError
 from macserve.services import providers, values
 from macserve.services.health import wait_ready
@@ -104,6 +106,7 @@ def test_plist_key_by_key(macserve_home, monkeypatch):
     }
 
 
+@pytest.mark.e2e
 def test_drain_sets_both_supervisors_stop_timeout(launchctl, macserve_home):
     """One figure, from the profile's DRAIN: launchd's ExitTimeOut and supervisord's
     stopwaitsecs agree, and both leave the drain its whole length before any SIGKILL."""
@@ -161,6 +164,7 @@ def test_parse_print_takes_top_level_properties():
     }
 
 
+@pytest.mark.e2e
 def test_command_sequences(launchctl, macserve_home, tmp_path):
     b = LaunchdBackend()
     target = f"{DOMAIN}/dev.macserve.big"
@@ -219,6 +223,7 @@ def test_command_sequences(launchctl, macserve_home, tmp_path):
     assert launchctl() == _probe()
 
 
+@pytest.mark.e2e
 def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, monkeypatch):
     b = LaunchdBackend()
     monkeypatch.setattr(b, "grace", lambda name: 0.3)
@@ -233,6 +238,7 @@ def test_sigterm_ignored_then_sigkill_after_the_grace(launchctl, macserve_home, 
     assert calls.index(["kill", "SIGKILL", target]) < calls.index(["bootout", target])
 
 
+@pytest.mark.e2e
 def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, monkeypatch):
     """Over SSH with the console someone else's (or nobody's): user/<uid>, a Background plist;
     the unit is then found there from any shell, and moves when restarted from the GUI."""
@@ -271,6 +277,7 @@ def test_ssh_session_picks_the_user_domain(launchctl, macserve_home, tmp_path, m
     assert plistlib.loads(plist.read_bytes())["LimitLoadToSessionType"] == "Aqua"
 
 
+@pytest.mark.e2e
 def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     """launchd's "last terminating signal" (jetsam's SIGKILL, a Metal abort) is read: the
     health wait stops at the first poll instead of waiting out its timeout."""
@@ -294,6 +301,7 @@ def test_death_by_signal_fails_the_wait_at_once(launchctl, macserve_home):
     assert wait_ready(p, timeout=600, backend=b) == (False, "it exited with code 1")
 
 
+@pytest.mark.e2e
 def test_cli_through_launchd(launchctl, macserve_home, tmp_path):
     """rm through the CLI on the launchd backend: bootout before the profile goes."""
     from click.testing import CliRunner

@@ -176,6 +176,7 @@ def test_every_key_is_a_launchd_plist5_key(macserve_home):
     assert {"UserName", "LimitLoadToSessionType"} <= {k for d in plists for k in d}
 
 
+@pytest.mark.e2e
 def test_stand_in_refuses_what_launchd_refuses(launchctl, macserve_home, tmp_path):
     """A second load into one domain and a bootout of an unloaded label fail; the same label
     in another domain loads (that is how a unit ends up running twice)."""
@@ -194,6 +195,7 @@ def test_stand_in_refuses_what_launchd_refuses(launchctl, macserve_home, tmp_pat
     assert _loaded(launchctl) == [f"{DOMAIN}/{LABEL}", f"user/{UID}/{LABEL}"]
 
 
+@pytest.mark.e2e
 def test_start_boots_out_a_copy_in_another_domain(launchctl, macserve_home, tmp_path):
     """Loaded over SSH (user/), then started from a GUI shell whose plist says Aqua: the
     user/ copy is stopped and booted out before the gui/ one loads, so one server runs."""
@@ -220,6 +222,7 @@ def test_start_boots_out_a_copy_in_another_domain(launchctl, macserve_home, tmp_
     assert _loaded(launchctl) == [gui]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="installs a LaunchDaemon: root only")
 def test_system_profile_is_a_launchdaemon(launchctl, macserve_home, tmp_path, monkeypatch):
     """SYSTEM=1: the agent goes, a LaunchDaemon in the system domain comes, run as
@@ -263,6 +266,7 @@ def test_system_profile_is_a_launchdaemon(launchctl, macserve_home, tmp_path, mo
     assert _loaded(launchctl) == [] and not b.installed("big")
 
 
+@pytest.mark.e2e
 def test_system_profile_without_root_is_one_line(launchctl, macserve_home, monkeypatch):
     """Not root: one line naming the exact sudo command; nothing written, nothing loaded."""
     monkeypatch.setattr(launchd_domains, "is_root", lambda: False)
@@ -280,6 +284,7 @@ def test_system_profile_without_root_is_one_line(launchctl, macserve_home, monke
         Profile("big", {"PROVIDER": "llama.cpp", "MODEL": "/m.gguf", "PORT": "1", "SYSTEM": "y"})
 
 
+@pytest.mark.e2e
 def test_hung_launchctl_is_one_line(launchctl, macserve_home, monkeypatch):
     ProfileStore().save(_demo())
     monkeypatch.setattr(launchd_ctl, "LAUNCHCTL_TIMEOUT", 1.0)

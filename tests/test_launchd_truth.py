@@ -11,6 +11,7 @@ back-off record for a respawn that launchd calls running.
 import json
 import subprocess
 
+import pytest
 from click.testing import CliRunner
 
 from macserve.cli import main
@@ -19,6 +20,8 @@ from macserve.services.supervisors import log_path, spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
 
 from .fixtures import DOMAIN
+
+pytestmark = pytest.mark.e2e  # the launchctl stand-in is a process per call
 
 TARGET = f"{DOMAIN}/dev.macserve.big"
 # what llama-server writes when its weights cannot be read, then its callers giving up

@@ -83,6 +83,7 @@ def completion(port) -> list[int]:
     return r.json()["tokens"]
 
 
+@pytest.mark.e2e
 def test_a_worker_over_rpc_serves_the_same_greedy_output(
     llama_server,
     model_gguf,  # noqa: F811

@@ -106,6 +106,7 @@ def test_every_listed_config_has_a_mapping():
         skeleton_metadata(json.loads(p.read_text()))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", MAPPED, ids=lambda p: p.stem)
 def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
     cfg = json.loads(path.read_text())
@@ -137,6 +138,7 @@ def test_llama_server_allocates_what_inspect_says(path, llama_server, tmp_path):
             assert all(t == "f16" for l in growing for _, t, _ in l.parts)
 
 
+@pytest.mark.e2e
 def test_the_skeleton_is_small_and_says_what_llama_cpp_needs(llama_server, tmp_path):
     cfg = json.loads((CONFIGS / "deepseek-ai__DeepSeek-V3.json").read_text())
     path = tmp_path / "s.gguf"
@@ -179,6 +181,7 @@ def test_transformers_minimax_with_lightning_layers_is_minimax_01_not_m2():
     assert skeleton_metadata({**m2, "model_type": "minimax"}).arch == "minimax-m2"
 
 
+@pytest.mark.e2e
 def test_the_dev_command_prints_both_figures(llama_server):
     path = str(CONFIGS / "openai__gpt-oss-120b.json")
     r = CliRunner().invoke(
@@ -191,6 +194,7 @@ def test_the_dev_command_prints_both_figures(llama_server):
     assert "inspect of the skeleton's GGUF header" not in r.output
 
 
+@pytest.mark.e2e
 def test_the_dev_command_sizes_the_skeletons_gguf_header_too(llama_server):
     """--gguf: the skeleton's own header read as `inspect model.gguf` reads it, beside what
     llama-server allocated (Qwen2.5: the GGUF path reads llama.cpp's keys, not the config)."""

@@ -109,6 +109,7 @@ def _plain(b, ids, n):
     return [int(t) for (t, _), _ in zip(steps, range(n))]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("k", [1, 2])
 def test_the_demo_model_decides_by_its_own_measured_figures(bundle, k):
     """Probes from every 24 tokens, so one generation switches path several times: the greedy text
@@ -128,6 +129,7 @@ def test_the_demo_model_decides_by_its_own_measured_figures(bundle, k):
     print(auto.status())
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("drafting", [False, True])
 def test_each_decided_path_gives_the_models_greedy_text(bundle, drafting):
     """A decision already taken and no probe due: the pipelined plain loop (off) or draft
@@ -140,6 +142,7 @@ def test_each_decided_path_gives_the_models_greedy_text(bundle, drafting):
     assert (dec.stats.rounds > 0) == drafting and auto.decisions == 0
 
 
+@pytest.mark.model
 def test_sampled_generation_under_auto(bundle):
     auto = AutoMTP(k=1, probe_every=16)
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, auto=auto)
@@ -174,6 +177,7 @@ def _ask(s, n=48, **extra):
     return r.json()
 
 
+@pytest.mark.e2e
 def test_serve_defaults_to_auto_and_says_why_in_timings_metrics_and_chat(tmp_path):
     with serve(tmp_path, "--ctx", "512") as s:
         first = _ask(s)["timings"]
@@ -219,6 +223,7 @@ def no_mtp_weights(tmp_path):
     return d
 
 
+@pytest.mark.e2e
 def test_missing_mtp_weights_are_one_line_and_no_drafting(no_mtp_weights, tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "macserve", "generate", str(no_mtp_weights), "ROMEO.\n"],

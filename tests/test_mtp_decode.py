@@ -31,6 +31,7 @@ def plain_greedy(b, ids, n, cache):
     ]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_with_mtp_is_token_identical(bundle, k):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=k, probe_rounds=10**9)
@@ -43,6 +44,7 @@ def test_greedy_with_mtp_is_token_identical(bundle, k):
         assert all(p is None or 0 <= p <= 1 for p in st.per_position())
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("k", [1, 3])  # k = 1 runs the pipelined loop, k = 3 the chained one
 def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, k):
     from macserve.engine.calibration import calibration_windows, collect, fit
@@ -61,6 +63,7 @@ def test_greedy_with_mtp_is_identical_on_the_int2_cache(bundle, k):
         assert out == ref
 
 
+@pytest.mark.model
 def test_drafting_switches_itself_off_below_break_even(bundle):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=1, min_accept_per_round=1.01, probe_rounds=4)
     ids = bundle.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
@@ -99,6 +102,7 @@ def test_speculative_sampling_matches_the_target_distribution():
     assert _tv(q1 * 60000, p1) > 0.3
 
 
+@pytest.mark.model
 def test_sampled_generation_runs_and_counts(bundle):
     dec = MTPDecoder(bundle.model, bundle.mtp(), k=2, probe_rounds=10**9)
     ids = bundle.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
@@ -108,11 +112,13 @@ def test_sampled_generation_runs_and_counts(bundle):
     assert dec.stats.draft_tokens >= dec.stats.rounds
 
 
+@pytest.mark.model
 def test_bad_draft_length_is_refused(bundle):
     with pytest.raises(ValueError, match="1..3"):
         MTPDecoder(bundle.model, bundle.mtp(), k=4)
 
 
+@pytest.mark.model
 def test_mtp_prefill_in_chunks_equals_one_pass_and_heads_only_the_last_row(bundle):
     """The prompt goes through the trunk and the MTP layer chunk by chunk (progress after
     each); the drafts and the output come out as from one pass; the vocabulary head scores
@@ -145,6 +151,7 @@ def test_mtp_prefill_in_chunks_equals_one_pass_and_heads_only_the_last_row(bundl
     assert outs[0] == outs[1] and stats[0] == stats[1]
 
 
+@pytest.mark.model
 def test_greedy_with_mtp_on_an_int2_mtp_cache(bundle):
     """With --kv int2 the MTP layer's own cache is INT2 too (unrotated): drafts may change,
     the output may not (the trunk verifies every token)."""

@@ -56,6 +56,7 @@ def ranks(pid) -> list[psutil.Process]:
     ]
 
 
+@pytest.mark.e2e
 def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # noqa: F811
     single, multi = free_port(), free_port()
     r = cli(
@@ -188,6 +189,7 @@ def completion(port, **body) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.e2e
 def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # noqa: F811
     """macserve's own engine under mlx.launch: rank 0 answers HTTP, both ranks generate in
     lockstep (pipeline); the INT2 cache and MTP drafting run on each rank's layers."""
@@ -399,6 +401,7 @@ def test_check_hosts_one_line_errors(extra, msg):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.e2e
 def test_mlx_launch_found_from_a_venv_with_the_system_packages(tmp_path):
     """A venv made with --system-site-packages imports the base interpreter's mlx, but mlx's
     scripts stay in the base interpreter's bin, which a service's PATH does not hold: the

@@ -21,6 +21,8 @@ import pytest
 from .fixtures import free_port, raw_post_head, raw_read_all, raw_response, router_process
 from .serverproc import serve
 
+pytestmark = pytest.mark.e2e
+
 BODY = 9 * 2**20  # over web.body.MAX_BODY (8 MB)
 TRIES = 30
 

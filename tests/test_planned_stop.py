@@ -11,9 +11,12 @@ import threading
 import httpx
 import openai
 import psutil
+import pytest
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, poll, router_process, status
+
+pytestmark = pytest.mark.e2e
 
 TURN1 = [
     {

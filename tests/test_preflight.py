@@ -169,6 +169,7 @@ def test_provider_check_args_runs_preflight(ssh, monkeypatch):
     assert ssh.read_text().count("\n") == 2  # the two remote hosts of the first profile only
 
 
+@pytest.mark.e2e
 def test_cli(ssh, macserve_home, monkeypatch):
     (macserve_home / "profiles").mkdir(exist_ok=True)
     (macserve_home / "profiles" / "g.env").write_text(

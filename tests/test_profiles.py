@@ -29,6 +29,7 @@ def snapshot(root):
     return out
 
 
+@pytest.mark.e2e
 def test_round_trip_keeps_awkward_values():
     values = dict(
         BASE,
@@ -162,6 +163,7 @@ def test_invalid_profile_is_never_written(macserve_home):
     assert snapshot(macserve_home) == before
 
 
+@pytest.mark.e2e
 def test_lock_serializes_concurrent_read_modify_write(macserve_home):
     """Four processes each increment PARALLEL 15 times under the lock: no update is lost."""
     st = ProfileStore()
@@ -228,6 +230,7 @@ def test_cli_bad_input_one_line_nothing_changes(args, msg, macserve_home):
     assert snapshot(macserve_home) == before
 
 
+@pytest.mark.e2e
 def test_cli_set_no_restart_writes(macserve_home, llama_server, tmp_path):
     model = tmp_path / "a.gguf"
     model.write_bytes(b"GGUF")  # set checks that the file exists, not what is in it
@@ -305,6 +308,7 @@ def test_parse_assignments_secrets_and_flag_edits():
         parse_assignments(("EXTRA_ARGS=-c 1", "EXTRA_ARGS+=-c 2"))
 
 
+@pytest.mark.e2e
 def test_set_edits_single_flags_and_names_lost_ones(macserve_home, llama_server, tmp_path):
     model = tmp_path / "a.gguf"
     model.write_bytes(b"GGUF")

@@ -14,6 +14,8 @@ from macserve.server.prompt_cache import PromptCache, offset, trimmable
 from .conftest import TINY_MODEL
 from .fixtures import prompt_ids
 
+pytestmark = pytest.mark.model
+
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32 on the CPU; chunking changes summation order only
 
 

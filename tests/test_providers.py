@@ -79,6 +79,7 @@ def test_check_flags_accepts_values_negatives_and_equals():
     check_flags(["-c", "-1", "--ctx_size=4096", "--jinja", "-sm", "row"], flags, "x")
 
 
+@pytest.mark.e2e
 def test_llama_cpp_argv(llama_server, tmp_path, monkeypatch, macserve_home):
     monkeypatch.setenv("MACSERVE_LLAMA_SERVER", llama_server)
     m = tmp_path / "m.gguf"
@@ -154,6 +155,7 @@ def test_llama_server_not_found(monkeypatch):
     assert "scripts/build-llama-server.sh" in str(e.value)  # where it looked, how to get one
 
 
+@pytest.mark.e2e  # runs the set-up script under bash
 def test_the_llama_server_set_up_built_is_found_from_any_shell(tmp_path, macserve_home):
     """scripts/build-llama-server.sh links its build into $MACSERVE_HOME/bin (run here with a
     stand-in binary, the cache it would reuse), and a shell with nothing exported finds it,

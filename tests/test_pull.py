@@ -8,9 +8,12 @@ import json
 import re
 
 import httpx
+import pytest
 
 from .conftest import TINY_MODEL
 from .fixtures import GGUF_REPO, MLX_REPO, cli, free_port, status
+
+pytestmark = pytest.mark.e2e
 
 
 def test_pull_one_quant_resumes_an_interrupted_file(hub, ggufs):

@@ -32,6 +32,8 @@ from .conftest import REPO, TINY_MODEL
 from .fixtures import DOMAIN, cli, free_port, poll, router_process, state
 from .serverproc import serve
 
+pytestmark = pytest.mark.e2e
+
 
 def listing(url, key=None) -> dict:
     auth = {"authorization": f"Bearer {key}"} if key else {}

@@ -3,6 +3,7 @@ the server's own /metrics (router/activity.py). A real router process, a real
 engine profile and a real llama-server profile under supervisord, raw HTTP to their ports."""
 
 import httpx
+import pytest
 
 from macserve.router.activity import reading
 
@@ -22,6 +23,7 @@ def _ask(base: str, model: str) -> None:
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.e2e
 def test_raw_http_to_a_profile_port_resets_the_idle_clock(
     llama_server, model_gguf, services, macserve_home
 ):

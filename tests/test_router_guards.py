@@ -5,9 +5,12 @@ no traceback in the log. Nothing here starts a model: each refusal comes first.
 """
 
 import httpx
+import pytest
 
 from .conftest import TINY_MODEL
 from .fixtures import cli, free_port, router_process, state
+
+pytestmark = pytest.mark.e2e
 
 
 def _tiny_with_key():

@@ -7,10 +7,13 @@ never starts a stopped profile."""
 import os
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import REPO
 from .fixtures import TINY_MODEL, cli, free_port, poll, router_process
+
+pytestmark = pytest.mark.e2e
 
 KEY = "sk-router-metrics-3"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -17,6 +17,8 @@ from macserve.services.footprint import footprint
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, router_process, state
 
+pytestmark = pytest.mark.e2e
+
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import (  # noqa: E402
     NoSuchElementException,

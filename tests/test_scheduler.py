@@ -15,6 +15,8 @@ from macserve.server.scheduler import Scheduler
 
 from .conftest import TINY_MODEL
 
+pytestmark = pytest.mark.model
+
 
 @dataclass
 class Job:

@@ -42,6 +42,7 @@ def post(server, path, body=None, content=None, key=KEY):
     return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=60)
 
 
+@pytest.mark.model
 def test_health_is_503_while_loading_then_ready(monkeypatch):
     """In process, with the real loader held at a gate: the wait a big model's load takes on
     a Mac, made deterministic (the demo model loads in a fraction of a second)."""
@@ -66,12 +67,14 @@ def test_health_is_503_while_loading_then_ready(monkeypatch):
             time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_health_and_models(server, client):
     h = server.health()
     assert h["status"] == "ok" and h["n_ctx"] == CTX
     assert [m.id for m in client.models.list().data] == ["tiny-mla"]
 
 
+@pytest.mark.e2e
 def test_chat_streaming_matches_non_streaming_and_greedy_is_deterministic(client):
     a = client.chat.completions.create(
         model="tiny-mla", messages=HELLO, max_tokens=6, temperature=0
@@ -108,6 +111,7 @@ def test_chat_streaming_matches_non_streaming_and_greedy_is_deterministic(client
     )
 
 
+@pytest.mark.e2e
 def test_completions_streaming_and_not(client):
     r = client.completions.create(
         model="tiny-mla", prompt="ROMEO.\nBut soft", max_tokens=5, temperature=0
@@ -122,6 +126,7 @@ def test_completions_streaming_and_not(client):
     assert s[-1].model_extra["timings"]["predicted_n"] == r.usage.completion_tokens
 
 
+@pytest.mark.e2e
 def test_stop_string_cuts_the_answer(client):
     prompt = "ROMEO.\nBut soft, what light"
     full = (
@@ -145,6 +150,7 @@ def test_stop_string_cuts_the_answer(client):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "path,body,want",
     [
@@ -169,6 +175,7 @@ def test_bad_requests_get_400_with_a_reason(server, path, body, want):
     assert want in r.json()["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_bad_parameters_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="m", messages=HELLO, max_tokens=0)
@@ -176,6 +183,7 @@ def test_bad_parameters_through_the_openai_client(client):
         client.chat.completions.create(model="m", messages=HELLO, temperature=3.5)
 
 
+@pytest.mark.e2e
 def test_prompt_plus_max_tokens_over_the_context_is_400(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=HELLO, max_tokens=CTX)
@@ -184,6 +192,7 @@ def test_prompt_plus_max_tokens_over_the_context_is_400(client, server):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_api_key_required_except_for_health(server):
     for key in (None, "wrong"):
         r = post(server, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 1}, key=key)
@@ -194,6 +203,7 @@ def test_api_key_required_except_for_health(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.e2e
 def test_unknown_path_and_method_are_json_errors(server):
     r = httpx.get(server.url + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and "error" in r.json()
@@ -201,6 +211,7 @@ def test_unknown_path_and_method_are_json_errors(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+@pytest.mark.e2e
 def test_concurrent_clients_all_get_answers(client):
     results, errors = {}, []
 
@@ -228,6 +239,7 @@ def test_concurrent_clients_all_get_answers(client):
     assert len(set(results.values())) == 1  # queued one at a time: greedy is unaffected by company
 
 
+@pytest.mark.e2e
 def test_client_disconnect_mid_stream_cancels_and_server_keeps_serving(server, client):
     before = server.health()
     body = {"messages": HELLO, "max_tokens": CTX - 20, "temperature": 0, "stream": True}
@@ -268,6 +280,7 @@ def test_serve_refuses_a_missing_model_and_a_busy_port(tmp_path):
     assert r.exit_code == 2 and "more than the model's limit 1024" in r.output
 
 
+@pytest.mark.e2e
 def test_non_streaming_and_queued_requests_are_cancelled_when_their_client_leaves(server, client):
     before = server.health()
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -118,6 +118,7 @@ def _streamed_text(stream) -> tuple[str, str]:
 # ---- response_format ---------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "list", "nested", "array"])
 def test_json_schema_answers_always_validate(client, schema):
     """Sampled (temperature 1) and greedy, streamed and not, a tight and a roomy budget: the
@@ -143,6 +144,7 @@ def test_json_schema_answers_always_validate(client, schema):
         assert finish == "stop", (text, finish)  # the grammar ended it, with room to spare
 
 
+@pytest.mark.e2e
 def test_json_object_and_the_default_max_tokens_cap(client):
     """json_object: any JSON object. No max_tokens: the server's --default-max-tokens caps the
     answer (not the rest of the context), and the answer still closes within it."""
@@ -159,6 +161,7 @@ def test_json_object_and_the_default_max_tokens_cap(client):
     assert r.usage.completion_tokens == DEFAULT_MAX and r.choices[0].finish_reason == "length"
 
 
+@pytest.mark.e2e
 def test_json_schema_on_completions_too(server):
     r = httpx.post(
         server.url + "/v1/completions",
@@ -174,6 +177,7 @@ def test_json_schema_on_completions_too(server):
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMAS[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "fmt,want",
     [
@@ -198,6 +202,7 @@ def _check_call(call, allowed: dict):
     jsonschema.validate(args, allowed[call.function.name]["function"]["parameters"])
 
 
+@pytest.mark.e2e
 def test_tool_choice_required_always_returns_calls_whose_arguments_parse(client):
     allowed = {"get_weather": WEATHER, "get_time": TIME}
     for seed in range(4):
@@ -226,6 +231,7 @@ def test_tool_choice_required_always_returns_calls_whose_arguments_parse(client)
             _check_call(c, allowed)
 
 
+@pytest.mark.e2e
 def test_tool_choice_naming_a_function_calls_that_function(client):
     for stream in (False, True):
         kw = dict(
@@ -245,6 +251,7 @@ def test_tool_choice_naming_a_function_calls_that_function(client):
         _check_call(calls[0], {"get_time": TIME})
 
 
+@pytest.mark.e2e
 def test_tools_reach_the_prompt_and_a_tool_conversation_renders(client):
     """The demo model's template knows no tools: they are described in a system message
     (TOOLS_PROMPT), so the prompt grows by their description; a conversation with earlier
@@ -331,6 +338,7 @@ def test_splitter_finds_calls_across_pieces_and_keeps_other_text():
     assert all(isinstance(e, Text) for e in events) and "".join(e.text for e in events) == bad
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "extra,want",
     [
@@ -349,6 +357,7 @@ def test_bad_tool_requests_are_400(client, extra, want):
         client.chat.completions.create(model="m", messages=ASK, max_tokens=4, **extra)
 
 
+@pytest.mark.e2e
 def test_tools_on_completions_are_400(client):
     with pytest.raises(openai.BadRequestError, match="chat/completions"):
         client.completions.create(
@@ -359,6 +368,7 @@ def test_tools_on_completions_are_400(client):
 # ---- logprobs, seed ---------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_chat_logprobs_streaming_and_not(client):
     kw = dict(model="m", messages=ASK, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
     r = client.chat.completions.create(**kw)
@@ -379,6 +389,7 @@ def test_chat_logprobs_streaming_and_not(client):
     ]
 
 
+@pytest.mark.e2e
 def test_completion_logprobs_legacy_shape(client):
     r = client.completions.create(
         model="m", prompt="ROMEO.\nBut soft", max_tokens=8, temperature=0, logprobs=2
@@ -390,6 +401,7 @@ def test_completion_logprobs_legacy_shape(client):
     assert all(v <= 0 for v in lp.token_logprobs)
 
 
+@pytest.mark.e2e
 def test_seed_makes_sampling_repeatable(client):
     def ask(seed):
         return (
@@ -407,6 +419,7 @@ def test_seed_makes_sampling_repeatable(client):
 # ---- Anthropic Messages API ---------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_anthropic_messages_streaming_and_not(claude):
     kw = dict(
         model="tiny-mla",
@@ -432,6 +445,7 @@ def test_anthropic_messages_streaming_and_not(claude):
     assert s.content[0].text == text[: text.index(cut)]
 
 
+@pytest.mark.e2e
 def test_anthropic_tool_use_and_tool_results(claude):
     weather = {
         "name": "get_weather",
@@ -473,6 +487,7 @@ def test_anthropic_tool_use_and_tool_results(claude):
     assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
+@pytest.mark.e2e
 def test_anthropic_errors_are_anthropic_shaped(server, claude):
     with pytest.raises(anthropic.BadRequestError, match="max_tokens is required"):
         claude.post("/v1/messages", body={"model": "m", "messages": ASK}, cast_to=object)
@@ -495,6 +510,7 @@ def test_anthropic_errors_are_anthropic_shaped(server, claude):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.e2e
 def test_models_list_for_both_clients(client, claude):
     assert [m.id for m in client.models.list().data] == ["tiny-mla"]
     assert [m.id for m in claude.models.list().data] == ["tiny-mla"]
@@ -506,6 +522,7 @@ def test_models_list_for_both_clients(client, claude):
 # ---- with MTP drafting ---------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_constrained_requests_decode_plainly_with_mtp_drafting(tmp_path):
     """--mtp on: drafts are neither masked nor scored, so a constrained or logprobs request
     decodes plainly (no drafts) and stays valid; an unconstrained one drafts."""

@@ -16,6 +16,8 @@ import pytest
 
 from .serverproc import serve
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = [
     "Good morrow, sir.",
     "What news from Verona?",

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from .conftest import TINY_MODEL
 from .serverproc import serve
 
+pytestmark = pytest.mark.e2e
+
 # Plain decoding: the counts below are the plain path's (a drafting request, which --mtp auto
 # may start, re-feeds one token and keeps no end-of-generation snapshot: test_mtp_auto.py).
 INT2 = ("--kv", "int2", "--mtp", "off")

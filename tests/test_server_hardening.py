@@ -59,6 +59,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bytes:
     pytest.fail(f"the connection was still open after {seconds} s (got {got!r})")
 
 
+@pytest.mark.e2e
 def test_half_sent_headers_and_idle_connections_are_closed(server):
     with socket.create_connection(("127.0.0.1", _port(server))) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Ty")
@@ -68,6 +69,7 @@ def test_half_sent_headers_and_idle_connections_are_closed(server):
         _closed_within(s, 10)  # never sent a byte
 
 
+@pytest.mark.e2e
 def test_a_body_that_stops_arriving_gets_408(server):
     with socket.create_connection(("127.0.0.1", _port(server))) as s:
         s.sendall(
@@ -80,6 +82,7 @@ def test_a_body_that_stops_arriving_gets_408(server):
     assert "did not arrive" in json.loads(body)["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_requests_longer_than_the_read_timeout_are_not_cut(server):
     """The header timer stops once a request's headers are in: a stream running past
     --read-timeout (1 s here) ends normally, and the connection serves another request."""
@@ -96,6 +99,7 @@ def test_requests_longer_than_the_read_timeout_are_not_cut(server):
         assert h.get(server.url + "/v1/models").status_code == 200  # same connection, later
 
 
+@pytest.mark.e2e
 def test_host_header_must_be_a_loopback_name(server):
     for host in ("localhost", f"localhost:{_port(server)}", f"127.0.0.1:{_port(server)}", "[::1]"):
         r = httpx.get(server.url + "/v1/models", headers={"Host": host})
@@ -115,6 +119,7 @@ def test_host_names():
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
 
 
+@pytest.mark.e2e
 def test_cors_for_allowed_origins_only(server):
     pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
     r = httpx.options(server.url + "/v1/chat/completions", headers=pre)
@@ -128,6 +133,7 @@ def test_cors_for_allowed_origins_only(server):
     assert "access-control-allow-origin" not in r.headers
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "body,want",
     [
@@ -148,6 +154,7 @@ def test_malformed_and_deeply_nested_json_is_400(server, body, want):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.e2e
 def test_oversized_bodies_are_413(server):
     big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
     r = httpx.post(server.url + "/v1/completions", content=big, timeout=30)
@@ -165,6 +172,7 @@ def _first_token(h: httpx.Client, url: str, body: dict):
     pytest.fail("the stream ended before its first token")
 
 
+@pytest.mark.e2e
 def test_a_full_queue_gets_429_with_retry_after_and_the_deadline_cuts_long_answers(server):
     """--max-batch 1 --max-queue 0: while one request runs, the next is refused at once (429,
     Retry-After, on both APIs: the server is busy, not down). --request-timeout 2: the
@@ -192,6 +200,7 @@ def test_a_full_queue_gets_429_with_retry_after_and_the_deadline_cuts_long_answe
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.e2e
 def test_cors_is_off_by_default(tmp_path):
     with serve(tmp_path) as s:
         r = httpx.get(s.url + "/v1/models", headers={"Origin": ORIGIN})
@@ -243,6 +252,7 @@ def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int, late: bool = 
         return rest, queued["r"], time.monotonic() - t0, late, code
 
 
+@pytest.mark.e2e
 def test_sigterm_lets_a_running_stream_finish_and_refuses_the_queue(tmp_path):
     rest, queued, _, late, code = _sigterm_when_streaming(tmp_path, "20", 200, late=True)
     assert rest[-1] == "data: [DONE]"
@@ -258,6 +268,7 @@ def test_sigterm_lets_a_running_stream_finish_and_refuses_the_queue(tmp_path):
     assert code == 0
 
 
+@pytest.mark.e2e
 def test_sigterm_ends_a_stream_that_outlasts_the_grace_with_an_error_event(tmp_path):
     rest, queued, waited, _, code = _sigterm_when_streaming(tmp_path, "1", LONG)
     assert rest[-1] == "data: [DONE]"

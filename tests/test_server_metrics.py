@@ -10,6 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .serverproc import serve
 
+pytestmark = pytest.mark.e2e
+
 KEY = "sekrit"
 SYSTEM = "You are a terse assistant who answers in the manner of a Shakespearean clown. " * 3
 

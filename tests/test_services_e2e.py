@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from macserve.services.profiles import Profile, ProfileStore
 
@@ -28,6 +29,8 @@ from .fixtures import (
     status,
     supervisord_pid,
 )
+
+pytestmark = pytest.mark.e2e
 
 
 def n_ctx(port) -> int:

@@ -6,7 +6,6 @@ deadlines: the machine is shared.
 
 # The fixtures imported from test_services_e2e are parameters here (pytest finds them by name).
 # ruff: noqa: F811
-
 import json
 import os
 import signal
@@ -16,9 +15,12 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from .conftest import REPO
 from .fixtures import cli, free_port, poll, runs_in, status, supervisord_pid
+
+pytestmark = pytest.mark.e2e
 
 
 def one_line_error(r) -> str:

@@ -40,12 +40,14 @@ def test_config_is_deepseek_v3_with_one_mtp_layer():
     assert size <= 20 * 2**20
 
 
+@pytest.mark.model
 def test_greedy_generation_is_deterministic(tiny):
     model, tok = tiny
     ids = tok.encode("ROMEO.\nBut soft, what light", add_special_tokens=False)
     assert _greedy(model, ids, 24) == _greedy(model, ids, 24)
 
 
+@pytest.mark.model
 def test_mtp_weights_load_by_name(tiny):
     from macserve.engine.mtp_layer import load_mtp_layers
 
@@ -68,6 +70,7 @@ def test_mtp_weights_load_by_name(tiny):
     assert logits.shape == (1, 1, model.args.vocab_size)
 
 
+@pytest.mark.e2e
 def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
     from macserve.sizing.report import report
 
@@ -81,6 +84,7 @@ def test_llama_server_kv_size_matches_inspect(llama_server, tiny_gguf):
     assert abs(mib * 2**20 - 1024 * per) < 0.01 * 2**20, line
 
 
+@pytest.mark.e2e
 def test_llama_server_greedy_matches_mlx(llama_server, tiny_gguf, tiny):
     model, tok = tiny
     prompts = [
@@ -111,6 +115,7 @@ def test_llama_server_greedy_matches_mlx(llama_server, tiny_gguf, tiny):
         p.wait(timeout=30)
 
 
+@pytest.mark.model
 def test_training_runs_every_expert_yet_computes_mlx_lm_moe():
     """train-tiny's all-experts MoE has mlx-lm's outputs and gradients (it only runs faster)."""
     import mlx.core as mx
@@ -136,6 +141,7 @@ def test_training_runs_every_expert_yet_computes_mlx_lm_moe():
         assert mx.allclose(g[name]["weight"], ref_g[name]["weight"], atol=1e-4).item()
 
 
+@pytest.mark.e2e
 def test_llama_server_next_token_matches_mlx_along_held_out_text(llama_server, tiny_gguf, tiny):
     """Teacher-forced: at each of 48 positions of a held-out passage, llama-server's greedy
     next token equals mlx-lm's. Unlike free greedy decoding (which this undertrained model

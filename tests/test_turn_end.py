@@ -4,11 +4,14 @@ loader adds the template's turn end to the ids every generation path stops at
 (engine/model.py: turn_end_tokens; the scheduler, `generate` and the grammar all read
 `Bundle.eos_ids`)."""
 
+import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from macserve.engine.model import load, turn_end_tokens
 
 from .conftest import TINY_MODEL
+
+pytestmark = pytest.mark.model
 
 
 def test_the_template_turn_end_is_found_on_the_demo_tokenizer():

@@ -56,12 +56,18 @@ def engine_dtype():
     return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
 
 
-def setup_synthetic(kind: str, layers: int) -> Setup:
-    model, mtp = synthetic(kind, layers, mx.bfloat16)
+def setup_synthetic(
+    kind: str, layers: int, heads: int | None = None, hidden: int | None = None
+) -> Setup:
+    """The synthetic model at DeepSeek-V3's width; `heads` / `hidden` narrower (tests only:
+    see synthetic.config), said in its name."""
+    model, mtp = synthetic(kind, layers, mx.bfloat16, heads=heads, hidden=hidden)
     mla_attention.install(model, extra=[mtp.self_attn])
     r = model.args.kv_lora_rank
     rots = [_orthogonal(r, i) for i in range(layers)]
-    return Setup(model, mtp, f"synthetic {kind} ({layers} layers)", rots)
+    narrow = f", {heads} heads" if heads else ""
+    narrow += f", hidden {hidden}" if hidden else ""
+    return Setup(model, mtp, f"synthetic {kind} ({layers} layers{narrow})", rots)
 
 
 def setup_folder(path: str) -> Setup:

@@ -101,12 +101,21 @@ V32_INDEXER = dict(index_head_dim=128, index_n_heads=64, index_topk=2048)
 KINDS = ("deepseek-v3", "deepseek-v3.2")
 
 
-def config(kind: str = "deepseek-v3", layers: int = 2) -> dict:
+def config(
+    kind: str = "deepseek-v3", layers: int = 2, heads: int | None = None, hidden: int | None = None
+) -> dict:
+    """`heads`, `hidden`: narrower than DeepSeek-V3, for the tests of what does not depend on
+    them (a cache row is kv_lora_rank + rope wide whatever the heads and the hidden size);
+    `macserve bench engine --synthetic` always builds the full width."""
     if kind not in KINDS:
         raise ValueError(f"synthetic model kind {kind!r}: one of {', '.join(KINDS)}")
     cfg = dict(
         DEEPSEEK_V3_ATTENTION, **SMALL_REST, num_hidden_layers=layers, num_nextn_predict_layers=1
     )
+    if heads:
+        cfg.update(num_attention_heads=heads, num_key_value_heads=heads)
+    if hidden:
+        cfg.update(hidden_size=hidden)
     if kind == "deepseek-v3.2":
         cfg.update(V32_INDEXER, model_type="deepseek_v32")
     else:
@@ -114,9 +123,16 @@ def config(kind: str = "deepseek-v3", layers: int = 2) -> dict:
     return cfg
 
 
-def synthetic(kind: str = "deepseek-v3", layers: int = 2, dtype=mx.bfloat16, seed: int = 0):
+def synthetic(
+    kind: str = "deepseek-v3",
+    layers: int = 2,
+    dtype=mx.bfloat16,
+    seed: int = 0,
+    heads: int | None = None,
+    hidden: int | None = None,
+):
     """(model, mtp layer) with random weights in `dtype`, experts 4-bit, evaluated."""
-    cfg = config(kind, layers)
+    cfg = config(kind, layers, heads, hidden)
     mod = deepseek_v32 if cfg["model_type"] == "deepseek_v32" else deepseek_v3
     mx.random.seed(seed)
     args = mod.ModelArgs.from_dict(cfg)
