@@ -43,7 +43,8 @@ def _heavy(mods) -> list[str]:
     )
 
 
-def _loaded_after(args: list[str]) -> list[str]:
+def _loaded_after(args: list[str], shows: str = "Commands:") -> list[str]:
+    """The modules a fresh interpreter holds after `macserve ARGS` (a help: it exits)."""
     code = (
         "import sys\n"
         "from macserve.cli import main\n"
@@ -57,7 +58,7 @@ def _loaded_after(args: list[str]) -> list[str]:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert r.returncode == 0, r.stderr
-    assert "Commands:" in r.stdout
+    assert shows in r.stdout
     return ast.literal_eval(r.stdout[r.stdout.rindex("LOADED") + len("LOADED") :].strip())
 
 
@@ -74,20 +75,7 @@ COMMANDS = [(path, cmd) for path, cmd in walk(main) if not isinstance(cmd, click
 def test_a_command_imports_the_families_only_until_its_own():
     """`macserve start` imports the service families (the first looked in), not the engine's,
     the benchmarks' or the developers' commands (cli/lazy.py: Families)."""
-    code = (
-        "import sys\n"
-        "from macserve.cli import main\n"
-        "try:\n"
-        "    main(['start', '--help'])\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('LOADED', sorted(sys.modules))\n"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
-    assert r.returncode == 0, r.stderr
-    loaded = set(ast.literal_eval(r.stdout[r.stdout.rindex("LOADED") + len("LOADED") :].strip()))
+    loaded = set(_loaded_after(["start", "--help"], shows="Usage:"))
     assert "macserve.cli.lifecycle" in loaded
     assert not loaded & {"macserve.cli.engine", "macserve.cli.bench", "macserve.cli.dev"}
 
