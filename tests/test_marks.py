@@ -105,3 +105,17 @@ def test_a_model_worth_of_mlx_memory_fails_an_unmarked_test():
     marks.fail_if_mlx_ran(_item(SAMPLES["pure"], mark="model"))  # marked: fine
     with pytest.raises(pytest.fail.Exception, match="mark it `model`"):
         marks.fail_if_mlx_ran(_item(SAMPLES["pure"]))
+
+
+@pytest.mark.model
+def test_what_earlier_tests_still_hold_is_not_charged_to_the_next():
+    """A model's worth already held at the reset (a run-scoped model, arrays not yet collected)
+    is not this test's: a pure test after a model test is not blamed for it."""
+    import mlx.core as mx
+
+    held = mx.zeros((marks.MODEL_BYTES // 4 + 1,), mx.float32)
+    mx.eval(held)
+    marks.mlx_reset()
+    assert marks.mlx_ran() < marks.MODEL_BYTES
+    marks.fail_if_mlx_ran(_item(SAMPLES["pure"]))  # nothing allocated since: no failure
+    del held
