@@ -116,6 +116,7 @@ def test_what_earlier_tests_still_hold_is_not_charged_to_the_next():
     held = mx.zeros((marks.MODEL_BYTES // 4 + 1,), mx.float32)
     mx.eval(held)
     marks.mlx_reset()
+    mx.eval(mx.ones((256,), mx.float32))  # this test's own: 1 KB (the peak now counts `held` too)
     assert marks.mlx_ran() < marks.MODEL_BYTES
-    marks.fail_if_mlx_ran(_item(SAMPLES["pure"]))  # nothing allocated since: no failure
+    marks.fail_if_mlx_ran(_item(SAMPLES["pure"]))  # a kilobyte of its own: no failure
     del held
