@@ -418,10 +418,13 @@ def test_router_leaves_a_profile_being_changed(llama_server, model_gguf, service
                 60,
             )
             assert state("tiny") == "running" and status("tiny")["pid"] == pid
-            assert "stopping tiny" not in router.log.read_text()
+            assert "tiny: running -> stopping" not in router.log.read_text()
             p.kill()  # the owner is gone: nothing holds tiny any more
             p.wait(30)
-            poll(lambda: "stopping tiny: idle" in router.log.read_text(), "the idle stop", 60)
+            idle_stop = (
+                "tiny: running -> stopping: idle"  # the state machine's line (router/state.py)
+            )
+            poll(lambda: idle_stop in router.log.read_text(), "the idle stop", 60)
             poll(lambda: state("tiny") == "stopped", "tiny stopped", 60)
     finally:
         if p.poll() is None:
