@@ -65,9 +65,13 @@ def _get(key: str, arrays: dict, meta: dict):
     tag, _, v = meta[key].partition(":")
     if tag == "seq":
         return tuple(_get(f"{key}.{j}", arrays, meta) for j in range(int(v)))
-    read = {"none": lambda _: None, "bool": lambda s: s == "1", "int": int, "float": float}
-    if tag == "str":
-        return v
+    read = {
+        "none": lambda _: None,
+        "bool": lambda s: s == "1",
+        "int": int,
+        "float": float,
+        "str": str,
+    }
     if tag not in read:
         raise ValueError(f"{key}: unknown stored item {meta[key]!r}")
     return read[tag](v)
