@@ -24,9 +24,9 @@ from ...errors import MacserveError
 from ..profiles import Profile
 from ..values import MODELLESS, PROVIDER_NAMES
 from . import engine, llama_cpp, llama_rpc, mlx_lm, router
-from .base import base_url, url_host
+from .base import Limits, base_url, url_host
 
-__all__ = ["Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
+__all__ = ["Limits", "Provider", "REGISTRY", "get", "for_profile", "base_url", "url_host"]
 
 
 class Provider(Protocol):
@@ -52,8 +52,10 @@ class Provider(Protocol):
     def routes(self) -> bool: ...
     @property  # it takes PROMPT_CACHE_DISK
     def prompt_cache_disk(self) -> bool: ...
-    @property  # footprint's note for a server of no model
+    @property  # the share's note for a server of no model
     def footprint_note(self) -> str: ...
+    @property  # the process's own bytes, counted in its share until measured (baseline.py)
+    def assumed_baseline(self) -> int: ...
 
     # the profile's keys: its own rules, no I/O, one-line MacserveError
     def validate(self, profile: Profile) -> None: ...
@@ -68,7 +70,8 @@ class Provider(Protocol):
     # refuse secrets the server would ignore (an API_KEY it cannot enforce)
     def check_secrets(self, secrets: dict[str, str]) -> None: ...
     # the server command; argv[0] absolute; EXTRA_ARGS split with shlex, never a shell
-    def argv(self, profile: Profile) -> list[str]: ...
+    # with `limits` (the profile's share: services/share.py), the server's own memory limits
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]: ...
     # variables added to the service's environment; the secrets as variables
     def env(self, profile: Profile) -> dict[str, str]: ...
     def secret_env(self, secrets: dict[str, str]) -> dict[str, str]: ...

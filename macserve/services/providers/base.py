@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -56,6 +57,21 @@ def python_error(lines: list[str]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """A profile's memory share as its server's limits come from it (services/share.py builds
+    it; providers render it: `argv(profile, limits)`). Here, not in share.py, so providers never
+    import the share (which imports them)."""
+
+    share_bytes: int | None  # the whole share; None: unknown (why_unknown says why)
+    ctx: int | None  # context tokens of one sequence (CTX, or the model's limit)
+    parallel: int  # sequences served at once
+    kv_bytes: int | None  # one whole-context sequence's cache
+    prompt_cache_bytes: int  # the in-memory prompt cache's bound
+    reserve_bytes: int  # prefill scratch + allocator slack
+    why_unknown: str | None = None
+
+
 class BaseProvider:
     """Shared behaviour: --host/--port, GET health probe, --help flag check, and a refusal of
     the multi-Mac keys for providers that do not run across hosts."""
@@ -88,8 +104,13 @@ class BaseProvider:
     routes = False
     # It takes PROMPT_CACHE_DISK: its server keeps a prompt cache on disk.
     prompt_cache_disk = False
-    # What footprint says of a server of no model (where its memory goes instead).
+    # What the share says of a server of no model (where its memory goes instead).
     footprint_note = ""
+    # The server process's own bytes (runtime, buffers) counted in its share until the first
+    # start on this machine measures it (services/baseline.py).
+    assumed_baseline = 0
+    # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
+    limit_flags: dict[str, str] = {}
     # A planned stop: True when its server has no drain of its own, so `macserve run` stays its
     # parent and drains it (services/graceful.py) through the hooks below; False: `macserve run`
     # execs the server, which drains itself (the engine) or under a shim (mlx_drain.py).
@@ -134,19 +155,26 @@ class BaseProvider:
     def model_args(self, profile: Profile) -> list[str]:
         raise NotImplementedError
 
-    def argv(self, profile: Profile) -> list[str]:
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        """The server command. `limits` (the profile's share, services/share.py) adds the
+        server's own memory limits; None: the command without them (the flags a check reads)."""
         return (
             self.command()
             + self.model_args(profile)
             + ["--host", profile.host, "--port", str(profile.port)]
-            + self.typed_args(profile)
+            + self.typed_args(profile, limits)
             + list(profile.extra_args)
         )
 
-    def typed_args(self, profile: Profile) -> list[str]:
-        """CTX and KV as this server's flags."""
+    def typed_args(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        """CTX and KV as this server's flags, then the share's limits."""
         out = (self.context_args(profile.ctx) or []) if profile.ctx else []
-        return out + (self.kv_args(profile.kv) if profile.kv else [])
+        out += self.kv_args(profile.kv) if profile.kv else []
+        return out + (self.limit_args(limits) if limits is not None else [])
+
+    def limit_args(self, limits: Limits) -> list[str]:
+        """The share as this server's own limits ([]: it has none)."""
+        return []
 
     def taken(self, profile: Profile) -> dict[str, str]:
         """{flag: profile key}: the flags macserve sets from the profile, which EXTRA_ARGS may
@@ -156,6 +184,7 @@ class BaseProvider:
             **self.secret_flags,
             **dict.fromkeys(self.ctx_flags, "CTX"),
             **dict.fromkeys(self.kv_flags, "KV"),
+            **self.limit_flags,
         }
 
     def env(self, profile: Profile) -> dict[str, str]:

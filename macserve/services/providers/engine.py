@@ -17,7 +17,7 @@ from ...int2_format import SHIPPED_ROTATION
 from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
-from .base import BaseProvider
+from .base import BaseProvider, Limits
 from .flags import cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
@@ -39,6 +39,8 @@ class Engine(BaseProvider):
         "--shutdown-grace": "DRAIN",
     }
     multi_host = True
+    # Python + MLX + the HTTP server, until measured (a demo profile held ~200 MB besides weights)
+    assumed_baseline = 250 * 2**20
     formats = ("mlx",)
     ctx_flags = ("--ctx",)
     # serve --kv: bf16 (mlx-lm's own cache, the default) or int2 (the INT2 latent cache)
@@ -71,8 +73,8 @@ class Engine(BaseProvider):
             f"{drain_secs(profile.drain):g}",
         ]
 
-    def argv(self, profile: Profile) -> list[str]:
-        argv = super().argv(profile)
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        argv = super().argv(profile, limits)
         if not profile.multi_host:
             return argv
         if profile.split:

@@ -24,7 +24,7 @@ from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
 from . import llama_slots
-from .base import BaseProvider
+from .base import BaseProvider, Limits
 from .flags import flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
@@ -102,6 +102,7 @@ class LlamaCpp(BaseProvider):
         # a second key source `show` would not name, read from a file macserve does not guard
         "--api-key-file": "API_KEY",
     }
+    assumed_baseline = 64 * 2**20  # its compute buffers and HTTP server, until measured
     formats = ("gguf",)
     # -c is the whole KV cache, shared by the -np slots
     ctx_flags = ("-c", "--ctx-size")
@@ -141,9 +142,9 @@ class LlamaCpp(BaseProvider):
             return ["--hf-repo", profile.model]
         raise MacserveError(f"MODEL {profile.model!r} is neither a file nor owner/repo[:QUANT]")
 
-    def argv(self, profile: Profile) -> list[str]:
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
         # --metrics: llama-server's Prometheus /metrics, which the router passes through
-        argv = super().argv(profile) + ["--metrics"]
+        argv = super().argv(profile, limits) + ["--metrics"]
         workers = rpc_workers(profile)
         if workers:
             argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]

@@ -38,7 +38,7 @@ from ...sizing import sources
 from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
-from .base import BaseProvider, base_url
+from .base import BaseProvider, Limits, base_url
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
@@ -53,6 +53,7 @@ class MlxLm(BaseProvider):
     label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
     multi_host = True
+    assumed_baseline = 250 * 2**20  # Python + MLX + mlx-lm, until measured (baseline.py)
     formats = ("mlx",)
     # No context flag: its cache grows per request (CTX is what doctor and the router count).
     # Its cache is the model's own dtype, or quantized by --kv-bits (inspect models neither
@@ -67,8 +68,8 @@ class MlxLm(BaseProvider):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "mlx_lm", "server"]
 
-    def argv(self, profile: Profile) -> list[str]:
-        argv = super().argv(profile)
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        argv = super().argv(profile, limits)
         # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which gives
         # a planned stop's generations in flight up to DRAIN (mlx_drain.py); on several hosts
         # every rank runs it (rank 0 drains, the others follow it)
