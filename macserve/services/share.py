@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from ..errors import MacserveError
 from ..sizing.report import inspect_source
 from . import baseline, providers
-from .health import store
-from .profiles import Profile
+from .profiles import Profile, ProfileStore
 from .providers.base import Limits
 
 RESERVE = 0.10  # of the share: prefill scratch + the allocator's cache (the engine's contract)
@@ -107,7 +106,7 @@ def unknown(name: str, error: str) -> Share:
 
 
 def share(name: str) -> Share:
-    return share_of(store().load(name))
+    return share_of(ProfileStore().load(name))
 
 
 def with_reserve(parts: int) -> int:
@@ -223,3 +222,23 @@ def check(profile: Profile) -> Share:
     if why:
         raise MacserveError(why)
     return s
+
+
+def record_baseline(profile: Profile, pid: int | None) -> None:
+    """Once a start is ready (health.wait_ready): the first time this provider serves this
+    model here, store its process tree's resident bytes less the weights (baseline.py). A
+    measurement that cannot be made is skipped: it never fails a start."""
+    p = providers.typed(profile)
+    prov = providers.for_profile(p)
+    # one host's tree is not a multi-host server's baseline
+    if pid is None or not prov.serves_model or p.multi_host:
+        return
+    try:
+        if baseline.measured(prov.name, p.model):
+            return
+        rss = baseline.tree_rss(pid)
+        weights = share_of(p).weights_bytes
+        if rss and weights is not None:
+            baseline.record(prov.name, p.model, rss, weights)
+    except (MacserveError, OSError):
+        return

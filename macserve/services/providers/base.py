@@ -69,7 +69,17 @@ class Limits:
     kv_bytes: int | None  # one whole-context sequence's cache
     prompt_cache_bytes: int  # the in-memory prompt cache's bound
     reserve_bytes: int  # prefill scratch + allocator slack
+    prefill_step: int = 2048  # prompt tokens per prefill chunk whose scratch fits the reserve
     why_unknown: str | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.share_bytes is not None
+
+    def unknown_error(self, label: str) -> MacserveError:
+        return MacserveError(
+            f"{label} needs its memory share, which is unknown: {self.why_unknown}"
+        )
 
 
 class BaseProvider:
@@ -111,6 +121,8 @@ class BaseProvider:
     assumed_baseline = 0
     # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
     limit_flags: dict[str, str] = {}
+    # the flags that set the sequences served at once: PARALLEL (lifted out of EXTRA_ARGS)
+    par_flags: tuple[str, ...] = ()
     # A planned stop: True when its server has no drain of its own, so `macserve run` stays its
     # parent and drains it (services/graceful.py) through the hooks below; False: `macserve run`
     # execs the server, which drains itself (the engine) or under a shim (mlx_drain.py).
@@ -176,6 +188,10 @@ class BaseProvider:
         """The share as this server's own limits ([]: it has none)."""
         return []
 
+    def limit_env(self, limits: Limits) -> dict[str, str]:
+        """The share as variables of the server's environment (an in-process shim reads them)."""
+        return {}
+
     def taken(self, profile: Profile) -> dict[str, str]:
         """{flag: profile key}: the flags macserve sets from the profile, which EXTRA_ARGS may
         not repeat."""
@@ -184,6 +200,7 @@ class BaseProvider:
             **self.secret_flags,
             **dict.fromkeys(self.ctx_flags, "CTX"),
             **dict.fromkeys(self.kv_flags, "KV"),
+            **dict.fromkeys(self.par_flags, "PARALLEL"),
             **self.limit_flags,
         }
 
@@ -257,8 +274,9 @@ class BaseProvider:
                 f"KV {profile.kv}: {self.label} caches "
                 + (" | ".join(self.cache_types) if self.cache_types else "no model (remove KV)")
             )
-        if profile.ctx and not self.formats:
-            raise MacserveError(f"CTX is for a server of a model, not for {self.label}")
+        for key in ("CTX", "PARALLEL", "MEMORY"):
+            if profile.values.get(key) and not self.formats:
+                raise MacserveError(f"{key} is for a server of a model, not for {self.label}")
         if profile.prompt_cache_disk and not self.prompt_cache_disk:
             raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
         if not self.serves_model:
@@ -269,9 +287,14 @@ class BaseProvider:
                         f"not for {self.label}"
                     )
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         text = help_text(self.command(), self.binary_path())
+        check_flags(
+            (self.limit_args(limits) if limits is not None else []),
+            flags_from_help(text),
+            self.label,
+        )  # the limits' own flags: a server too old to take them is refused here
         check_flags(
             list(profile.extra_args),
             flags_from_help(text),
@@ -313,7 +336,7 @@ class BaseProvider:
         """A profile written before CTX and KV were keys, with those flags still in EXTRA_ARGS:
         (the profile with them moved into CTX and KV, a one-line note), or (profile, None).
         A flag in EXTRA_ARGS wins over the key, as it did on the command line (it came last)."""
-        if not (self.ctx_flags or self.kv_flags) or not profile.extra_args:
+        if not (self.ctx_flags or self.kv_flags or self.par_flags) or not profile.extra_args:
             return profile, None
         values, kept, moved = {}, [], []
         kv_too = self.one_cache_type(profile)
@@ -331,10 +354,12 @@ class BaseProvider:
             return profile, None
         values["EXTRA_ARGS"] = shlex.join(kept)
         new = profile.updated(values)
-        set_ = ", ".join(f"{k}={new.values[k]}" for k in ("CTX", "KV") if k in new.values)
+        keys = ("CTX", "KV", "PARALLEL")
+        set_ = ", ".join(f"{k}={new.values[k]}" for k in keys if k in new.values)
         return new, (
             f"moved {', '.join(moved)} out of EXTRA_ARGS into "
-            f"{set_ or 'the profile (the default, so no key)'}: CTX and KV are profile keys now"
+            f"{set_ or 'the profile (the default, so no key)'}: CTX, KV and PARALLEL are "
+            "profile keys now"
         )
 
     def one_cache_type(self, profile: Profile) -> bool:
@@ -346,6 +371,8 @@ class BaseProvider:
         """(CTX or KV, its value) for one EXTRA_ARGS flag, or None to keep the flag there."""
         if flag in self.ctx_flags and value.isdigit():
             return "CTX", value if int(value) > 0 else None  # 0: the model's limit, no CTX
+        if flag in self.par_flags and value.isdigit() and int(value) > 0:
+            return "PARALLEL", value if int(value) > 1 else None  # 1: the default
         if kv_too and flag in self.kv_flags:
             kind = self.kv_name(value)
             if kind is not None:

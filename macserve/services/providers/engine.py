@@ -46,6 +46,10 @@ class Engine(BaseProvider):
     # serve --kv: bf16 (mlx-lm's own cache, the default) or int2 (the INT2 latent cache)
     cache_types = {"bf16": "mlx/bf16", "int2": "macserve/int2"}
     kv_flags = ("--kv",)
+    par_flags = ("--max-batch",)
+    # The share, which `serve --memory` sizes and enforces everything within (its batch, its
+    # prompt cache, MLX's own limits): without it serve would size its batch to the machine.
+    limit_flags = {"--memory": "MEMORY", "--prompt-cache-bytes": "MEMORY"}
     api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
     prompt_cache_disk = True
@@ -88,6 +92,18 @@ class Engine(BaseProvider):
             + argv[1:]
         )
 
+    def limit_args(self, limits: Limits) -> list[str]:
+        if limits.share_bytes is None:
+            raise limits.unknown_error(self.label)
+        return [
+            "--memory",
+            f"{limits.share_bytes}B",
+            "--max-batch",
+            str(limits.parallel),
+            "--prompt-cache-bytes",
+            f"{limits.prompt_cache_bytes}B" if limits.prompt_cache_bytes else "0",
+        ]
+
     def env(self, profile: Profile) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
 
@@ -97,7 +113,7 @@ class Engine(BaseProvider):
             raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
         validate_hosts(profile)
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         # The engine serves local folders only; refusing here beats a crash loop.
         path = local_model_path(profile.model)
@@ -106,7 +122,9 @@ class Engine(BaseProvider):
                 f"{profile.model}: macserve serve needs a local model folder with a config.json"
             )
         self.refuse_taken_flags(profile)
-        self.parse(BaseProvider.argv(self, profile)[len(self.command()) :])
+        # with the share's --memory: a share that is unknown is refused here (serve would
+        # otherwise size its batch to the whole machine)
+        self.parse(BaseProvider.argv(self, profile, limits)[len(self.command()) :])
         if profile.multi_host:
             check_hosts(profile)
             preflight.check(profile, self.macserve_on_hosts(profile))
