@@ -39,6 +39,7 @@ def _settled() -> int:
 def chunk_peak(s: Setup, which: str, n: int, L: int) -> int:
     """Bytes the allocator's peak rose over what was held while one chunk of L tokens ran at
     position n - L (its output's last row and the caches evaluated)."""
+    mx.eval(s.model.parameters())  # a dtype set lazily (bench.setup.to_dtype) is not scratch
     cs = caches(s, which)
     fill(cs, n - L, s)
     toks = mx.random.randint(0, s.model.args.vocab_size, (1, L), key=mx.random.key(n))
