@@ -180,6 +180,7 @@ def test_mlx_lm_server_gets_its_concurrency_prompt_cache_and_mlx_limits():
         "MACSERVE_CTX": "512",
         "MACSERVE_MEMORY_SHARE": str(s.share_bytes),
         "MACSERVE_MEMORY_RESERVE": str(s.reserve_bytes),
+        "MACSERVE_MEMORY_BASELINE": str(s.baseline_bytes),
     }
     # the flags are the share's: EXTRA_ARGS may not set them
     assert {f: prov.taken(p)[f] for f in argv[argv.index("--decode-concurrency") :: 2]} == {

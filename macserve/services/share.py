@@ -102,6 +102,7 @@ class Share:
             prompt_cache_bytes=self.prompt_cache_bytes,
             reserve_bytes=self.reserve_bytes,
             prefill_step=self.prefill_step,
+            baseline_bytes=self.baseline_bytes,
             why_unknown=self.error or (None if self.share_bytes else "its share is unknown"),
         )
 

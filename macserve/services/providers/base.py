@@ -70,6 +70,7 @@ class Limits:
     prompt_cache_bytes: int  # the in-memory prompt cache's bound
     reserve_bytes: int  # prefill scratch + allocator slack
     prefill_step: int = 2048  # prompt tokens per prefill chunk whose scratch fits the reserve
+    baseline_bytes: int = 0  # the process itself (runtime, buffers): outside MLX's allocator
     why_unknown: str | None = None
 
     @property

@@ -40,7 +40,7 @@ from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
 from .base import BaseProvider, Limits, base_url
-from .mlx_limits import CTX_ENV, MEMORY_RESERVE_ENV, MEMORY_SHARE_ENV
+from .mlx_limits import CTX_ENV, MEMORY_BASELINE_ENV, MEMORY_RESERVE_ENV, MEMORY_SHARE_ENV
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
@@ -126,6 +126,7 @@ class MlxLm(BaseProvider):
         if limits.known:
             out[MEMORY_SHARE_ENV] = str(limits.share_bytes)
             out[MEMORY_RESERVE_ENV] = str(limits.reserve_bytes)
+            out[MEMORY_BASELINE_ENV] = str(limits.baseline_bytes)
         return out
 
     def binary_path(self) -> str:
