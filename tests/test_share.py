@@ -146,6 +146,10 @@ def test_the_engine_gets_the_whole_share_its_batch_and_its_prompt_cache():
         "--prompt-cache-bytes",
         f"{s.prompt_cache_bytes}B",
     ]
+    # several hosts: the share is the whole model's, not a rank's: no --memory, the same batch
+    two = p.updated({"HOSTS": "127.0.0.1,127.0.0.1"})
+    argv = providers.get("macserve").argv(two, share.share_of(two).limits())
+    assert "--memory" not in argv and argv[argv.index("--max-batch") + 1] == "3"
     # never sized against the machine: an unknown share is refused, not left out
     unknown = Limits(None, 512, 1, None, 0, 0, why_unknown="inspect does not model it")
     with pytest.raises(MacserveError, match="needs its memory share.*does not model it"):

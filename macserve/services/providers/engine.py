@@ -92,6 +92,13 @@ class Engine(BaseProvider):
             + argv[1:]
         )
 
+    def typed_args(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        if limits is None or not profile.multi_host:
+            return super().typed_args(profile, limits)
+        # Several hosts: the share is the whole model's, not one rank's (each holds its layers),
+        # so no --memory; the batch and prompt cache are still the share's, never the machine's
+        return super().typed_args(profile) + self.limit_args(limits)[2:]
+
     def limit_args(self, limits: Limits) -> list[str]:
         if limits.share_bytes is None:
             raise limits.unknown_error(self.label)
