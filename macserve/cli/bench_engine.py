@@ -174,7 +174,7 @@ def _scratch(model, synthetic, layers, contexts, reserve, as_json) -> None:
     )
     click.echo(
         f"{'context':>8} {'chunk':>6} {'bf16 peak':>10} {'int2 peak':>10} {'modelled':>10} "
-        f"{'budget':>9}  mlx-lm's own 2,048 chunk (not run)"
+        f"{'budget':>9}  mlx-lm's own 2,048 chunk (not run, lower bound)"
     )
     for n, row in res["contexts"].items():
         ok = max(row["bf16"], row["int2"]) <= res["budget_bytes"]
