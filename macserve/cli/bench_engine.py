@@ -213,7 +213,10 @@ def _print_engine(r: dict) -> None:
             f"{int(n):>8,} {_gb(peak['int2']):>10} {bf:>10} {_gb(tr['int2']):>15} "
             f"{_gb(tr['bf16']):>15}"
         )
-    click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
+    click.echo(
+        "bf16: mlx-lm's cache, read in blocks of keys by the engine (mlx-lm's own attention "
+        "materializes at least bf16_prefill_transient_lower_bound)"
+    )
     held, nb = r["held_bytes_per_token_per_layer"], r["nbytes_per_token_per_layer"]
     click.echo(
         "bytes per token per layer held by the allocator (nbytes): "
