@@ -10,11 +10,16 @@ engine/scratch.py picks stays inside, for both cache kinds. The full width (128 
 Also: mlx-lm's plain cache read in blocks of keys (mla_attention.blocked_prefill) gives
 mlx-lm's own attention, so bounding it changes no answer."""
 
+import functools
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from mlx_lm.models.cache import make_prompt_cache
 
+from macserve.cli import main
 from macserve.engine import mla_attention, scratch
 from macserve.engine.bench import prefill_scratch
 from macserve.engine.bench import setup as bench_setup
@@ -82,3 +87,20 @@ def test_blocked_keys_give_mlx_lms_attention(v3, monkeypatch):
         mla_attention.install(v3.model, extra=[v3.mtp.self_attn])
     scale = float(mx.abs(theirs).max())
     assert float(mx.abs(ours - theirs).max()) < 1e-4 * scale
+
+
+def test_bench_engine_scratch_prints_the_chunk_against_the_budget(monkeypatch):
+    """`bench engine --scratch` end to end at the narrowed width (the full width is the
+    command unpatched: docs/server.md's table)."""
+    narrow = functools.partial(bench_setup.setup_synthetic, heads=HEADS, hidden=HIDDEN)
+    monkeypatch.setattr(bench_setup, "setup_synthetic", narrow)
+    args = ["bench", "engine", "--synthetic", "deepseek-v3", "--layers", "1", "--scratch"]
+    args += ["--scratch-contexts", "1024", "--scratch-reserve", "96MB", "--json"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["reserve_bytes"] == 96 * 2**20 and d["budget_bytes"] == 48 * 2**20
+    row = d["contexts"]["1024"]
+    assert row["chunk"] < 2048 and 0 < max(row["bf16"], row["int2"]) <= d["budget_bytes"]
+    assert row["unbounded_lower_bound"] > d["reserve_bytes"]
+    assert scratch.budget() is None  # the process is left as it was

@@ -174,7 +174,7 @@ def _scratch(model, synthetic, layers, contexts, reserve, as_json) -> None:
     )
     click.echo(
         f"{'context':>8} {'chunk':>6} {'bf16 peak':>10} {'int2 peak':>10} {'modelled':>10} "
-        f"{'budget':>9}  mlx-lm's own 2,048 chunk (not run)"
+        f"{'budget':>9}  mlx-lm's own 2,048 chunk (not run, lower bound)"
     )
     for n, row in res["contexts"].items():
         ok = max(row["bf16"], row["int2"]) <= res["budget_bytes"]
@@ -213,7 +213,10 @@ def _print_engine(r: dict) -> None:
             f"{int(n):>8,} {_gb(peak['int2']):>10} {bf:>10} {_gb(tr['int2']):>15} "
             f"{_gb(tr['bf16']):>15}"
         )
-    click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
+    click.echo(
+        "bf16: mlx-lm's cache, read in blocks of keys by the engine (mlx-lm's own attention "
+        "materializes at least bf16_prefill_transient_lower_bound)"
+    )
     held, nb = r["held_bytes_per_token_per_layer"], r["nbytes_per_token_per_layer"]
     click.echo(
         "bytes per token per layer held by the allocator (nbytes): "

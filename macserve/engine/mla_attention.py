@@ -25,6 +25,10 @@ DSA models (deepseek_v32, glm_moe_dsa) cache CacheList(latent, indexer key); the
 top-k selection (`dsa_indexer.py`) becomes a mask over the same scores, and a decode step
 reads only the selected rows of the codes.
 
+A prefill chunk through mlx-lm's own plain cache is read in blocks of keys the same way
+(`blocked_prefill`): mlx-lm's form scores every query against every key at once and expands
+the whole cache to per-head keys and values, scratch that grows with the context.
+
 `install(model)` swaps each MLA attention module's class for a subclass whose `__call__`
 takes this path when its cache is a RotatedLatentCache and defers to mlx-lm otherwise, so
 mlx-lm's model code, weights and `generate` are used unchanged.
