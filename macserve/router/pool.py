@@ -2,13 +2,13 @@
 
 Every profile that serves a model is in the pool (not RPC workers, not routers). For each the
 pool keeps what the supervisor cannot tell it: requests in flight, when it was last used, the
-start or stop under way, and its footprint (weights + cache at its configured context, as
-`inspect` counts them: `services.footprint`). The supervisor stays the truth about what runs:
+start or stop under way, and its memory share (`services.share`: weights, KV at CTX x
+PARALLEL, prompt cache, baseline and reserve, or MEMORY=). The supervisor stays the truth about what runs:
 its status is read before a request is forwarded, before a start is admitted, and at every
 reaper tick, so a service started, stopped or crashed behind the router's back is seen.
 
-What the pool asks of the world (the profiles, the supervisor, start and stop, footprints,
-clocks) comes in one `PoolOps` (ops.py), real or faked by the unit tests. Each profile's state
+What the pool asks of the world (the profiles, the supervisor, start and stop, shares, free
+memory, clocks) comes in one `PoolOps` (ops.py), real or faked by the unit tests. Each profile's state
 is a state machine (state.py): named states, the moves allowed, every move logged.
 
 Starting (`ready`): one task per profile; every request for it waits on that task, so racing
@@ -36,7 +36,7 @@ import logging
 from ..errors import MacserveError
 from ..services import providers
 from ..services import routed as state_file
-from ..services.footprint import Footprint
+from ..services.share import Share
 from ..services.supervisors import Status
 from ..sizing.budget import machine_budget
 from . import admission
@@ -190,10 +190,10 @@ class Pool:
             died = " (its process died)" if st.died else ""
             m.transition(to, f"the supervisor says {st.state}{died}")
 
-    async def footprint(self, m: Model) -> Footprint:
-        if m.footprint is None:
-            m.footprint = await asyncio.to_thread(self.ops.footprint, m.name)
-        return m.footprint
+    async def share(self, m: Model) -> Share:
+        if m.share is None:
+            m.share = await asyncio.to_thread(self.ops.share, m.name)
+        return m.share
 
     def lease(self, m: Model) -> Lease:
         return Lease(self, m)
@@ -346,12 +346,19 @@ class Pool:
 
     async def listing(self) -> list[dict]:
         self.refresh()
-        await self.statuses()
+        sts = await self.statuses()
         now = self.ops.clock()
         out = []
         for name in sorted(self.models):
             m = self.models[name]
-            fp = await self.footprint(m)
+            sh = await self.share(m)
+            st = sts[name]
+            res = await asyncio.to_thread(
+                self.ops.resident,
+                st.pid if st.state in IN_MEMORY else None,
+                providers.base_url(m.profile),
+                m.api_key,
+            )
             idle = m.idle(now) if self.state_of(m) == "running" else None
             out.append(
                 {
@@ -363,8 +370,10 @@ class Pool:
                     "always_on": m.profile.always_on,
                     "idle_s": None if idle is None else round(idle, 1),
                     "in_flight": m.inflight,
-                    "footprint_bytes": fp.total_bytes,
-                    "footprint": fp.as_dict(),
+                    "share_bytes": sh.share_bytes,
+                    "share": sh.as_dict(),
+                    "peak_bytes": res.peak_bytes,
+                    "resident": res.as_dict(),
                     "error": m.error,
                 }
             )
