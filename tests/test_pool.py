@@ -26,7 +26,7 @@ from macserve.router.state import MOVES, IllegalTransition, Machine, State
 from macserve.services.health import Outcome
 from macserve.services.profiles import Profile, ProfileStore
 from macserve.services.resident import NOT_RUNNING
-from macserve.services.share import Share
+from macserve.services.share import Share, unknown, with_reserve
 from macserve.services.supervisors import Status
 
 RAM = 64 * 2**30  # the Mac the pool plans for (--memory); every share is a fraction of its budget
@@ -118,9 +118,10 @@ def given(name: str, memory: int) -> Share:
 
 def parts(name: str, weights: int, kv: int, parallel: int, prompt: int, base: int) -> Share:
     """A share from its parts (weights, one sequence's KV, PARALLEL, prompt cache, baseline)."""
+    whole = weights + kv * parallel + prompt + base
     return Share(
-        name, weights, kv, parallel, prompt, base, "measured 2026-12-06", 0, 4096,
-        "llama.cpp/f16", None, "CTX x PARALLEL",
+        name, weights, kv, parallel, prompt, base, "measured 2026-12-06",
+        with_reserve(whole) - whole, 4096, "llama.cpp/f16", None, "CTX x PARALLEL",
     )  # fmt: skip
 
 
@@ -445,10 +446,7 @@ def test_a_profile_bigger_than_the_budget_is_refused_at_once_with_the_figures():
 def test_a_profile_whose_share_is_unknown_is_refused_not_started_uncounted():
     w = World()
     pool = pool_of(w, a=0.4, odd=0.1)
-    unknown = given("odd", 0)
-    w.shares["odd"] = Share(
-        **{**unknown.__dict__, "memory_bytes": None, "error": "not a GGUF file: /models/odd"}
-    )
+    w.shares["odd"] = unknown("odd", "not a GGUF file: /models/odd")
     assert w.shares["odd"].share_bytes is None
 
     async def go():

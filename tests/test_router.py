@@ -21,9 +21,9 @@ import pytest
 
 from macserve.errors import MacserveError
 from macserve.services import providers
-from macserve.services.share import share
 from macserve.services.health import base_url
 from macserve.services.profiles import Profile, ProfileStore
+from macserve.services.share import share
 from macserve.services.supervisors import spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
 from macserve.sizing.budget import machine_budget

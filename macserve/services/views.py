@@ -15,7 +15,7 @@ from ..sizing.budget import machine_budget
 from . import journal, providers, resident, routed, run
 from .health import base_url, store
 from .profiles import Profile, ProfileStore
-from .share import Share, share_of
+from .share import Share, share_of, unknown
 from .supervisors import Status, get_backend, log_path, logs
 
 
@@ -85,7 +85,7 @@ def ledger(name: str, p: Profile | None, pid: int | None) -> dict:
         try:
             sh = share_of(p)
         except MacserveError as e:  # one unreadable model is its own row's error
-            sh = Share.unknown(name, str(e)) if hasattr(Share, "unknown") else None
+            sh = unknown(name, str(e))
     res = resident.NOT_RUNNING
     if pid and p is not None:
         key = store().load_secrets(name).get("API_KEY")
@@ -150,7 +150,7 @@ def show(name: str) -> dict:
     p = st.load(name)
     prov = providers.for_profile(p)
     try:
-        argv = prov.argv(providers.typed(p))
+        argv = prov.argv(providers.typed(p), share_of(p).limits())
     except MacserveError as e:
         argv = [f"<{e}>"]
     secrets = st.load_secrets(name)
