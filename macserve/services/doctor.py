@@ -74,12 +74,11 @@ def doctor(memory_bytes: int | None = None) -> Report:
         st = backend.status(name)
         # Installed and not stopped: launchd loads it at login (RunAtLoad); `stop` disables it.
         at_login = st.installed and st.state not in ("stopped", "not installed")
+        p, bad = None, None
         try:
             p = store().load(name)
         except MacserveError as e:
-            p, bad = None, str(e)  # one broken profile is its own row, not a refusal of all
-        else:
-            bad = None
+            bad = str(e)  # one broken profile is its own row, not a refusal of all
         pid = st.pid if st.state in ("running", "starting", "orphaned") else None
         led = ledger(name, p, pid)
         sh = led["share"] or {}
