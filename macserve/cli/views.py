@@ -87,7 +87,7 @@ def machine_line(m: dict, counted: int | None = None) -> str:
 
 def share_parts(sh: dict) -> str:
     """A share's parts: weights + KV x PARALLEL + prompt cache + baseline + reserve."""
-    if sh.get("memory_bytes") is not None:
+    if sh.get("memory_bytes") is not None and sh.get("weights_bytes") is None:
         return f"MEMORY={_size(sh['memory_bytes'])} set by hand"
     seqs = f"{sh['parallel']} sequence" + ("s" if sh["parallel"] != 1 else "")
     return (
