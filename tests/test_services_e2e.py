@@ -427,7 +427,7 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
     port = free_port()
     r = cli("new", str(tiny_mlx_f32), "--name", "tiny-mlx", "--port", str(port), "--timeout", "120")
     assert r.returncode == 0, r.stderr
-    assert "mlx has no context-size flag" in r.stderr
+    assert "mlx has no context-size flag: macserve refuses a prompt past" in r.stderr
     text = (macserve_home / "profiles" / "tiny-mlx.env").read_text()
     assert "PROVIDER=mlx" in text
     s = status("tiny-mlx")

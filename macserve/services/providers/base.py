@@ -119,6 +119,9 @@ class BaseProvider:
     # The server process's own bytes (runtime, buffers) counted in its share until the first
     # start on this machine measures it (services/baseline.py).
     assumed_baseline = 0
+    # Its server allocates every sequence's cache when it starts (llama-server: -c cells), so
+    # a baseline measured at idle holds the cache too, which the share counts apart.
+    holds_cache_at_start = False
     # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
     limit_flags: dict[str, str] = {}
     # the flags that set the sequences served at once: PARALLEL (lifted out of EXTRA_ARGS)
