@@ -41,7 +41,7 @@ class Resident:
     pid: int | None
     now_bytes: int | None
     peak_bytes: int | None
-    source: str  # e.g. "process tree RSS, peak VmHWM (3 processes)"
+    source: str  # e.g. "RSS of 3 processes; peak: VmHWM summed"
     rss_bytes: int | None = None  # the tree's RSS now
     hwm_bytes: int | None = None  # the tree's summed VmHWM (Linux)
     engine_now_bytes: int | None = None  # the server's own figure (/metrics), where it has one
@@ -102,11 +102,11 @@ def combine(
     e_now, e_peak = engine
     now, peak = _max(rss, e_now), _max(hwm, e_peak)
     procs = f"{count} process" + ("es" if count != 1 else "")
-    parts = [f"process tree RSS ({procs})"]
+    parts = [f"RSS of {procs}"]
     if peak_known:
-        parts.append("peak VmHWM summed over the tree")
+        parts.append("peak: VmHWM summed")
     if e_now is not None or e_peak is not None:
-        parts.append("the server's own /metrics (MLX active/peak), the larger taken")
+        parts.append("and the server's /metrics (MLX), the larger")
     note = ""
     if not peak_known and e_peak is None:
         note = f"{platform.system()} gives no per-process peak: only the figure now is known"
