@@ -267,6 +267,7 @@ class Pool:
             self.pulse()
         m.ready_pid, m.seen = out.pid, "running"
         m.last_used, m.error = clock(), None
+        m.share = None  # read again: a first start measures the server's baseline
         self.prom.started(m.name, clock() - t0)
         self._settle(m, State.RUNNING, f"ready in {clock() - t0:.1f}s (pid {out.pid})")
 
