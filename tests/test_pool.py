@@ -431,6 +431,7 @@ def test_a_profile_bigger_than_the_budget_is_refused_at_once_with_the_figures():
         return e.value
 
     e = asyncio.run(go())
+    print(e.message)
     assert (e.status, e.code) == (400, "model_too_large")
     need = w.shares["big"].share_bytes
     assert need > w.budget > w.budget // 2 + w.budget // 8  # the weights + KV alone would fit
@@ -524,7 +525,30 @@ def test_no_free_memory_and_nothing_idle_to_stop_refuses_at_once_naming_what_hol
     assert f"{size(free)} is free now" in e.message
     assert f"shares of a {size(need)}" in e.message and "python3 (pid 4242) 40.0 GB" in e.message
     assert "another program's memory is not handed to a model" in e.message
+    assert "idle ones to stop: none" in e.message
     assert w.starts() == ["a"] and w.stops() == [] and not pool.models["b"].admitted
+
+
+def test_idle_profiles_are_not_stopped_when_stopping_them_all_would_not_free_enough():
+    w = World()
+    pool = pool_of(w, a=0.1, b=0.1, c=0.5)
+
+    async def go():
+        await use(pool, w, "a", at=1001)
+        await use(pool, w, "b", at=1002)
+        w.free = int(0.25 * w.budget)  # c is short by 0.25: a and b's 0.2 would not cover it
+        with pytest.raises(RouteError) as e:
+            await use(pool, w, "c")
+        assert w.stops() == []  # nothing stopped for a start that could not be made
+        w.free = int(0.35 * w.budget)  # the contrast: short by 0.15, which they do cover
+        await use(pool, w, "c", at=1003)
+        return e.value
+
+    e = asyncio.run(go())
+    assert e.code == "insufficient_memory"
+    assert f"idle ones to stop: {size(2 * int(0.1 * w.budget))}" in e.message
+    assert w.stops() == ["a", "b"]  # none for the refusal; both for the start they made room for
+    assert w.starts() == ["a", "b", "c"]
 
 
 def test_enough_free_memory_starts_what_the_same_budget_refused():

@@ -78,6 +78,8 @@ def test_two_shares_fit_a_third_waits_and_another_programs_memory_refuses_a_star
         values = {
             "PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": str(free_port()),
             "CTX": "256", "KV": "int2", "EXTRA_ARGS": "--mtp-k 1", "MEMORY": f"{SHARE}B",
+            # given: derived from MEMORY it passes the engine's --max-batch cap of 256
+            "PARALLEL": "4",
         }  # fmt: skip
         if n in "ab":
             values["TTL"] = "never"
@@ -128,7 +130,6 @@ def test_two_shares_fit_a_third_waits_and_another_programs_memory_refuses_a_star
     # holds more than that margin. The budget is no obstacle (a Mac of 4x this RAM).
     avail = psutil.virtual_memory().available
     margin, hog = 2 * 2**30, 5 * 2**30
-    # (PARALLEL given: derived from so big a MEMORY it would pass the engine's --max-batch cap)
     r = cli("set", "d", "--", f"MEMORY={avail - margin}B", "PARALLEL=4")
     assert r.returncode == 0, r.stderr
     code = f"x = b'\\x01' * {hog}; print('held', flush=True); import time; time.sleep(120)"
@@ -142,6 +143,7 @@ def test_two_shares_fit_a_third_waits_and_another_programs_memory_refuses_a_star
             r = httpx.post(router.url + "/v1/chat/completions", json={"model": "d"}, timeout=120)
             assert r.status_code == 503, r.text
             msg = r.json()["error"]["message"]
+            print(msg)
             assert r.json()["error"]["code"] == "insufficient_memory", msg
             assert "no room for model d on this machine: it needs its share" in msg, msg
             assert "is free now" in msg and f"(pid {child.pid})" in msg, msg

@@ -14,11 +14,12 @@ its server's process tree may hold, which its provider passes to the server as i
    memory is not handed to a model.
 
 When 3 or 4 fails, idle profiles are stopped, least recently used first, as many as the room
-needs (their memory comes back; free memory is read again). A profile with requests in flight,
-a start under way, or TTL=never is never evicted: if only such profiles stand in the way of the
-budget, the start waits for them (up to the start timeout), then 503. If free memory is short
-and nothing idle is left to stop, the start is refused at once (503) naming free memory and
-what holds it.
+needs (their memory comes back; free memory is read again), unless stopping every idle one
+would not free what is short of free memory: then none is stopped. A profile with requests in
+flight, a start under way, or TTL=never is never evicted: if only such profiles stand in the
+way of the budget, the start waits for them (up to the start timeout), then 503. If free memory is short
+and stopping the idle ones cannot cover it, the start is refused at once (503) naming free
+memory and what holds it.
 
 Eviction order (`lru`): the idle ones, least recently used first. The reaper's `trim` uses the
 same order when more runs than the budget holds.
@@ -110,7 +111,7 @@ def _unknown(m: Model, sh) -> RouteError:
     )
 
 
-def _no_free_memory(pool, m: Model, need: int, pending: int, free: int, held) -> RouteError:
+def _no_free_memory(pool, m: Model, need: int, pending: int, free: int, held, idle) -> RouteError:
     ours = ", ".join(f"{o.name} {size(b)}" for o, b in sorted(held, key=lambda h: h[0].name))
     top = "; ".join(f"{n} (pid {pid}) {size(rss)}" for n, pid, rss in pool.ops.top_holders())
     wants = f"its share {size(need)}" + (
@@ -120,7 +121,8 @@ def _no_free_memory(pool, m: Model, need: int, pending: int, free: int, held) ->
         503,
         f"no room for model {m.name} on this machine: it needs {wants} free, and "
         f"{size(free)} is free now; this router's profiles hold "
-        f"{'shares of ' + ours if ours else 'nothing'} (none idle to stop); the most memory is "
+        f"{'shares of ' + ours if ours else 'nothing'} (idle ones to stop: "
+        f"{size(sum(b for _, b in idle)) if idle else 'none'}); the most memory is "
         f"held by {top or 'unknown'}: another program's memory is not handed to a model: free "
         f"some, or give {m.name} a smaller share (macserve set {m.name} -- CTX=N or MEMORY=SIZE)",
         "unavailable_error",
@@ -154,6 +156,9 @@ async def admit(pool, m: Model) -> None:
                 m.admitted = True
                 return
             victims = lru(held, pool)
+            if over <= 0 and short > sum(b for _, b in victims):
+                # stopping every idle one would not free enough: stop none of them
+                raise _no_free_memory(pool, m, need, pending, free, held, victims)
             freed = 0
             for v, b in victims:
                 if over - freed <= 0 and short - freed <= 0:
@@ -168,7 +173,7 @@ async def admit(pool, m: Model) -> None:
             if victims:
                 continue  # read the supervisor and free memory again: what runs, what is free
             if over <= 0:
-                raise _no_free_memory(pool, m, need, pending, free, held)
+                raise _no_free_memory(pool, m, need, pending, free, held, victims)
             busy = ", ".join(sorted(o.name for o, _ in held))
             left = deadline - pool.ops.clock()
             if left <= 0:
