@@ -61,7 +61,7 @@ def _table(rows, health=False):
             str(r["pid"] or "-"),
             str(r["port"] or "-"),
             _age(r["uptime_s"]),
-            _mem(r.get("resident_bytes", r["rss_bytes"])),
+            _mem(r.get("resident_bytes") or r["rss_bytes"]),
             _mem(r.get("peak_bytes")),
             _mem(r.get("share_bytes")),
         ]

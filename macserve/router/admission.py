@@ -17,9 +17,9 @@ When 3 or 4 fails, idle profiles are stopped, least recently used first, as many
 needs (their memory comes back; free memory is read again), unless stopping every idle one
 would not free what is short of free memory: then none is stopped. A profile with requests in
 flight, a start under way, or TTL=never is never evicted: if only such profiles stand in the
-way of the budget, the start waits for them (up to the start timeout), then 503. If free memory is short
-and stopping the idle ones cannot cover it, the start is refused at once (503) naming free
-memory and what holds it.
+way of the budget, the start waits for them (up to the start timeout), then 503. If free
+memory is short and stopping the idle ones cannot cover it, the start is refused at once
+(503) naming free memory and what holds it.
 
 Eviction order (`lru`): the idle ones, least recently used first. The reaper's `trim` uses the
 same order when more runs than the budget holds.

@@ -3,13 +3,15 @@
 Every profile that serves a model is in the pool (not RPC workers, not routers). For each the
 pool keeps what the supervisor cannot tell it: requests in flight, when it was last used, the
 start or stop under way, and its memory share (`services.share`: weights, KV at CTX x
-PARALLEL, prompt cache, baseline and reserve, or MEMORY=). The supervisor stays the truth about what runs:
-its status is read before a request is forwarded, before a start is admitted, and at every
-reaper tick, so a service started, stopped or crashed behind the router's back is seen.
+PARALLEL, prompt cache, baseline and reserve, or MEMORY=). The supervisor stays the truth
+about what runs: its status is read before a request is forwarded, before a start is
+admitted, and at every reaper tick, so a service started, stopped or crashed behind the
+router's back is seen.
 
 What the pool asks of the world (the profiles, the supervisor, start and stop, shares, free
-memory, clocks) comes in one `PoolOps` (ops.py), real or faked by the unit tests. Each profile's state
-is a state machine (state.py): named states, the moves allowed, every move logged.
+memory, what a server holds, clocks) comes in one `PoolOps` (ops.py), real or faked by the
+unit tests. Each profile's state is a state machine (state.py): named states, the moves
+allowed, every move logged.
 
 Starting (`ready`): one task per profile; every request for it waits on that task, so racing
 requests start it once. A profile the supervisor runs is only waited for; a stopped one is
