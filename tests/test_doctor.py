@@ -1,10 +1,15 @@
 """`macserve doctor` on this machine, with profiles from local folders and from the local fake
-hub: each footprint is inspect's own figure for that model, cache and context; the profiles
-that start at login are summed against the budget; the sysctl to raise it is printed."""
+hub: each share's weights and KV are inspect's own figures for that model, cache and context,
+the share is services/share.py's; a running one's resident memory now and peak are shown
+beside it (services/resident.py); the profiles that start at login are summed by shares
+against the budget; free memory now is said; the sysctl to raise it is printed. `inspect NAME`
+and `ls --json` say the same ledger."""
 
 import json
 
 import pytest
+
+from macserve.services.share import share
 
 from .conftest import TINY_MODEL
 from .fixtures import GGUF_REPO, MLX_REPO, cli, free_port, status
@@ -35,7 +40,8 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     d = json.loads(r.stdout)
     rows = {p["name"]: p for p in d["profiles"]}
     assert {n: p["at_login"] for n, p in rows.items()} == {"e": False, "g": True, "m": False}
-    # each footprint is what inspect says for that source, cache type and context
+    # each share's weights and one sequence's KV are what inspect says for that source, cache
+    # type and context; the share is services/share.py's
     expect = {
         "g": (f"{GGUF_REPO}:F32", 1024, "llama.cpp/f16"),  # -c 1024: new's choice
         "e": (str(TINY_MODEL), 512, "macserve/int2"),  # the folder ships its calibration
@@ -45,14 +51,25 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
         weights, total, budget = inspect_total(source, ctx, key)
         p = rows[name]
         assert (p["ctx"], p["cache_key"]) == (ctx, key), name
-        # the share counts inspect's weights and one sequence's cache (PARALLEL=1) at CTX
-        assert (p["weights_bytes"], p["kv_total_bytes"]) == (weights, total - weights), name
-        assert p["total_bytes"] == p["share_bytes"] > total, name
+        assert (p["weights_bytes"], p["kv_bytes"]) == (weights, total - weights), name
+        assert p["share_bytes"] == share(name).share_bytes > total, name
         assert d["budget_bytes"] == budget  # this machine's budget, as inspect figures it
-    assert "has no context flag" in rows["m"]["note"]
-    need = rows["g"]["total_bytes"]
+    assert "no context flag" in rows["m"]["note"]
+    # g runs: what it holds now and at its peak, beside its share; the others hold nothing
+    assert 0 < rows["g"]["resident_bytes"] <= rows["g"]["peak_bytes"]
+    assert rows["e"]["resident_bytes"] is None and rows["e"]["peak_bytes"] is None
+    assert 0 < d["free_bytes"] <= d["total_memory_bytes"]
+    need = rows["g"]["share_bytes"]
     assert d["at_login_bytes"] == need and d["fits"]
     assert d["raise_command"] == f"sudo sysctl iogpu.wired_limit_mb={d['suggested_wired_limit_mb']}"
+    # the same ledger in `ls --json` and `inspect NAME`
+    listed = {x["name"]: x for x in json.loads(cli("ls", "--json").stdout)}
+    assert (listed["g"]["share_bytes"], listed["g"]["share"]) == (need, rows["g"]["share"])
+    assert listed["g"]["peak_bytes"] >= rows["g"]["resident_bytes"]
+    mine = json.loads(cli("inspect", "g", "--json").stdout)
+    assert (mine["share_bytes"], mine["budget_bytes"]) == (need, d["budget_bytes"])
+    text = cli("inspect", "g").stdout
+    assert "share:" in text and "resident:" in text and "free on this machine now" in text
     # a Mac whose default budget (2/3 of RAM this small) is below what starts at login
     small = json.loads(cli("doctor", "--json", "--memory", f"{need}B").stdout)
     assert small["budget_bytes"] < need and not small["fits"]
@@ -60,6 +77,7 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     assert roomy["budget_bytes"] >= need and roomy["fits"]
     text = cli("doctor", "--memory", f"{need}B").stdout
     assert ": DOES NOT FIT" in text and "raise:    sudo sysctl iogpu.wired_limit_mb=" in text
+    assert "free:" in text and "SHARE" in text and "PEAK" in text
     assert "docs/services.md#gpu-wired-limit" in text
     text = cli("doctor", "--memory", f"{2 * need}B").stdout  # everything fits: no sysctl line
     assert ": fits" in text and "raise:" not in text and "sudo sysctl" not in text

@@ -1,9 +1,11 @@
-"""The router's pool, its rules alone: admission under the budget, eviction order, TTL, a crash,
-a start that fails, a profile that can never fit, and the state machine's refusals.
+"""The router's pool, its rules alone: admission by shares under the budget and by the machine's
+free memory, eviction order, TTL, a crash, a start that fails, a profile that can never fit or
+whose share is unknown, and the state machine's refusals.
 
 The pool is given fakes for what it asks of the world (router/ops.py's `PoolOps`): a supervisor
-that is a dict of what runs, starts that succeed or fail as told, footprints as fractions of
-the pool's own budget, and a clock the test moves. The profiles are real files in the test's
+that is a dict of what runs, starts that succeed or fail as told, shares as fractions of the
+pool's own budget, free memory that a start takes and a stop gives back, and a clock the test
+moves. The profiles are real files in the test's
 MACSERVE_HOME. No process, no sleep: each test runs in milliseconds. The same rules with real
 servers: tests/test_router.py.
 """
@@ -23,10 +25,11 @@ from macserve.router.pool import TICK_MAX, TICK_MIN, Pool
 from macserve.router.state import MOVES, IllegalTransition, Machine, State
 from macserve.services.health import Outcome
 from macserve.services.profiles import Profile, ProfileStore
-from macserve.services.share import Share
+from macserve.services.resident import NOT_RUNNING
+from macserve.services.share import Share, unknown, with_reserve
 from macserve.services.supervisors import Status
 
-RAM = 64 * 2**30  # the Mac the pool plans for (--memory); every footprint is a share of its budget
+RAM = 64 * 2**30  # the Mac the pool plans for (--memory); every share is a fraction of its budget
 
 
 class World:
@@ -36,7 +39,10 @@ class World:
         self.running: dict[str, int] = {}
         self.died: set[str] = set()  # stopped by a crash, not by a stop
         self.fails: dict[str, str] = {}  # name -> the error its start raises
-        self.share: dict[str, float] = {}  # name -> its footprint, as a share of the budget
+        self.share: dict[str, float] = {}  # name -> its share, as a fraction of the budget
+        self.shares: dict[str, Share] = {}  # name -> a share given whole (its parts matter)
+        self.free = 100 * RAM  # the machine's free memory: a start takes its share, a stop frees it
+        self.holders = [("python3", 4242, 40 * 2**30)]  # the processes holding the most
         self.changing: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.now = 1000.0
@@ -54,21 +60,25 @@ class World:
         if name in self.fails:
             raise MacserveError(self.fails[name])
         self.running[name] = pid = next(self.pids)
+        self.free -= self.share_of(name).share_bytes or 0
         self.died.discard(name)
         return Outcome(name, pid=pid)
 
     def stop(self, name: str) -> None:
         self.calls.append(("stop", name))
-        self.running.pop(name, None)
+        if self.running.pop(name, None) is not None:
+            self.free += self.share_of(name).share_bytes or 0  # its memory comes back
         self.died.discard(name)
 
     def crash(self, name: str) -> None:
         del self.running[name]
+        self.free += self.share_of(name).share_bytes or 0
         self.died.add(name)
 
-    def footprint(self, name: str) -> Share:
-        b = int(self.share[name] * self.budget)  # the share by hand, as MEMORY= gives it
-        return Share(name, b, 0, 1, 0, 0, "", 0, 4096, "llama.cpp/f16", b, "MEMORY")
+    def share_of(self, name: str) -> Share:
+        if name in self.shares:
+            return self.shares[name]
+        return given(name, int(self.share[name] * self.budget))
 
     async def moved(self, up, models) -> list[bool]:
         return [False] * len(up)
@@ -81,7 +91,10 @@ class World:
             restart=self.start,
             stop=self.stop,
             wait_ready=lambda p, timeout: (p.name in self.running, "not running"),
-            footprint=self.footprint,
+            share=self.share_of,
+            free_bytes=lambda: self.free,
+            top_holders=lambda: self.holders,
+            resident=lambda pid, url, key: NOT_RUNNING,
             changing=lambda name: name in self.changing,
             last_use=lambda name: None,
             moved=self.moved,
@@ -94,6 +107,22 @@ class World:
 
     def starts(self) -> list[str]:
         return [n for op, n in self.calls if op == "start"]
+
+
+def given(name: str, memory: int) -> Share:
+    """A share set by hand (MEMORY=): the share is exactly `memory` bytes."""
+    return Share(
+        name, None, None, 1, 0, 0, "assumed (not measured yet)", 0, None, None, memory, "MEMORY"
+    )
+
+
+def parts(name: str, weights: int, kv: int, parallel: int, prompt: int, base: int) -> Share:
+    """A share from its parts (weights, one sequence's KV, PARALLEL, prompt cache, baseline)."""
+    whole = weights + kv * parallel + prompt + base
+    return Share(
+        name, weights, kv, parallel, prompt, base, "measured 2026-12-06",
+        with_reserve(whole) - whole, 4096, "llama.cpp/f16", None, "CTX x PARALLEL",
+    )  # fmt: skip
 
 
 def profiles(**shares_and_keys):
@@ -386,12 +415,14 @@ def test_after_a_failed_start_the_next_request_starts_it_afresh():
     assert states(pool)["a"] is State.RUNNING and pool.models["a"].error is None
 
 
-# ---- a profile that can never fit --------------------------------------------------------------
+# ---- a profile that can never fit, or cannot be counted -----------------------------------------
 
 
 def test_a_profile_bigger_than_the_budget_is_refused_at_once_with_the_figures():
     w = World()
-    pool = pool_of(w, a=0.4, big=1.5)
+    pool = pool_of(w, a=0.4, big=0.1)
+    g = 2**30  # its parts: weights and one sequence's KV fit, 4 sequences and the rest do not
+    w.shares["big"] = parts("big", w.budget // 2, w.budget // 8, 4, 3 * g, g // 4)
 
     async def go():
         await use(pool, w, "a")
@@ -400,14 +431,161 @@ def test_a_profile_bigger_than_the_budget_is_refused_at_once_with_the_figures():
         return e.value
 
     e = asyncio.run(go())
+    print(e.message)
     assert (e.status, e.code) == (400, "model_too_large")
-    need, budget = int(1.5 * w.budget), w.budget
-    assert f"model big needs {size(need)}" in e.message
-    assert f"the memory budget is {size(budget)}" in e.message
+    need = w.shares["big"].share_bytes
+    assert need > w.budget > w.budget // 2 + w.budget // 8  # the weights + KV alone would fit
+    assert f"model big needs {size(need)} (weights {size(w.budget // 2)} + KV " in e.message
+    assert "x 4 sequences at 4,096 tokens" in e.message and "baseline 256.0 MB" in e.message
+    assert f"the memory budget is {size(w.budget)}" in e.message
     assert "cannot fit even alone" in e.message and "CTX=N" in e.message
     assert w.calls == [("start", "a")]  # nothing evicted, nothing started
     assert states(pool) == {"a": State.RUNNING, "big": State.STOPPED}
     assert not pool.models["big"].admitted
+
+
+def test_a_profile_whose_share_is_unknown_is_refused_not_started_uncounted():
+    w = World()
+    pool = pool_of(w, a=0.4, odd=0.1)
+    w.shares["odd"] = unknown("odd", "not a GGUF file: /models/odd")
+    assert w.shares["odd"].share_bytes is None
+
+    async def go():
+        with pytest.raises(RouteError) as e:
+            await use(pool, w, "odd")
+        await use(pool, w, "a")
+        return e.value
+
+    e = asyncio.run(go())
+    assert (e.status, e.code) == (400, "share_unknown")
+    assert "model odd: its memory share is unknown (not a GGUF file: /models/odd)" in e.message
+    assert "MEMORY=SIZE" in e.message
+    assert w.starts() == ["a"] and not pool.models["odd"].admitted
+
+
+# ---- the machine's free memory -----------------------------------------------------------------
+
+
+def test_the_sum_of_shares_is_counted_not_weights_and_one_sequence():
+    """Two profiles whose weights + one sequence's KV fit together, but whose shares (4
+    sequences, prompt cache, baseline, reserve) do not: the second start evicts the first."""
+    w = World()
+    pool = pool_of(w, a=0.1, b=0.1)
+    g = 2**30
+    for n in ("a", "b"):
+        w.shares[n] = parts(n, w.budget // 4, w.budget // 16, 4, g, g // 4)
+    small = w.budget // 4 + w.budget // 16
+    assert 2 * small <= w.budget < 2 * w.shares["a"].share_bytes
+
+    async def go():
+        await use(pool, w, "a", at=1001)
+        await use(pool, w, "b", at=1002)
+
+    asyncio.run(go())
+    assert w.stops() == ["a"] and set(w.running) == {"b"}
+
+
+def test_a_start_needs_its_share_free_on_the_machine_and_evicts_idle_ones_for_it():
+    w = World()
+    pool = pool_of(w, a=0.2, b=0.2, c=0.3)
+
+    async def go():
+        await use(pool, w, "a", at=1001)
+        await use(pool, w, "b", at=1002)
+        # another program takes memory: c's share fits the budget beside a and b, but the
+        # machine has only a bit more than half of it free
+        w.free = int(0.18 * w.budget)
+        await use(pool, w, "c", at=1003)
+
+    asyncio.run(go())
+    assert w.stops() == ["a"]  # a's memory came back: enough, b stays
+    assert set(w.running) == {"b", "c"}
+    text = pool.prom.render().decode()
+    assert 'profile="a",reason="evicted"' in text
+
+
+def test_no_free_memory_and_nothing_idle_to_stop_refuses_at_once_naming_what_holds_it():
+    w = World()
+    pool = pool_of(w, a=0.3, b=0.3)
+    w.free = int(0.2 * w.budget)  # someone else's 40 GB
+
+    async def go():
+        held = pool.lease(pool.models["a"])  # a is busy: not to be stopped for b
+        w.free += int(0.3 * w.budget)  # a's own memory, before it takes it
+        await pool.ready(pool.models["a"])
+        with pytest.raises(RouteError) as e:
+            await use(pool, w, "b")
+        held.release()
+        return e.value
+
+    e = asyncio.run(go())
+    assert (e.status, e.code, e.retry) == (503, "insufficient_memory", True)
+    need, free = int(0.3 * w.budget), int(0.2 * w.budget)
+    assert f"no room for model b on this machine: it needs its share {size(need)} free" in e.message
+    assert f"{size(free)} is free now" in e.message
+    assert f"shares of a {size(need)}" in e.message and "python3 (pid 4242) 40.0 GB" in e.message
+    assert "another program's memory is not handed to a model" in e.message
+    assert "idle ones to stop: none" in e.message
+    assert w.starts() == ["a"] and w.stops() == [] and not pool.models["b"].admitted
+
+
+def test_idle_profiles_are_not_stopped_when_stopping_them_all_would_not_free_enough():
+    w = World()
+    pool = pool_of(w, a=0.1, b=0.1, c=0.5)
+
+    async def go():
+        await use(pool, w, "a", at=1001)
+        await use(pool, w, "b", at=1002)
+        w.free = int(0.25 * w.budget)  # c is short by 0.25: a and b's 0.2 would not cover it
+        with pytest.raises(RouteError) as e:
+            await use(pool, w, "c")
+        assert w.stops() == []  # nothing stopped for a start that could not be made
+        w.free = int(0.35 * w.budget)  # the contrast: short by 0.15, which they do cover
+        await use(pool, w, "c", at=1003)
+        return e.value
+
+    e = asyncio.run(go())
+    assert e.code == "insufficient_memory"
+    assert f"idle ones to stop: {size(2 * int(0.1 * w.budget))}" in e.message
+    assert w.stops() == ["a", "b"]  # none for the refusal; both for the start they made room for
+    assert w.starts() == ["a", "b", "c"]
+
+
+def test_enough_free_memory_starts_what_the_same_budget_refused():
+    """The contrast of the refusal above: with its share free, the same start goes through."""
+    w = World()
+    pool = pool_of(w, a=0.3, b=0.3)
+    w.free = int(0.61 * w.budget)
+
+    async def go():
+        held = pool.lease(pool.models["a"])
+        await pool.ready(pool.models["a"])
+        await use(pool, w, "b")
+        held.release()
+
+    asyncio.run(go())
+    assert w.starts() == ["a", "b"] and w.stops() == []
+
+
+def test_a_start_under_way_counts_against_free_memory_before_it_takes_it():
+    """Two starts admitted back to back: the second must not count on memory the first is
+    about to load into."""
+    w = World()
+    pool = pool_of(w, a=0.3, b=0.3)
+    w.free = int(0.5 * w.budget)
+    pool.models["a"].admitted = True  # admitted, its server still loading: nothing taken yet
+
+    async def go():
+        with pytest.raises(RouteError) as e:
+            await use(pool, w, "b")
+        pool.models["a"].admitted = False  # the contrast: no start under way, b fits
+        await use(pool, w, "b")
+        return e.value
+
+    e = asyncio.run(go())
+    assert e.code == "insufficient_memory"
+    assert f"+ {size(int(0.3 * w.budget))} for starts under way" in e.message
+    assert w.starts() == ["b"]
 
 
 # ---- the state machine -------------------------------------------------------------------------

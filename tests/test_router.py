@@ -115,10 +115,10 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     router_pid = show["pid"]
     services.append(router_pid)
 
-    # /v1/models: every profile (not the router), stopped, with inspect's footprint
+    # /v1/models: every profile (not the router), stopped, with its share
     models = listing(url)
     assert sorted(models) == ["gguf", "tiny", "tiny2"]
-    assert {n: (m["state"], m["footprint_bytes"]) for n, m in models.items()} == {
+    assert {n: (m["state"], m["share_bytes"]) for n, m in models.items()} == {
         n: ("stopped", fp[n]) for n in fp
     }
     assert models["gguf"]["aliases"] == ["claude-tiny", "gpt-tiny"]

@@ -119,7 +119,8 @@ def test_page_shows_acts_streams_and_rolls_back(browser, services, macserve_home
         d.get(r.url + "/ui")
         wait(lambda: text(d, "#live") == "live", "the page's event stream")
         assert row_state(d, "tiny") == "stopped"
-        # inspect's footprint (weights + KV at its CTX and KV), as `doctor` and the budget count it
+        # its share (weights, KV at CTX x PARALLEL, prompt cache, baseline, reserve): what
+        # `doctor` and the budget count
         fp = share("tiny").share_bytes
         assert size(fp) in text(d, 'tr[data-name="tiny"]')
 
@@ -128,6 +129,9 @@ def test_page_shows_acts_streams_and_rolls_back(browser, services, macserve_home
         wait(lambda: "tiny: running (pid" in text(d, "#outcome"), "the start's outcome")
         assert ls_state("tiny") == "running"
         wait(lambda: row_state(d, "tiny") == "running", "the row to say running")
+        # what its server holds now and at its peak, beside its share; free memory now
+        wait(lambda: "peak" in text(d, 'tr[data-name="tiny"] td.resident'), "tiny's resident")
+        assert "free on this machine now" in text(d, "#budget")
         services.append(get_pid("tiny"))
         # its log, live
         wait(lambda: "macserve run tiny" in d.find_element(By.ID, "log-tiny").get_attribute(

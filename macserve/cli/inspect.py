@@ -1,8 +1,11 @@
-"""`macserve inspect`: how much context fits, per engine and cache type. Parse and print only."""
+"""`macserve inspect`: how much context fits, per engine and cache type; for a profile's name,
+its memory ledger (share and its parts, resident now and peak, budget, free memory). Parse and
+print only."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -11,11 +14,14 @@ from .fmt import number as _num
 from .fmt import size as _gib
 from .fmt import tokens_k as _k
 from .lazy import lazy
+from .views import ledger_lines, machine_line
 
 advice = lazy("macserve.sizing.advice")
 budget = lazy("macserve.sizing.budget")
+health = lazy("macserve.services.health")
 hosts_plan = lazy("macserve.sizing.hosts")
 report = lazy("macserve.sizing.report")
+service_views = lazy("macserve.services.views")
 
 
 @click.command()
@@ -54,12 +60,17 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_j
     listing and GGUF headers only, never weights.
 
     SOURCE: a Hugging Face repo id (org/name, org/name:QUANT), a model folder, a
-    config.json, or a .gguf file.
+    config.json, or a .gguf file; or a profile's name: its memory ledger (the share it is
+    counted at and its parts, what its server holds now and at its peak, the budget, free
+    memory now).
 
     The mlx/bf16 row is measured: mlx-lm builds the model from its config with weights it
     never evaluates, and the caches it allocates are read (kept under $MACSERVE_HOME/cache).
     The other rows are modelled from the engines' code; the last column says which.
     """
+    if _is_profile(source):
+        _profile_ledger(source, memory, as_json)
+        return
     if hosts is not None or (memory and "," in memory):
         machines = hosts_plan.parse_hosts(memory, hosts)
         rep = report.inspect_source(source, quant, measure=not modelled)
@@ -86,6 +97,26 @@ def inspect(source, quant, memory, hosts, weights, parallel, ctx, modelled, as_j
     warning = advice.over_budget_warning(r)
     if warning:
         click.secho(warning, fg="red", bold=True, err=True)
+
+
+def _is_profile(source: str) -> bool:
+    """A profile's name, not a path on disk (a folder named like a profile stays a source)."""
+    return "/" not in source and not Path(source).exists() and source in health.store().names()
+
+
+def _profile_ledger(name: str, memory: str | None, as_json: bool) -> None:
+    r = service_views.row(name)
+    m = service_views.machine(budget.parse_size(memory) if memory else None)
+    keys = ("share_bytes", "share", "resident_bytes", "peak_bytes", "resident")
+    if as_json:
+        click.echo(json.dumps({"profile": name, **{k: r[k] for k in keys}, **m}, indent=2))
+        return
+    click.echo(f"{name}  ({r['provider']}, {r['state']}): {r['model']}")
+    for line in ledger_lines(r):
+        click.echo(line)
+    click.echo(machine_line(m))
+    if r.get("error"):
+        click.echo(f"note: {r['error']}")
 
 
 def _print(r):

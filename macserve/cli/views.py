@@ -1,5 +1,7 @@
 """`macserve ls`, `status` and `show`: what the services are doing, as a table or JSON; and
-`doctor`: whether those that start at login fit the GPU memory. Parsing and printing only; the
+`doctor`: whether those that start at login fit the GPU memory. Each says the same memory
+ledger (`ledger_lines`, also `inspect NAME`'s): a profile's share and its parts, what its
+server holds now and at its peak, the budget and free memory. Parsing and printing only; the
 rows are services/views.py's, the memory check services/doctor.py's."""
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _routed(r) -> str:
 def _table(rows, health=False):
     routed = any(r.get("routed") for r in rows)
     head = (
-        ["NAME", "PROVIDER", "STATE", "PID", "PORT", "UPTIME", "MEM"]
+        ["NAME", "PROVIDER", "STATE", "PID", "PORT", "UPTIME", "MEM", "PEAK", "SHARE"]
         + (["HEALTHY"] if health else [])
         + (["ROUTER"] if routed else [])
         + ["MODEL"]
@@ -59,7 +61,9 @@ def _table(rows, health=False):
             str(r["pid"] or "-"),
             str(r["port"] or "-"),
             _age(r["uptime_s"]),
-            _mem(r["rss_bytes"]),
+            _mem(r.get("resident_bytes") or r["rss_bytes"]),
+            _mem(r.get("peak_bytes")),
+            _mem(r.get("share_bytes")),
         ]
         if health:
             line.append("yes" if r.get("healthy") else "no")
@@ -72,10 +76,58 @@ def _table(rows, health=False):
         click.echo("  ".join(c.ljust(w) for c, w in zip(l, widths)) + "  " + l[-1])
 
 
+def machine_line(m: dict, counted: int | None = None) -> str:
+    """The budget, its source, and what the machine has free now."""
+    held = f"; {_size(counted)} counted in shares now" if counted is not None else ""
+    return (
+        f"budget:   {_size(m['budget_bytes'])} ({m['budget_source']}){held}; free on this "
+        f"machine now {_size(m['free_bytes'])} of {_size(m['total_bytes'])}"
+    )
+
+
+def share_parts(sh: dict) -> str:
+    """A share's parts: weights + KV x PARALLEL + prompt cache + baseline + reserve."""
+    if sh.get("memory_bytes") is not None and sh.get("weights_bytes") is None:
+        return f"MEMORY={_size(sh['memory_bytes'])} set by hand"
+    seqs = f"{sh['parallel']} sequence" + ("s" if sh["parallel"] != 1 else "")
+    return (
+        f"weights {_size(sh['weights_bytes'])} + KV {_size(sh['kv_bytes'])} x {seqs} + prompt "
+        f"cache {_size(sh['prompt_cache_bytes'])} + baseline {_size(sh['baseline_bytes'])} + "
+        f"reserve {_size(sh['reserve_bytes'])}"
+    )
+
+
+def ledger_lines(r: dict) -> list[str]:
+    """One profile's ledger (a views row), the same in `inspect NAME` and `doctor`."""
+    sh, res = r.get("share"), r.get("resident") or {}
+    out = []
+    if not sh:
+        out.append("share:    n/a")
+    elif sh.get("share_bytes") is None:
+        out.append(f"share:    unknown ({sh.get('error') or sh.get('note') or 'no figures'})")
+    else:
+        out += [
+            f"share:    {_size(sh['share_bytes'])} ({sh['source']}) = {share_parts(sh)}",
+            f"          context {_context(sh['ctx'])} ({sh['cache_key'] or '-'}), "
+            f"{sh['parallel']} at once; KV at CTX x PARALLEL {_size(sh.get('kv_total_bytes'))}; "
+            f"baseline {sh['baseline_source']}",
+        ]
+        if sh.get("note"):
+            out.append(f"          {sh['note']}")
+    if res.get("now_bytes") is None:
+        out.append("resident: not running")
+    else:
+        peak = _size(res["peak_bytes"]) if res.get("peak_bytes") is not None else "unknown"
+        out.append(f"resident: {_size(res['now_bytes'])} now, peak {peak} ({res['source']})")
+        if res.get("note"):
+            out.append(f"          {res['note']}")
+    return out
+
+
 @click.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def ls(as_json):
-    """Profiles with their service state, pid, port, uptime and memory."""
+    """Profiles with their service state, pid, port, uptime and memory (now, peak, share)."""
     rows = service_views.rows()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -83,6 +135,8 @@ def ls(as_json):
         click.echo("no profiles (create one with: macserve new MODEL)")
     else:
         _table(rows)
+        counted = sum(r.get("share_bytes") or 0 for r in rows if r.get("resident_bytes"))
+        click.echo(machine_line(service_views.machine(), counted))
     _journal_notes(rows)
 
 
@@ -143,8 +197,9 @@ def show(name, as_json):
 def doctor(as_json, memory):
     """Do the services that start at login fit the GPU memory?
 
-    The wired limit and RAM, each profile's weights + cache at its context (inspect's
-    figures), and the sysctl to raise it."""
+    The wired limit and RAM, free memory now, each profile's share (weights + KV at CTX x
+    PARALLEL + prompt cache + baseline + reserve, or MEMORY=) beside what a running one holds
+    now and at its peak, and the sysctl to raise it."""
     rep = service_doctor.doctor(budget.parse_size(memory) if memory else None)
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=2))
@@ -157,27 +212,42 @@ def doctor(as_json, memory):
     )
     click.echo(f"memory:   {_size(rep.total_memory_bytes)} RAM; {limit}")
     click.echo(f"budget:   {_size(rep.budget_bytes)} for the GPU ({rep.budget_source})")
+    click.echo(f"free:     {_size(rep.free_bytes)} on this machine now")
     if rep.profiles:
-        head = ["PROFILE", "STATE", "AT LOGIN", "CONTEXT", "CACHE", "WEIGHTS", "KV", "TOTAL"]
+        head = ["PROFILE", "STATE", "AT LOGIN", "CONTEXT", "CACHE", "WEIGHTS", "KV", "x", "PROMPT"]
+        head += ["BASELINE", "RESERVE", "SHARE", "NOW", "PEAK"]
         lines = [head]
         for p in rep.profiles:
+            sh = p.get("share") or {}
             lines.append(
                 [
                     p["name"],
                     p["state"],
                     "yes" if p["at_login"] else "no",
-                    _context(p["ctx"]),
-                    p["cache_key"] or "-",
-                    _size(p["weights_bytes"]),
-                    _size(p["cache_bytes"]),
-                    _size(p["total_bytes"]),
+                    _context(sh.get("ctx")),
+                    sh.get("cache_key") or "-",
+                    _size(sh.get("weights_bytes")),
+                    _size(sh.get("kv_bytes")),
+                    str(sh.get("parallel") or "-"),
+                    _size(sh.get("prompt_cache_bytes")),
+                    _size(sh.get("baseline_bytes")),
+                    _size(sh.get("reserve_bytes")),
+                    _size(p["share_bytes"]),
+                    _size(p["resident_bytes"]),
+                    _size(p["peak_bytes"]),
                 ]
             )
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         for line in lines:
             click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
         for p in rep.profiles:
-            for why in filter(None, (p["error"], p["note"])):
+            sh = p.get("share") or {}
+            whys = [p["error"], p["note"]]
+            if sh.get("share_bytes") is not None:
+                whys.append(f"share {sh['source']}; baseline {sh['baseline_source']}")
+            if (p.get("resident") or {}).get("note"):
+                whys.append(p["resident"]["note"])
+            for why in filter(None, whys):
                 click.echo(f"  {p['name']}: {why}")
     verdict = "fits" if rep.fits else "DOES NOT FIT"
     click.echo(f"at login: {_size(rep.at_login_bytes)} of {_size(rep.budget_bytes)}: {verdict}")

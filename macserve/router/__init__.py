@@ -4,11 +4,12 @@ it (tests/test_architecture.py checks both).
 
   pool.py       which profiles exist, which run, and when to start or stop one: each profile
                 started on its first request (once, however many requests race), stopped after
-                its TTL of idleness; its collaborators (supervisor, start, stop, footprints,
-                clocks) injected as one `PoolOps` (ops.py; the real ones from the services
-                wing, fakes in tests/test_pool.py).
-  admission.py  the memory budget: a start admitted if it fits beside what runs (inspect's
-                footprints), idle profiles evicted least recently used first, never one in use
+                its TTL of idleness; its collaborators (supervisor, start, stop, shares,
+                free memory, clocks) injected as one `PoolOps` (ops.py; the real ones from
+                the services wing, fakes in tests/test_pool.py).
+  admission.py  the memory budget: a start admitted if its share fits beside the shares of
+                what runs and the machine has it free now, idle profiles evicted least
+                recently used first, never one in use
   state.py      a profile's states (stopped, starting, running, stopping, failed), the moves
                 allowed between them, and the one `transition` that makes and logs a move
   model.py      what the router knows of one profile (`Model`), and its `Settings`

@@ -5,7 +5,7 @@
     GET  /metrics/{profile}      that profile's server's /metrics, passed through; 503 if
                                  it is not running (a scrape starts nothing)
     GET  /v1/models              every profile: state (running, starting, stopping, stopped),
-                                 footprint, TTL, aliases; OpenAI's and Anthropic's list fields
+                                 share, resident, TTL, aliases; OpenAI's and Anthropic's list fields
     GET  /v1/models/{id}         one of them (a profile name or an alias), or 404
     POST /v1/...                 routed by the body's `model` (profile name or alias) to that
                                  profile's server, same path and query: chat/completions,
@@ -108,7 +108,11 @@ class Router:
                 "has_more": False,
                 "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None,
-                "budget": {"budget_bytes": b.budget_bytes, "source": b.source},
+                "budget": {
+                    "budget_bytes": b.budget_bytes,
+                    "source": b.source,
+                    "free_bytes": await asyncio.to_thread(self.pool.ops.free_bytes),
+                },
             }
         )
 

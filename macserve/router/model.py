@@ -1,5 +1,5 @@
 """What the router knows of one profile (`Model`: its state, requests in flight, last use, start
-or stop under way, footprint) and the router's own settings. Mutated on the event loop only.
+or stop under way, memory share) and the router's own settings. Mutated on the event loop only.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ class Model(Machine):
         self.admitted = False  # counted in the budget, its start under way
         self.seen = "stopped"  # the supervisor's state (Status.state), as last read
         self.error: str | None = None  # why the last start failed
-        self.footprint: Share | None = None
+        self.share: Share | None = None
         self.update(profile, api_key, stamp)
 
     def update(self, profile: Profile, api_key: str | None, stamp: tuple) -> None:
         self.profile, self.api_key, self.stamp = profile, api_key, stamp
-        self.footprint = None  # the context or model may have changed
+        self.share = None  # the context, model or MEMORY may have changed
 
     @property
     def provider(self):

@@ -1,6 +1,7 @@
 """What the pool asks of the world, as one injected value (`PoolOps`): the profiles, the
-supervisor's view and its stop, the services' start (checks, unit, health wait), the
-footprints inspect counts, the marks of use past the router, and the clocks.
+supervisor's view and its stop, the services' start (checks, unit, health wait), each
+profile's memory share, the machine's free memory (and who holds it), the marks of use past
+the router, and the clocks.
 
 `PoolOps.real()` builds them from the services wing, in this one place; the pool's unit tests
 (tests/test_pool.py) pass fakes, so admission, eviction, TTL and crash handling run in
@@ -13,9 +14,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from ..services import health, journal, lifecycle, share, usage
+from ..services import health, journal, lifecycle, resident, share, usage
 from ..services.health import Outcome
 from ..services.profiles import Profile, ProfileStore
+from ..services.resident import Resident
 from ..services.share import Share
 from ..services.supervisors import Status, get_backend
 from .activity import Activity
@@ -33,7 +35,14 @@ class PoolOps:
     stop: Callable[[str], None]
     # (profile, timeout) -> (ready, why not): a server its supervisor runs, waited for.
     wait_ready: Callable[[Profile, float], tuple[bool, str]]
-    footprint: Callable[[str], Share]  # its memory share (services/share.py)
+    share: Callable[[str], Share]  # the most its server may hold (services/share.py)
+    # Memory the machine can give a new process now (psutil's available: Linux MemAvailable;
+    # on a Mac free + inactive pages, the same figure `vm_stat` gives), and the processes
+    # holding the most, for a refusal that says where the memory went.
+    free_bytes: Callable[[], int]
+    top_holders: Callable[[], list[tuple[str, int, int]]]
+    # (pid, url, key) -> what a server's process tree holds now and at its peak
+    resident: Callable[..., Resident]
     changing: Callable[[str], bool]  # a `macserve set` is at work on it: leave it be
     last_use: Callable[[str], float | None]  # wall time of a use past the router (chat, start)
     # (running models, all models) -> for each running one: clients used its port directly?
@@ -51,7 +60,10 @@ class PoolOps:
             restart=lifecycle.restart,
             stop=backend.stop,
             wait_ready=health.wait_ready,
-            footprint=share.share,
+            share=share.share,
+            free_bytes=resident.free_bytes,
+            top_holders=resident.top_holders,
+            resident=resident.resident,
             changing=journal.changing,
             last_use=usage.last,
             moved=Activity().moved,

@@ -2,14 +2,16 @@
 
 Every profile that serves a model is in the pool (not RPC workers, not routers). For each the
 pool keeps what the supervisor cannot tell it: requests in flight, when it was last used, the
-start or stop under way, and its footprint (weights + cache at its configured context, as
-`inspect` counts them: `services.footprint`). The supervisor stays the truth about what runs:
-its status is read before a request is forwarded, before a start is admitted, and at every
-reaper tick, so a service started, stopped or crashed behind the router's back is seen.
+start or stop under way, and its memory share (`services.share`: weights, KV at CTX x
+PARALLEL, prompt cache, baseline and reserve, or MEMORY=). The supervisor stays the truth
+about what runs: its status is read before a request is forwarded, before a start is
+admitted, and at every reaper tick, so a service started, stopped or crashed behind the
+router's back is seen.
 
-What the pool asks of the world (the profiles, the supervisor, start and stop, footprints,
-clocks) comes in one `PoolOps` (ops.py), real or faked by the unit tests. Each profile's state
-is a state machine (state.py): named states, the moves allowed, every move logged.
+What the pool asks of the world (the profiles, the supervisor, start and stop, shares, free
+memory, what a server holds, clocks) comes in one `PoolOps` (ops.py), real or faked by the
+unit tests. Each profile's state is a state machine (state.py): named states, the moves
+allowed, every move logged.
 
 Starting (`ready`): one task per profile; every request for it waits on that task, so racing
 requests start it once. A profile the supervisor runs is only waited for; a stopped one is
@@ -190,10 +192,10 @@ class Pool:
             died = " (its process died)" if st.died else ""
             m.transition(to, f"the supervisor says {st.state}{died}")
 
-    async def footprint(self, m: Model) -> Share:
-        if m.footprint is None:
-            m.footprint = await asyncio.to_thread(self.ops.footprint, m.name)
-        return m.footprint
+    async def share(self, m: Model) -> Share:
+        if m.share is None:
+            m.share = await asyncio.to_thread(self.ops.share, m.name)
+        return m.share
 
     def lease(self, m: Model) -> Lease:
         return Lease(self, m)
@@ -267,6 +269,7 @@ class Pool:
             self.pulse()
         m.ready_pid, m.seen = out.pid, "running"
         m.last_used, m.error = clock(), None
+        m.share = None  # read again: a first start measures the server's baseline
         self.prom.started(m.name, clock() - t0)
         self._settle(m, State.RUNNING, f"ready in {clock() - t0:.1f}s (pid {out.pid})")
 
@@ -346,12 +349,19 @@ class Pool:
 
     async def listing(self) -> list[dict]:
         self.refresh()
-        await self.statuses()
+        sts = await self.statuses()
         now = self.ops.clock()
         out = []
         for name in sorted(self.models):
             m = self.models[name]
-            fp = await self.footprint(m)
+            sh = await self.share(m)
+            st = sts[name]
+            res = await asyncio.to_thread(
+                self.ops.resident,
+                st.pid if st.state in IN_MEMORY else None,
+                providers.base_url(m.profile),
+                m.api_key,
+            )
             idle = m.idle(now) if self.state_of(m) == "running" else None
             out.append(
                 {
@@ -363,8 +373,10 @@ class Pool:
                     "always_on": m.profile.always_on,
                     "idle_s": None if idle is None else round(idle, 1),
                     "in_flight": m.inflight,
-                    "footprint_bytes": fp.share_bytes,
-                    "footprint": fp.as_dict(),
+                    "share_bytes": sh.share_bytes,
+                    "share": sh.as_dict(),
+                    "peak_bytes": res.peak_bytes,
+                    "resident": res.as_dict(),
                     "error": m.error,
                 }
             )

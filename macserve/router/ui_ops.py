@@ -16,6 +16,7 @@ from ..services import providers
 from ..services.edit import set_values
 from ..services.health import SetFailed, failing_before
 from ..services.profiles import ProfileStore
+from ..services.resident import free_bytes, resident
 from ..services.share import share_of
 from ..services.supervisors import log_path, logs
 from . import admission
@@ -30,7 +31,8 @@ EDITABLE = ("CTX", "KV")  # what the page changes; everything else is `macserve 
 
 
 async def overview(pool: Pool) -> dict:
-    """One row per profile (invalid ones too), and the budget split by loaded model."""
+    """One row per profile (invalid ones too) with its ledger (share and its parts, resident
+    now and peak), and the budget split by loaded model's share, with free memory now."""
     pool.refresh()
     sts = await pool.statuses()
     now = time.monotonic()
@@ -42,7 +44,13 @@ async def overview(pool: Pool) -> dict:
             rows.append({"name": name, "state": "invalid", "why": pool.broken[name][0]})
             continue
         st = sts[name]
-        fp = await pool.footprint(m)
+        sh = await pool.share(m)
+        res = await asyncio.to_thread(
+            resident,
+            st.pid if st.state in IN_MEMORY else None,
+            providers.base_url(m.profile),
+            m.api_key,
+        )
         state, why = pool.state_of(m), m.error
         broken = await asyncio.to_thread(failing_before, st, m.profile)
         if broken and state != "starting":
@@ -59,17 +67,17 @@ async def overview(pool: Pool) -> dict:
                 "state": state,
                 "why": why,
                 "port": p.port,
-                "ctx": p.ctx or fp.ctx,
+                "ctx": p.ctx or sh.ctx,
                 "ctx_set": p.ctx is not None,
                 # The provider's own name for its default cache (what `KV=` takes), not
                 # inspect's key for it ("mlx/bf16").
-                "kv": p.kv or _own_name(m.provider, fp.cache_key),
+                "kv": p.kv or _own_name(m.provider, sh.cache_key),
                 "kv_set": p.kv is not None,
                 "kv_choices": list(m.provider.cache_types),
-                "weights": fp.weights_bytes,
-                "cache": fp.kv_total_bytes,
-                "footprint": fp.share_bytes,
-                "footprint_note": fp.note or fp.error,
+                "share": sh.as_dict(),  # weights, KV x PARALLEL, prompt cache, baseline...
+                "share_bytes": sh.share_bytes,
+                "share_note": sh.error or sh.note,
+                "resident": res.as_dict(),  # now and peak, and what they came from
                 "idle_s": idle,
                 "ttl_s": ttl,
                 "ttl_left_s": None if ttl is None or idle is None else max(0.0, ttl - idle),
@@ -78,7 +86,7 @@ async def overview(pool: Pool) -> dict:
             }
         )
         if st.state in IN_MEMORY or m.admitted:
-            used.append({"name": name, "bytes": fp.share_bytes or 0})
+            used.append({"name": name, "bytes": sh.share_bytes or 0})
     b = pool.budget.budget_bytes
     return {
         "rows": rows,
@@ -87,6 +95,7 @@ async def overview(pool: Pool) -> dict:
             "source": pool.budget.source,
             "used": used,
             "free": max(0, b - sum(u["bytes"] for u in used)),
+            "machine_free": await asyncio.to_thread(free_bytes),
         },
     }
 
@@ -135,20 +144,22 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
         return {"ok": False, "line": f"refused: {e}"}
     st = await pool.status(m)
     if st.state in IN_MEMORY:
-        # The budget first: a bigger context must fit beside what else is loaded.
+        # The budget first: a bigger share must fit beside what else is loaded.
         async with pool.admission_lock:
-            fp = await asyncio.to_thread(share_of, new)
+            sh = await asyncio.to_thread(share_of, new)
             others = await admission.holders(pool, m)
             used = sum(b for _, b in others)
-            need, budget = fp.share_bytes or 0, pool.budget.budget_bytes
+            need, budget = sh.share_bytes, pool.budget.budget_bytes
+            if need is None:
+                return {"ok": False, "line": f"refused: {m.name}'s share is unknown ({sh.error})"}
             if used + need > budget:
                 return {
                     "ok": False,
-                    "line": f"refused: {m.name} would need {size(need)} at CTX "
-                    f"{fp.ctx or 0:,} ({fp.cache_key}); {size(used)} of the {size(budget)} "
-                    f"budget is held by {', '.join(o.name for o, _ in others)}: stop one first",
+                    "line": f"refused: {m.name} would need {size(need)} "
+                    f"({admission.figures(sh)}); {size(used)} of the {size(budget)} budget is "
+                    f"held by {', '.join(o.name for o, _ in others)}: stop one first",
                 }
-            m.footprint = fp
+            m.share = sh
     # `set` restarts the service itself: meanwhile the pool's requests for it wait on this
     # task (as on a start), and neither the reaper nor an eviction touches it.
     task = asyncio.ensure_future(asyncio.to_thread(_run_set, m.name, changes))
@@ -163,7 +174,7 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
             m.start_task = None
         lease.release()
         m.ready_pid = None  # a new process (or the old settings' again): waited for anew
-        m.footprint = None
+        m.share = None
         with contextlib.suppress(MacserveError):
             await pool.status(m)  # the state machine follows what the supervisor runs now
     return out

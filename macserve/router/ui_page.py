@@ -49,7 +49,8 @@ def budget_bar(b: dict, names: list[str]) -> str:
     return (
         f'<div class="bar" role="img" aria-label="memory budget">{"".join(parts)}</div>'
         f'<div class="legend">{legend} <span class="key free">free {_e(size(b["free"]))} of '
-        f"{_e(size(b['bytes']))} ({_e(b['source'])})</span></div>"
+        f"{_e(size(b['bytes']))} ({_e(b['source'])}); free on this machine now "
+        f'<span class="machine-free">{_e(size(b.get("machine_free")))}</span></span></div>'
     )
 
 
@@ -61,12 +62,28 @@ def _state(r: dict) -> str:
 def _row(r: dict, i: int) -> str:
     n = _e(r["name"])
     if r["state"] == "invalid":
-        return f'<tr data-name="{n}"><td class="name">{n}</td><td colspan="8">{_state(r)}</td></tr>'
+        return f'<tr data-name="{n}"><td class="name">{n}</td><td colspan="9">{_state(r)}</td></tr>'
     fp = "-"
-    if r["footprint"] is not None:
-        fp = (
-            f"{_e(size(r['footprint']))}"
-            f'<div class="sub">weights {_e(size(r["weights"]))} + KV {_e(size(r["cache"]))}</div>'
+    sh = r["share"]
+    if r["share_bytes"] is not None:
+        parts = (
+            f"MEMORY={size(sh['memory_bytes'])}"
+            if sh["memory_bytes"] is not None
+            else f"weights {size(sh['weights_bytes'])} + KV {size(sh['kv_bytes'])} x "
+            f"{sh['parallel']} + prompt cache {size(sh['prompt_cache_bytes'])} + baseline "
+            f"{size(sh['baseline_bytes'])} ({sh['baseline_source']}) + reserve "
+            f"{size(sh['reserve_bytes'])}"
+        )
+        fp = f'{_e(size(r["share_bytes"]))}<div class="sub">{_e(parts)}</div>'
+    elif r.get("share_note"):
+        fp = f'unknown<div class="why">{_e(r["share_note"])}</div>'
+    res = r["resident"]
+    held = "-"
+    if res["now_bytes"] is not None:
+        peak = size(res["peak_bytes"]) if res["peak_bytes"] is not None else "unknown"
+        held = (
+            f'{_e(size(res["now_bytes"]))}<div class="sub">peak {_e(peak)}</div>'
+            f'<div class="sub" title="{_e(res["source"])}">{_e(res["note"] or res["source"])}</div>'
         )
     kv_opts = "".join(
         f'<option value="{_e(k)}"{" selected" if r["kv_set"] and k == r["kv"] else ""}>{_e(k)}</option>'
@@ -100,7 +117,8 @@ def _row(r: dict, i: int) -> str:
         f'data-initial="{_e(ctx_initial or r["ctx"])}" aria-label="context">'
         f'<select name="KV" data-initial="{_e(kv_initial)}" aria-label="cache type">{kv_opts}</select>'
         f'<button type="submit">set</button></form></td>'
-        f"<td>{fp}</td><td>{_e(_dur(r['idle_s']))}</td><td>{_e(ttl)}</td>"
+        f'<td class="share">{fp}</td><td class="resident">{held}</td>'
+        f"<td>{_e(_dur(r['idle_s']))}</td><td>{_e(ttl)}</td>"
         f'<td class="acts">{btns}</td></tr>'
     )
 
@@ -111,7 +129,7 @@ def overview_html(ov: dict) -> str:
     return (
         f'<section id="budget"><h2>Memory budget</h2>{budget_bar(ov["budget"], names)}</section>'
         '<div class="scroll"><table id="profiles"><thead><tr><th>profile</th><th>model</th>'
-        "<th>state</th><th>port</th><th>context · cache</th><th>footprint</th>"
+        "<th>state</th><th>port</th><th>context · cache</th><th>share</th><th>resident</th>"
         "<th>idle</th><th>TTL</th><th></th></tr></thead>"
         f"<tbody>{rows}</tbody></table></div>"
     )

@@ -1,11 +1,13 @@
 """`macserve doctor`: will the services that start at login fit this Mac's GPU memory?
 
 The GPU may wire (lock in RAM for Metal) up to `iogpu.wired_limit_mb` MB; 0 means macOS's
-default, about 2/3 of RAM up to 36 GB and 3/4 above (sizing/budget.py). Each profile needs
-its weights plus its KV cache at the context it is configured for: inspect's arithmetic
-plus the sequences it serves at once, its prompt cache and its own process: its share
-(`share.share`). The profiles that start at login (installed and not stopped) must fit
-together, or the later ones fail to load (or the system starts swapping wired memory away).
+default, about 2/3 of RAM up to 36 GB and 3/4 above (sizing/budget.py). Each profile is
+counted at its share (services/share.py: weights, KV at CTX x PARALLEL, prompt cache, the
+server's baseline and a reserve; or MEMORY=), the most its server may hold, beside what a
+running one holds now and at its peak (services/resident.py). The profiles that start at
+login (installed and not stopped) must fit together, or the later ones fail to load (or the
+system starts swapping wired memory away). Free memory now is said too: the router admits a
+start only when the machine has its share free.
 
 Raising the limit is one root command, `sudo sysctl iogpu.wired_limit_mb=N`; it lasts until
 the next reboot. docs/services.md ("GPU wired limit") shows the LaunchDaemon that sets it at
@@ -19,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import MacserveError
 from ..sizing.budget import default_working_set, machine_budget
-from . import journal
+from . import journal, resident
 from .health import store
-from .share import share, unknown
 from .supervisors import get_backend
+from .views import ledger
 
 HEADROOM = 8 * 2**30  # what the suggested limit leaves to macOS and the other programs
 DOCS = "docs/services.md#gpu-wired-limit"
@@ -35,6 +37,7 @@ class Report:
     wired_limit_mb: int | None  # the sysctl's value (0: macOS default); None off a Mac
     budget_bytes: int
     budget_source: str
+    free_bytes: int = 0  # what the machine has free now (psutil's available)
     profiles: list[dict] = field(default_factory=list)
     at_login_bytes: int = 0
     fits: bool = True
@@ -59,7 +62,7 @@ def doctor(memory_bytes: int | None = None) -> Report:
     wired = None
     if on_mac:
         wired = b.budget_bytes // 2**20 if "sysctl" in b.source else 0
-    rep = Report(b.total_bytes, on_mac, wired, b.budget_bytes, b.source)
+    rep = Report(b.total_bytes, on_mac, wired, b.budget_bytes, b.source, resident.free_bytes())
     backend = get_backend()
     for name in store().names():
         try:
@@ -71,22 +74,28 @@ def doctor(memory_bytes: int | None = None) -> Report:
         st = backend.status(name)
         # Installed and not stopped: launchd loads it at login (RunAtLoad); `stop` disables it.
         at_login = st.installed and st.state not in ("stopped", "not installed")
+        p, bad = None, None
         try:
-            fp = share(name)
+            p = store().load(name)
         except MacserveError as e:
-            # One broken profile is its own row, not a refusal of every other one.
-            fp = unknown(name, str(e))
+            bad = str(e)  # one broken profile is its own row, not a refusal of all
+        pid = st.pid if st.state in ("running", "starting", "orphaned") else None
+        led = ledger(name, p, pid)
+        sh = led["share"] or {}
         row = {
             "name": name,
             "state": st.state,
             "at_login": at_login,
-            **{k: v for k, v in fp.as_dict().items() if k != "name"},
-            "cache_bytes": fp.kv_total_bytes,  # the columns `doctor` prints (cli/views.py)
-            "total_bytes": fp.share_bytes,
+            **{k: v for k, v in sh.items() if k != "name"},
+            **led,
         }
+        if bad:
+            row["error"] = bad
+        row.setdefault("error", None)
+        row.setdefault("note", None)
         rep.profiles.append(row)
-        if at_login and fp.share_bytes:
-            rep.at_login_bytes += fp.share_bytes
+        if at_login and led["share_bytes"]:
+            rep.at_login_bytes += led["share_bytes"]
     rep.fits = rep.at_login_bytes <= rep.budget_bytes
     rep.suggested_wired_limit_mb = suggested_limit_mb(b.total_bytes)
     rep.raise_command = f"sudo sysctl iogpu.wired_limit_mb={rep.suggested_wired_limit_mb}"

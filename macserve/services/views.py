@@ -1,6 +1,7 @@
-"""The rows behind `ls`, `status` and `show`: each profile's values, its supervisor's record,
-the process's uptime and memory, and (for `ls`) the running routers that serve it, from what
-they publish (`routed.py`).
+"""The rows behind `ls`, `status`, `show`, `doctor` and `inspect NAME`: each profile's values,
+its supervisor's record, the process's uptime, its memory ledger (the share it is counted at,
+services/share.py, beside what its server holds now and at its peak, services/resident.py),
+and (for `ls`) the running routers that serve it, from what they publish (`routed.py`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import time
 import psutil
 
 from ..errors import MacserveError
-from . import journal, providers, routed, run, share
+from ..sizing.budget import machine_budget
+from . import journal, providers, resident, routed, run
 from .health import base_url, store
-from .profiles import ProfileStore
+from .profiles import Profile, ProfileStore
+from .share import Share, share_of, unknown
 from .supervisors import Status, get_backend, log_path, logs
 
 
@@ -63,12 +66,49 @@ def row(name: str, health: bool = False, backend=None) -> dict:
         why = line.strip() or "it keeps exiting"
         state, detail = "crash-loop", why + (f" ({s.detail})" if s.state == "crash-loop" else "")
     r.update(state=state, pid=s.pid, exit_code=s.exit_code, signal=s.signal, detail=detail)
-    r.update(_proc_info(s.pid if s.state in ("running", "starting", "orphaned") else None))
+    pid = s.pid if s.state in ("running", "starting", "orphaned") else None
+    r.update(_proc_info(pid))
+    r.update(ledger(name, p, pid))
     if health:
         r["healthy"] = bool(
             p and s.state == "running" and providers.for_profile(p).ready(p, timeout=2.0)
         )
     return r
+
+
+def ledger(name: str, p: Profile | None, pid: int | None) -> dict:
+    """A profile's memory ledger: its share (`share_bytes`, and `share`: weights, KV at CTX x
+    PARALLEL, prompt cache, baseline and its source, reserve) and what its server holds
+    (`resident_bytes` now, `peak_bytes` since start, and `resident`: where each came from)."""
+    sh: Share | None = None
+    if p is not None:
+        try:
+            sh = share_of(p)
+        except MacserveError as e:  # one unreadable model is its own row's error
+            sh = unknown(name, str(e))
+    res = resident.NOT_RUNNING
+    if pid and p is not None:
+        key = store().load_secrets(name).get("API_KEY")
+        res = resident.resident(pid, base_url(p), key)
+    return {
+        "share_bytes": sh.share_bytes if sh else None,
+        "share": sh.as_dict() if sh else None,
+        "resident_bytes": res.now_bytes,
+        "peak_bytes": res.peak_bytes,
+        "resident": res.as_dict(),
+    }
+
+
+def machine(memory_bytes: int | None = None) -> dict:
+    """The budget every share is counted against (and where it comes from), and the memory the
+    system has free now (psutil's available)."""
+    b = machine_budget(memory_bytes)
+    return {
+        "budget_bytes": b.budget_bytes,
+        "budget_source": b.source,
+        "total_bytes": b.total_bytes,
+        "free_bytes": resident.free_bytes(),
+    }
 
 
 def _settle(name: str, backend) -> str | None:
@@ -110,7 +150,7 @@ def show(name: str) -> dict:
     p = st.load(name)
     prov = providers.for_profile(p)
     try:
-        argv = prov.argv(providers.typed(p), share.share_of(p).limits())
+        argv = prov.argv(providers.typed(p), share_of(p).limits())
     except MacserveError as e:
         argv = [f"<{e}>"]
     secrets = st.load_secrets(name)
