@@ -264,6 +264,8 @@ def _print_servers(res: dict) -> None:
             f"{s['parallel']} + prompt cache {_mb(s['prompt_cache_bytes'])} + baseline "
             f"{_mb(s['baseline_bytes'])} + reserve {_mb(s['reserve_bytes'])} MB"
         )
+        secs = ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())
+        click.echo(f"{'':<11}seconds: {secs}")
         for f in r["failed"][:3]:
             click.echo(f"{'':<11}failed: {f}")
 
@@ -287,17 +289,14 @@ def _print_held(table: dict, pb: dict) -> None:
             f"{fmt.size(i['per_sequence']):>11}{fmt.size(bl['per_sequence']):>14}"
             f"{fmt.size(m['per_sequence']):>12}{bl['over_int2']:>13.2f}x{m['over_int2']:>11.2f}x"
         )
-    click.echo(f"\nin a cache budget of {fmt.size(pb['budget_bytes'])} ({layers} layers):")
-    click.echo(f"{'context':>8}  {'INT2 seqs':>10}{'bf16-latent':>12}{'mlx-lm':>9}")
-    for n, row in pb["sequences"].items():
-        click.echo(
-            f"{fmt.tokens_k(int(n)):>8}  {row['int2']:>10,}{row['bf16_latent']:>12,}"
-            f"{row['bf16']:>9,}"
+    click.echo(
+        f"\nin a cache budget of {fmt.size(pb['budget_bytes'])} ({layers} layers): whole "
+        "sequences of each context, and the tokens of context they hold"
+    )
+    click.echo(f"{'context':>8}  {'INT2':>16}{'bf16-latent':>16}{'mlx-lm':>16}")
+    for n, row in pb["contexts"].items():
+        cells = "".join(
+            f"{row[w]['sequences']:>6,} {fmt.tokens_k(row[w]['tokens']):>9}"
+            for w in ("int2", "bf16_latent", "bf16")
         )
-    t = pb["tokens_one_sequence"]
-    if t:
-        click.echo(
-            "one sequence's context in it (a line through the two largest contexts, "
-            f"extrapolated): INT2 {t['int2']:,}, bf16-latent {t['bf16_latent']:,}, "
-            f"mlx-lm {t['bf16']:,} tokens"
-        )
+        click.echo(f"{fmt.tokens_k(int(n)):>8}  {cells}")

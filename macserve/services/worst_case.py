@@ -79,6 +79,7 @@ class Result:
     refused: int = 0  # 429/503: beyond what the server admits, as it should be
     failed: list[str] = field(default_factory=list)  # anything else
     chars_per_token: float = 1.0
+    seconds: dict[str, float] = field(default_factory=dict)  # start, then each phase
 
     @property
     def share_bytes(self) -> int | None:
@@ -106,6 +107,7 @@ class Result:
             "answered": self.answered,
             "refused": self.refused,
             "failed": self.failed,
+            "seconds": self.seconds,
         }
 
 
@@ -186,7 +188,7 @@ class Driver:
 
     def calibrate(self) -> float:
         """Characters per token of these prompts, as the server's tokenizer counts them."""
-        text = prompt(0, 200)
+        text = prompt(0, 40)
         out = self.complete(text, 1)
         n = ((out or {}).get("usage") or {}).get("prompt_tokens")
         return len(text) / n if n else 1.0
@@ -222,7 +224,9 @@ def drive(
     share = share_of(profile)
     res = Result(profile.name, profile.provider, share)
     progress(f"{profile.name}: starting {profile.provider}")
+    t = time.monotonic()
     with running(profile, log) as pid:
+        res.seconds["start"] = round(time.monotonic() - t, 1)
         res.idle_bytes = wait_settled(pid)
         drv = Driver(providers.base_url(profile), res)
         with TreeSampler(pid) as sampler:
@@ -233,6 +237,7 @@ def drive(
             for i, phase in enumerate(("batch", "cache", "batch full")):
                 if i:  # the first phase's peak includes the calibration's request
                     sampler.reset_peak()
+                t = time.monotonic()
                 if phase == "cache":
                     progress(f"{profile.name}: {load.cache_prompts} distinct prompts, in turn")
                     for s in range(seed, seed + load.cache_prompts):
@@ -243,6 +248,7 @@ def drive(
                     drv.batch(list(range(seed, seed + load.clients)), words, load.answer_tokens)
                     seed += load.clients
                 res.phase_peaks[phase] = sampler.peak_bytes
+                res.seconds[phase] = round(time.monotonic() - t, 1)
         res.peak_bytes = max(res.phase_peaks.values())
         res.hwm_bytes = sampler.hwm_bytes
         res.samples = sampler.samples

@@ -41,23 +41,11 @@ def held(contexts: tuple[int, ...], layers: int = DEEPSEEK_V3_LAYERS, progress=p
 
 
 def per_budget(table: dict, budget: int) -> dict:
-    """For a cache budget of `budget` bytes: whole sequences of each measured context that fit
-    it, per cache, and the tokens one sequence reaches in it: the last two contexts measured
-    give each cache's bytes per added token and its fixed part (a line through them),
-    extrapolated to the budget and said as such."""
-    ctxs = sorted(int(c) for c in table["contexts"])
-    caches = list(table["contexts"][str(ctxs[0])])
-    seqs = {
-        str(n): {w: budget // table["contexts"][str(n)][w]["per_sequence"] for w in caches}
-        for n in ctxs
-    }
-    tokens = {}
-    if len(ctxs) >= 2:
-        a, b = ctxs[-2], ctxs[-1]
-        for w in caches:
-            ha = table["contexts"][str(a)][w]["per_sequence"]
-            hb = table["contexts"][str(b)][w]["per_sequence"]
-            slope = (hb - ha) / (b - a)
-            fixed = hb - slope * b
-            tokens[w] = int((budget - fixed) / slope) if slope > 0 else None
-    return {"budget_bytes": budget, "sequences": seqs, "tokens_one_sequence": tokens}
+    """For a cache budget of `budget` bytes, per measured context and cache: the whole
+    sequences of that context that fit it, and the tokens of context they hold together."""
+    out = {}
+    for n, row in table["contexts"].items():
+        out[n] = {w: {"sequences": budget // v["per_sequence"]} for w, v in row.items()}
+        for v in out[n].values():
+            v["tokens"] = v["sequences"] * int(n)
+    return {"budget_bytes": budget, "contexts": out}
