@@ -21,9 +21,9 @@ from macserve.router.model import Settings, size
 from macserve.router.ops import PoolOps
 from macserve.router.pool import TICK_MAX, TICK_MIN, Pool
 from macserve.router.state import MOVES, IllegalTransition, Machine, State
-from macserve.services.footprint import Footprint
 from macserve.services.health import Outcome
 from macserve.services.profiles import Profile, ProfileStore
+from macserve.services.share import Share
 from macserve.services.supervisors import Status
 
 RAM = 64 * 2**30  # the Mac the pool plans for (--memory); every footprint is a share of its budget
@@ -66,8 +66,9 @@ class World:
         del self.running[name]
         self.died.add(name)
 
-    def footprint(self, name: str) -> Footprint:
-        return Footprint(name, int(self.share[name] * self.budget), 0, 4096, "llama.cpp/f16")
+    def footprint(self, name: str) -> Share:
+        b = int(self.share[name] * self.budget)  # the share by hand, as MEMORY= gives it
+        return Share(name, b, 0, 1, 0, 0, "", 0, 4096, "llama.cpp/f16", b, "MEMORY")
 
     async def moved(self, up, models) -> list[bool]:
         return [False] * len(up)

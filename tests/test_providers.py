@@ -8,9 +8,9 @@ import pytest
 
 from macserve.errors import MacserveError
 from macserve.services import providers, values
-from macserve.services.footprint import footprint_of
 from macserve.services.profiles import Profile, parse
 from macserve.services.providers.flags import check_flags, flags_from_help
+from macserve.services.share import share_of
 from macserve.services.supervisors import logs
 
 from .conftest import REPO, TINY_MODEL
@@ -239,7 +239,7 @@ def test_the_profile_format_names_what_the_registry_holds():
     for name in values.MODELLESS:  # no MODEL, and footprint says where its memory goes
         p = parse(f"PROVIDER={name}\nPORT=8000\n", "x")
         assert not providers.for_profile(p).serves_model
-        assert footprint_of(p).note == providers.get(name).footprint_note != ""
+        assert share_of(p).note == providers.get(name).footprint_note != ""
 
 
 def test_what_callers_once_asked_by_name_the_providers_answer(tmp_path):

@@ -21,9 +21,9 @@ import pytest
 
 from macserve.errors import MacserveError
 from macserve.services import providers
-from macserve.services.footprint import footprint
 from macserve.services.health import base_url
 from macserve.services.profiles import Profile, ProfileStore
+from macserve.services.share import share
 from macserve.services.supervisors import spec_for
 from macserve.services.supervisors.launchd import LaunchdBackend
 from macserve.sizing.budget import machine_budget
@@ -94,7 +94,7 @@ def test_router_on_demand_ttl_eviction_crash_and_clients(
     assert r.returncode == 0 and "are read by the router" in r.stdout, r.stdout + r.stderr
     assert cli("set", "tiny2", "--", "TTL=2s").returncode == 0
 
-    fp = {n: footprint(n).total_bytes for n in ("tiny", "gguf", "tiny2")}
+    fp = {n: share(n).share_bytes for n in ("tiny", "gguf", "tiny2")}
     pairs = max(fp["tiny"] + fp["gguf"], fp["gguf"] + fp["tiny2"], fp["tiny"] + fp["tiny2"])
     ram = budget_between(pairs, sum(fp.values()))
 
@@ -224,7 +224,7 @@ def _keyed_router_profiles(model_gguf, tmp_path):
     ):
         r = cli("new", *args, "--name", name, "--port", str(free_port()), "--no-start")
         assert r.returncode == 0, r.stderr
-    fp = {n: footprint(n).total_bytes for n in ("tiny", "gguf")}
+    fp = {n: share(n).share_bytes for n in ("tiny", "gguf")}
     assert fp["tiny"] < fp["gguf"]
     ram = budget_between(fp["tiny"], fp["gguf"])
     # tiny's server wants its own key; the router wants another, and swaps one for the other

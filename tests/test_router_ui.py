@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from macserve.router.model import size
-from macserve.services.footprint import footprint
+from macserve.services.share import share
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import cli, free_port, router_process, state
@@ -120,7 +120,7 @@ def test_page_shows_acts_streams_and_rolls_back(browser, services, macserve_home
         wait(lambda: text(d, "#live") == "live", "the page's event stream")
         assert row_state(d, "tiny") == "stopped"
         # inspect's footprint (weights + KV at its CTX and KV), as `doctor` and the budget count it
-        fp = footprint("tiny").total_bytes
+        fp = share("tiny").share_bytes
         assert size(fp) in text(d, 'tr[data-name="tiny"]')
 
         # start from the page: the pool's start (budget, health), seen by `macserve ls`

@@ -111,18 +111,25 @@ server_settings = lazy("macserve.server.settings")
     help="On SIGTERM, seconds running requests get to finish (queued ones get 503 at once).",
 )
 @click.option(
+    "--memory",
+    help="Every byte this server may hold (24GB, or bytes): the process, the weights, --max-batch "
+    "whole-context KV caches, the prompt cache and a 10% reserve for prefill scratch and "
+    "MLX's buffer cache are sized inside it, MLX's own limits set from it; a --max-batch "
+    "that does not fit refuses to start [default: none, sized against the whole machine].",
+)
+@click.option(
     "--max-batch",
     type=click.IntRange(1, 256),
     help="Requests decoded together (continuous batching); more wait in the queue "
-    "[default: as many whole-context KV caches as fit in the memory budget beside the weights "
-    "and the prompt cache, measured at load, at most 64].",
+    "[default: as many whole-context KV caches as fit in --memory (or the machine's memory "
+    "budget) beside the weights and the prompt cache, measured at load, at most 64].",
 )
 @click.option(
     "--prompt-cache-bytes",
-    default="4GB",
-    show_default=True,
     help="Memory for the caches of recent requests, reused by requests that share a prefix "
-    "(least recently used dropped first); 0 turns the prompt cache off.",
+    "(least recently used dropped first); 0 turns the prompt cache off. With --memory an "
+    "upper bound, shrunk to what the share leaves [default: 4GB; with --memory one "
+    "whole-context sequence's KV].",
 )
 @click.option(
     "--prompt-cache-dir",
@@ -159,6 +166,7 @@ def serve(
     allowed_origins,
     allowed_hosts,
     shutdown_grace,
+    memory,
     max_batch,
     prompt_cache_bytes,
     prompt_cache_dir,
@@ -172,7 +180,8 @@ def serve(
         layers = tuple(int(x) for x in split.split(",")) if split else None
     except ValueError:
         raise click.BadParameter("layer counts N1,N2,...", param_hint="--split") from None
-    cache_bytes = 0 if prompt_cache_bytes.strip() == "0" else budget.parse_size(prompt_cache_bytes)
+    cache_bytes = None if prompt_cache_bytes is None else _size(prompt_cache_bytes)
+    share = None if memory is None else _size(memory)
     disk_bytes = 0 if prompt_cache_disk.strip() == "0" else budget.parse_size(prompt_cache_disk)
     disk_dir = Path(prompt_cache_dir) if prompt_cache_dir else env.home() / "prompt-cache"
     model_files.read_config(model)  # a missing folder or config.json is the first thing to say
@@ -194,12 +203,18 @@ def serve(
             allowed_hosts=_names(allowed_hosts),
             shutdown_grace=shutdown_grace,
             max_batch=max_batch,
-            memory_budget=None if max_batch else budget.machine_budget().budget_bytes,
+            memory_budget=None if max_batch or share else budget.machine_budget().budget_bytes,
+            memory_share=share,
             prompt_cache_bytes=cache_bytes,
             prompt_cache_dir=disk_dir.expanduser().resolve(),
             prompt_cache_disk=disk_bytes,
         )
     )
+
+
+def _size(text: str) -> int:
+    """A size (24GB), or a whole number of bytes (what a provider passes)."""
+    return int(text) if text.strip().isdigit() else budget.parse_size(text)
 
 
 def _names(text: str) -> tuple[str, ...]:

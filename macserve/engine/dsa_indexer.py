@@ -174,7 +174,7 @@ def select_tokens(indexer, x: mx.array, qr: mx.array, cache: IndexerKeyCache):
         # note), so the selection matches token for token on the same keys.
         s = sum(s[:, h : h + 1] for h in range(H)) if L > 1 else s.sum(axis=1, keepdims=True)
         if L > 1 and T > bk:
-            mx.eval(s)  # block by block (see mla_attention._Merge.settle)
+            mx.eval(s)  # block by block (see online_softmax.Merge.settle)
         parts.append(s)
     s = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     causal = mx.arange(T)[None, :] <= mx.arange(offset, T)[:, None]

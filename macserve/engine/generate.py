@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, wired_limit
 from mlx_lm.sample_utils import make_sampler
 
+from . import scratch
 from .caches import EngineOptions
 from .model import Bundle
 from .mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
@@ -74,6 +75,8 @@ def _plain_tokens(
         logits_processors=logits_processors,
         prompt_progress_callback=progress,
         prompt_cache=cache,
+        # mlx-lm's chunk is fixed for the prompt: the one that fits at its end (scratch.py)
+        prefill_step_size=scratch.chunk(scratch.model_widths(bundle.model), len(prompt), 2048),
     ):
         if logprobs_out is not None:
             logprobs_out.append(logprobs)

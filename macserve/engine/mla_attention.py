@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import CacheList
+from mlx_lm.models.cache import CacheList, KVCache
 
 from . import dsa_indexer
 from .batch import SequenceBatch
 from .latent_cache import RotatedLatentCache
+from .online_softmax import Merge, masked, tiled
 
 # Transient bytes one block of scores may take (heads x queries x keys); a prefill chunk's
 # keys are read in blocks this size, so its memory does not grow with the context.
@@ -82,38 +83,6 @@ def expanded_from(attn) -> int:
     return max(2, -(-r * (nope + v) // max(1, 2 * r - nope - v)))
 
 
-class _Merge:
-    """Online softmax: per query, the running max, sum of exponentials and weighted sum of
-    values, merged block by block (Milakov & Gimelshein; FlashAttention's recurrence)."""
-
-    def __init__(self):
-        self.m = self.l = self.acc = None
-
-    def add(self, s: mx.array, values) -> None:
-        """s: scores (..., keys), masked entries at the dtype's minimum; values(p) -> p @ V."""
-        m_b = s.max(axis=-1, keepdims=True)
-        if self.m is None:
-            p = mx.exp(s - m_b)
-            self.m, self.l, self.acc = m_b, p.sum(axis=-1, keepdims=True), values(p)
-            return
-        m = mx.maximum(self.m, m_b)
-        keep = mx.exp(self.m - m)
-        p = mx.exp(s - m)
-        self.l = self.l * keep + p.sum(axis=-1, keepdims=True)
-        self.acc = self.acc * keep + values(p)
-        self.m = m
-
-    def settle(self) -> None:
-        """Evaluate the running state now. Left lazy, MLX computes every block's scores
-        before merging any (its graph order follows the running max's chain), so a prefill
-        chunk's memory would grow with the context again: measured 932 MB against 193 MB
-        for 16 blocks of 64 MB."""
-        mx.eval(self.m, self.l, self.acc)
-
-    def result(self) -> mx.array:
-        return self.acc / self.l
-
-
 def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=None) -> list:
     """[(kind, first token, latent parts, rope parts, visible)] per block of keys the last L
     queries read; blocks none of them can see are left out. A decode step (and a
@@ -139,14 +108,6 @@ def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=
     return out
 
 
-def _tiled(blks) -> bool:
-    """A segment was cut into blocks: the running state must be evaluated block by block
-    (`_Merge.settle`). Without tiling (decode, a few-token verification) it stays lazy, so
-    MTP rounds can be built ahead while the previous one computes."""
-    kinds = [b[0] for b in blks]
-    return len(kinds) != len(set(kinds))
-
-
 def dense_rows(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
     """A block's rows as dense (latent, rope) arrays of `dtype`, rotated latent."""
     if kind != "codes":
@@ -157,12 +118,6 @@ def dense_rows(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
     )
 
 
-def _mask(s: mx.array, vis) -> mx.array:
-    if vis is True:
-        return s
-    return mx.where(vis, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
-
-
 def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     """Attention in latent space: q_lat (B, H, L, r) rotated and scaled -> (B, H, L, r)."""
     B, H = q_lat.shape[:2]
@@ -170,7 +125,7 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     dtype = q_lat.dtype
     qr = q_lat.reshape(B, 1, H * L, -1)
     qp = q_pe.reshape(B, 1, H * L, -1)
-    merge = _Merge()
+    merge = Merge()
     for kind, _, lat, pe, vis in blks:
         if kind == "codes" and gpu:
             st_l, st_p = cache.codes_lat, cache.codes_pe
@@ -193,14 +148,14 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
         s = s.reshape(B, H, L, -1)
         if L > 1:  # a prefill chunk: softmax statistics in float32 across many blocks
             s = s.astype(mx.float32)
-        s = _mask(s, vis)
+        s = masked(s, vis)
 
         def flat_values(p, values=values):
             p = p.astype(dtype).reshape(B, 1, H * L, -1)
             return values(p).reshape(B, H, L, -1)
 
         merge.add(s, flat_values)
-        if L > 1 and _tiled(blks):
+        if L > 1 and tiled(blks):
             merge.settle()
     return merge.result().astype(dtype)
 
@@ -210,16 +165,16 @@ def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
     is rotated back and expanded to per-head keys and values. -> (B, H, L, v_head_dim)."""
     dtype = q_nope.dtype
     rot = cache.rotation
-    merge = _Merge()
+    merge = Merge()
     for kind, _, lat, pe, vis in blks:
         k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
         c = k_lat if rot is None else k_lat @ rot.swapaxes(-1, -2)
         k = attn.embed_q(c, transpose=False)  # (B, H, n, nope)
         v = attn.unembed_out(c)  # (B, H, n, v)
         s = (q_nope @ k.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)).astype(mx.float32)
-        s = _mask(s, vis)
+        s = masked(s, vis)
         merge.add(s, lambda p, v=v: (p.astype(dtype) @ v).astype(mx.float32))
-        if _tiled(blks):
+        if tiled(blks):
             merge.settle()
     return merge.result().astype(dtype)
 
@@ -303,6 +258,57 @@ def batched_decode(attn, x, caches: list):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(len(caches), 1, -1))
 
 
+class _Plain:
+    """mlx-lm's plain cache seen as one unrotated bf16 segment (what `dense_rows`, `absorbed`
+    and `_expanded` read of a cache)."""
+
+    rotation = None
+
+
+def plain_blocks(latent, pe, L: int, heads: int) -> list:
+    """`blocks` for rows of a plain cache (latent, pe: (B, 1, N, .)) read by its last L
+    queries: every key before the chunk is seen by all of them, the chunk's own causally."""
+    n = latent.shape[2]
+    first = n - L  # the chunk's first position
+    bk = max(64, BLOCK_BYTES // max(1, heads * L * 4))
+    out = []
+    for a in range(0, n, bk):
+        b = min(n, a + bk)
+        vis = True
+        if b - 1 > first:  # the block reaches into the chunk: key j seen by query i iff j <= i
+            vis = mx.arange(a, b)[None] <= (first + mx.arange(L))[:, None]
+        out.append(("plain", a, (latent[..., a:b, :],), (pe[..., a:b, :],), vis))
+    return out
+
+
+def blocked_prefill(attn, x, cache):
+    """A prefill chunk through mlx-lm's plain cache, its keys read in blocks as the INT2 path
+    reads them. mlx-lm's own L > 1 form expands the whole cached latent to per-head keys and
+    values (heads x context x (nope + v)) and scores every query against every key at once:
+    at DeepSeek-V3's 128 heads near 128K, 8 GiB and 64 GiB of scratch for a 2,048-token chunk;
+    here a chunk holds one block of each. The causal mask is the chunk's own (a plain cache
+    has no window)."""
+    B, L, _ = x.shape
+    q_nope, q_pe, latent, k_pe, _ = project(attn, x)
+    q_pe = attn.rope(q_pe, cache.offset)
+    k_pe = attn.rope(k_pe, cache.offset)
+    latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    blks = plain_blocks(latent, k_pe, L, attn.num_heads)
+    q_pe = q_pe * attn.scale
+    if L >= expanded_from(attn):
+        out = _expanded(attn, _Plain, q_nope * attn.scale, q_pe, blks)
+    else:
+        q_lat = attn.embed_q(q_nope) * attn.scale
+        out = attn.unembed_out(absorbed(_Plain, q_lat, q_pe, blks, L))
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def set_block_bytes(n: int) -> None:
+    """The bytes one block of scores may take (the server sets it from its share's reserve)."""
+    global BLOCK_BYTES
+    BLOCK_BYTES = max(1, int(n))
+
+
 # Up to this many queries, attention over an ordinary cache stays in latent space as well.
 # mlx-lm expands the whole cached latent into per-head keys and values for any L > 1, which
 # made a 2-token speculative verification cost 5.6x a 1-token step (measured on the tiny model).
@@ -357,6 +363,8 @@ def _patched_class(base: type) -> type:
                     getattr(self, "_observer", None),
                     indexer_cache=cache[1],
                 )
+            if type(cache) is KVCache and x.shape[1] > ABSORBED_MAX_QUERIES:
+                return blocked_prefill(self, x, cache)
             if (
                 cache is not None
                 and 1 < x.shape[1] <= ABSORBED_MAX_QUERIES

@@ -38,6 +38,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from . import scratch
 from .mtp_accept import DraftStats, pick, probs, trim_all, verify_sampled
 from .mtp_auto_decode import auto_decode
 from .mtp_pipelined import greedy_k1
@@ -154,8 +155,11 @@ class MTPDecoder:
         n = len(prompt)
         carry = None  # the previous chunk's last hidden row: its MTP row needs this chunk's token
         h = None
-        for s in range(0, n, step):
-            e = min(n, s + step)
+        w = scratch.model_widths(self.model)
+        start = caches[0].offset if hasattr(caches[0], "offset") else 0
+        s = 0
+        while s < n:
+            e = min(n, s + scratch.chunk(w, start + s, step))  # its scratch within the budget
             h = self.model.model(mx.array([prompt[s:e]]), caches)
             rows = h[:, :-1] if carry is None else mx.concatenate([carry, h[:, :-1]], axis=1)
             toks = prompt[s + 1 : e] if carry is None else prompt[s:e]
@@ -168,6 +172,7 @@ class MTPDecoder:
                 mx.eval(carry, [c.state for c in caches])
             if progress is not None:
                 progress(e, n)
+            s = e
         return h[:, -1:]
 
     def generate(

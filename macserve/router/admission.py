@@ -51,7 +51,7 @@ async def holders(pool, exclude: Model) -> list[tuple[Model, int]]:
             continue
         if o.admitted or sts[o.name].state in IN_MEMORY:
             fp = await pool.footprint(o)
-            out.append((o, fp.total_bytes or 0))
+            out.append((o, fp.share_bytes or 0))
     return out
 
 
@@ -59,7 +59,7 @@ async def admit(pool, m: Model) -> None:
     """Count `m` in the budget (`m.admitted`), evicting idle profiles for it; RouteError 400
     if it cannot fit even alone, 503 if the busy ones hold the room past the start timeout."""
     fp = await pool.footprint(m)
-    need, budget = fp.total_bytes, pool.budget.budget_bytes
+    need, budget = fp.share_bytes, pool.budget.budget_bytes
     if need is None:
         log.warning("%s: footprint unknown (%s): started without counting it", m.name, fp.error)
         m.admitted = True
@@ -74,7 +74,7 @@ async def admit(pool, m: Model) -> None:
         raise RouteError(
             400,
             f"model {m.name} needs {size(need)} (weights {size(fp.weights_bytes)} + cache "
-            f"{size(fp.cache_bytes)} at {fp.ctx or 0:,} tokens, {fp.cache_key}) but the "
+            f"{size(fp.kv_total_bytes)} at {fp.ctx or 0:,} tokens, {fp.cache_key}) but the "
             f"memory budget is {size(budget)} ({pool.budget.source}): it cannot fit even "
             f"alone; {fix}",
             "invalid_request_error",
@@ -125,7 +125,7 @@ async def trim(pool) -> None:
         return
     budget = pool.budget.budget_bytes
     held = [
-        (m, (await pool.footprint(m)).total_bytes or 0)
+        (m, (await pool.footprint(m)).share_bytes or 0)
         for m in list(pool.models.values())
         if m.admitted or m.seen in IN_MEMORY
     ]

@@ -8,8 +8,8 @@ import asyncio
 from dataclasses import dataclass
 
 from ..services import providers
-from ..services.footprint import Footprint
 from ..services.profiles import Profile
+from ..services.share import Share
 from .state import Machine
 
 DEFAULT_TTL = 300.0  # seconds idle before a stop, like Ollama's keep_alive default (5 min)
@@ -51,7 +51,7 @@ class Model(Machine):
         self.admitted = False  # counted in the budget, its start under way
         self.seen = "stopped"  # the supervisor's state (Status.state), as last read
         self.error: str | None = None  # why the last start failed
-        self.footprint: Footprint | None = None
+        self.footprint: Share | None = None
         self.update(profile, api_key, stamp)
 
     def update(self, profile: Profile, api_key: str | None, stamp: tuple) -> None:

@@ -13,10 +13,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from ..services import footprint, health, journal, lifecycle, usage
-from ..services.footprint import Footprint
+from ..services import health, journal, lifecycle, share, usage
 from ..services.health import Outcome
 from ..services.profiles import Profile, ProfileStore
+from ..services.share import Share
 from ..services.supervisors import Status, get_backend
 from .activity import Activity
 
@@ -33,7 +33,7 @@ class PoolOps:
     stop: Callable[[str], None]
     # (profile, timeout) -> (ready, why not): a server its supervisor runs, waited for.
     wait_ready: Callable[[Profile, float], tuple[bool, str]]
-    footprint: Callable[[str], Footprint]  # weights + cache at its CTX and KV (inspect's)
+    footprint: Callable[[str], Share]  # its memory share (services/share.py)
     changing: Callable[[str], bool]  # a `macserve set` is at work on it: leave it be
     last_use: Callable[[str], float | None]  # wall time of a use past the router (chat, start)
     # (running models, all models) -> for each running one: clients used its port directly?
@@ -51,7 +51,7 @@ class PoolOps:
             restart=lifecycle.restart,
             stop=backend.stop,
             wait_ready=health.wait_ready,
-            footprint=footprint.footprint,
+            footprint=share.share,
             changing=journal.changing,
             last_use=usage.last,
             moved=Activity().moved,

@@ -36,7 +36,7 @@ import logging
 from ..errors import MacserveError
 from ..services import providers
 from ..services import routed as state_file
-from ..services.footprint import Footprint
+from ..services.share import Share
 from ..services.supervisors import Status
 from ..sizing.budget import machine_budget
 from . import admission
@@ -190,7 +190,7 @@ class Pool:
             died = " (its process died)" if st.died else ""
             m.transition(to, f"the supervisor says {st.state}{died}")
 
-    async def footprint(self, m: Model) -> Footprint:
+    async def footprint(self, m: Model) -> Share:
         if m.footprint is None:
             m.footprint = await asyncio.to_thread(self.ops.footprint, m.name)
         return m.footprint
@@ -363,7 +363,7 @@ class Pool:
                     "always_on": m.profile.always_on,
                     "idle_s": None if idle is None else round(idle, 1),
                     "in_flight": m.inflight,
-                    "footprint_bytes": fp.total_bytes,
+                    "footprint_bytes": fp.share_bytes,
                     "footprint": fp.as_dict(),
                     "error": m.error,
                 }

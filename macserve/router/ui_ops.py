@@ -14,9 +14,9 @@ import time
 from ..errors import MacserveError
 from ..services import providers
 from ..services.edit import set_values
-from ..services.footprint import footprint_of
 from ..services.health import SetFailed, failing_before
 from ..services.profiles import ProfileStore
+from ..services.share import share_of
 from ..services.supervisors import log_path, logs
 from . import admission
 from .admission import IN_MEMORY
@@ -67,8 +67,8 @@ async def overview(pool: Pool) -> dict:
                 "kv_set": p.kv is not None,
                 "kv_choices": list(m.provider.cache_types),
                 "weights": fp.weights_bytes,
-                "cache": fp.cache_bytes,
-                "footprint": fp.total_bytes,
+                "cache": fp.kv_total_bytes,
+                "footprint": fp.share_bytes,
                 "footprint_note": fp.note or fp.error,
                 "idle_s": idle,
                 "ttl_s": ttl,
@@ -78,7 +78,7 @@ async def overview(pool: Pool) -> dict:
             }
         )
         if st.state in IN_MEMORY or m.admitted:
-            used.append({"name": name, "bytes": fp.total_bytes or 0})
+            used.append({"name": name, "bytes": fp.share_bytes or 0})
     b = pool.budget.budget_bytes
     return {
         "rows": rows,
@@ -137,10 +137,10 @@ async def _set(pool: Pool, m: Model, values: dict) -> dict:
     if st.state in IN_MEMORY:
         # The budget first: a bigger context must fit beside what else is loaded.
         async with pool.admission_lock:
-            fp = await asyncio.to_thread(footprint_of, new)
+            fp = await asyncio.to_thread(share_of, new)
             others = await admission.holders(pool, m)
             used = sum(b for _, b in others)
-            need, budget = fp.total_bytes or 0, pool.budget.budget_bytes
+            need, budget = fp.share_bytes or 0, pool.budget.budget_bytes
             if used + need > budget:
                 return {
                     "ok": False,

@@ -109,8 +109,18 @@ async def health(request: Request) -> Response:
             "max_batch": w.max_batch,
             "prompt_cache": w.prompt_cache.stats(),
             "kv_cache": w.kv_plan,
+            "memory": _memory(w),
         }
     )
+
+
+def _memory(w) -> dict:
+    """The share's parts (--memory), or what the batch was sized against."""
+    if w.share is not None:
+        return {"source": "--memory", **w.share.as_dict()}
+    if w.capacity is not None:
+        return {"source": "the machine's memory budget", "budget_bytes": w.capacity.budget_bytes}
+    return {"source": "none (--max-batch given, no --memory)", "baseline_bytes": w.baseline_bytes}
 
 
 async def metrics(request: Request) -> Response:

@@ -14,12 +14,15 @@ of the sequences it holds at long contexts. The first probe therefore goes past 
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..engine import scratch
 from ..engine.caches import CacheSpec, cache_bytes
+from ..errors import MacserveError
 
 PROBE_TOKENS = 256  # tokens between the two measurements of a sequence's caches
 # Past this many rows a decode step's B per-sequence attention calls (engine.batch) cost more
@@ -89,3 +92,140 @@ def size_batch(
     room = int(budget_bytes * (1 - RESERVE)) - w - prompt_cache_bytes
     n = max(1, min(MAX_AUTO_BATCH, room // per_seq))
     return Capacity(n, per_token, per_seq, w, budget_bytes, max(0, room))
+
+
+# -- `serve --memory S`: everything inside one share ------------------------------------------
+
+
+class ShareTooSmall(MacserveError):
+    """--memory cannot hold what was asked: the server refuses to start (one line, figures)."""
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2f} GB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MB"
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """The share S cut into its parts: baseline (the process before the weights, measured),
+    weights, max_batch whole-context caches, the prompt cache, and the reserve (RESERVE of
+    S: a prefill chunk's scratch and MLX's buffer cache, half each)."""
+
+    share_bytes: int
+    baseline_bytes: int
+    weights_bytes: int
+    kv_bytes_per_sequence: int
+    max_batch: int
+    prompt_cache_bytes: int
+    prompt_cache_asked: int
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.share_bytes * RESERVE)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """What a prefill chunk's transient arrays may take (engine/scratch.py)."""
+        return self.reserve_bytes // 2
+
+    @property
+    def buffer_cache_bytes(self) -> int:
+        """MLX's buffer cache (freed buffers kept for reuse): the reserve's other half."""
+        return self.reserve_bytes - self.scratch_bytes
+
+    @property
+    def mlx_limit_bytes(self) -> int:
+        """What MLX may allocate: the share less the process's own baseline."""
+        return self.share_bytes - self.baseline_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.max_batch * self.kv_bytes_per_sequence
+
+    @property
+    def free_bytes(self) -> int:
+        """The share's bytes no part takes."""
+        parts = self.baseline_bytes + self.weights_bytes + self.kv_bytes + self.prompt_cache_bytes
+        return self.share_bytes - self.reserve_bytes - parts
+
+    def as_dict(self) -> dict:
+        return {
+            "share_bytes": self.share_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes_per_sequence": self.kv_bytes_per_sequence,
+            "max_batch": self.max_batch,
+            "kv_bytes": self.kv_bytes,
+            "prompt_cache_bytes": self.prompt_cache_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "scratch_bytes": self.scratch_bytes,
+            "buffer_cache_bytes": self.buffer_cache_bytes,
+            "free_bytes": self.free_bytes,
+        }
+
+    def describe(self) -> str:
+        shrunk = ""
+        if self.prompt_cache_bytes < self.prompt_cache_asked:
+            shrunk = f" (shrunk from {_gb(self.prompt_cache_asked)} to what is left)"
+        return (
+            f"memory share {_gb(self.share_bytes)}: baseline {_gb(self.baseline_bytes)} "
+            f"(measured) + weights {_gb(self.weights_bytes)} + --max-batch {self.max_batch} x "
+            f"{_gb(self.kv_bytes_per_sequence)} whole-context KV + prompt cache "
+            f"{_gb(self.prompt_cache_bytes)}{shrunk} + reserve {_gb(self.reserve_bytes)} "
+            f"({RESERVE:.0%}: prefill scratch {_gb(self.scratch_bytes)}, MLX buffer cache "
+            f"{_gb(self.buffer_cache_bytes)}); {_gb(self.free_bytes)} unused"
+        )
+
+
+def plan_share(
+    share: int,
+    baseline: int,
+    weights: int,
+    per_seq: int,
+    prompt_cache: int,
+    max_batch: int | None = None,
+) -> SharePlan:
+    """Fit everything inside `share`: the baseline, the weights and the reserve first, then
+    the sequences (`max_batch` given: that many, or refused; not given: one, then the prompt
+    cache up to its bound `prompt_cache`, then as many more as fit, up to MAX_AUTO_BATCH).
+    Raises ShareTooSmall with the figures when not even that fits."""
+    per_seq = max(1, per_seq)
+    reserve = int(share * RESERVE)
+    room = share - reserve - baseline - weights
+    want = max_batch or 1
+    if room < want * per_seq:
+        what = f"--max-batch {max_batch}" if max_batch else "one sequence"
+        raise ShareTooSmall(
+            f"--memory {_gb(share)} is too small for {what}: baseline {_gb(baseline)} + "
+            f"weights {_gb(weights)} + {want} x {_gb(per_seq)} whole-context KV + reserve "
+            f"{_gb(reserve)} ({RESERVE:.0%}) = {_gb(baseline + weights + want * per_seq + reserve)}"
+            f"; give --memory at least {_gb((baseline + weights + want * per_seq) / (1 - RESERVE))}"
+            + (" or a smaller --max-batch / --ctx" if max_batch else " or a smaller --ctx")
+        )
+    pc = max(0, min(prompt_cache, room - want * per_seq))
+    n = max_batch or max(1, min(MAX_AUTO_BATCH, (room - pc) // per_seq))
+    return SharePlan(share, baseline, weights, per_seq, n, pc, prompt_cache)
+
+
+def fit_share(
+    bundle, spec: CacheSpec, ctx: int, share: int, baseline: int, prompt_cache, max_batch
+) -> SharePlan:
+    """`plan_share` on the loaded model: its weights and one whole-context sequence measured
+    (sequence_bytes). `prompt_cache` None: the default bound, one whole-context sequence."""
+    per_seq, _ = sequence_bytes(bundle, spec, ctx)
+    pc = per_seq if prompt_cache is None else prompt_cache
+    return plan_share(share, baseline, weights_bytes(bundle.model), per_seq, pc, max_batch)
+
+
+def hold_to(plan: SharePlan) -> None:
+    """MLX's own limits from the share: what it may allocate (the share less the baseline),
+    its buffer cache (half the reserve), the wired limit on a Mac's GPU, and a prefill chunk's
+    scratch (the reserve's other half: engine/scratch.py)."""
+    scratch.set_budget(plan.scratch_bytes)
+    mx.set_memory_limit(plan.mlx_limit_bytes)
+    mx.set_cache_limit(plan.buffer_cache_bytes)
+    if mx.metal.is_available():  # wired memory exists only on a Mac's GPU
+        most = mx.device_info()["max_recommended_working_set_size"]
+        mx.set_wired_limit(min(plan.mlx_limit_bytes, most))
+    gc.collect()
+    mx.clear_cache()  # the sizing probes' buffers

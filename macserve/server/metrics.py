@@ -5,7 +5,8 @@ Two kinds of figures. Events are counted when they happen: HTTP answers by route
 generation its prompt and generated tokens, time to first token and decode speed
 (`Metrics.job_done`, from the worker thread; prometheus_client's metrics are thread-safe).
 State is read when scraped (`_EngineState`): queue depth, sequences in flight, the batch
-size, KV bytes in use, the prompt cache's hits, misses, tokens reused and bytes per tier
+size, KV bytes in use, MLX's allocator (active, peak, buffer cache) against the
+--memory share and the process's baseline, the prompt cache's hits, misses, tokens reused and bytes per tier
 (memory, disk), MTP drafts proposed and accepted. Reading state at scrape time keeps one
 source of truth (the worker, the prompt cache) instead of a second tally that could drift.
 
@@ -15,6 +16,7 @@ process (tests) never share or collide.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -105,6 +107,7 @@ class _EngineState:
             "Cache bytes held by the sequences in flight (as allocated)",
             w.kv_bytes_in_use(),
         )
+        yield from _memory(w)
         st = w.prompt_cache.stats()
         hits = CounterMetricFamily(
             "macserve_prompt_cache_hits", "Requests that reused a cached prefix", labels=["tier"]
@@ -144,6 +147,34 @@ class _EngineState:
                     "--mtp auto: drafting's measured speed over plain decoding",
                     auto["speedup"],
                 )
+
+
+def _memory(w):
+    """MLX's allocator (what the process holds beyond its baseline) and the share it is held
+    to (0: no --memory)."""
+    yield GaugeMetricFamily(
+        "macserve_memory_active_bytes", "Bytes MLX's allocator holds now", mx.get_active_memory()
+    )
+    yield GaugeMetricFamily(
+        "macserve_memory_peak_bytes",
+        "Most bytes MLX's allocator held since start",
+        mx.get_peak_memory(),
+    )
+    yield GaugeMetricFamily(
+        "macserve_memory_cache_bytes",
+        "Freed bytes MLX keeps for reuse (its buffer cache)",
+        mx.get_cache_memory(),
+    )
+    yield GaugeMetricFamily(
+        "macserve_memory_share_bytes",
+        "--memory: every byte this server may hold (0: none given)",
+        w.memory_share or 0,
+    )
+    yield GaugeMetricFamily(
+        "macserve_memory_baseline_bytes",
+        "The process's resident bytes before the weights",
+        w.baseline_bytes,
+    )
 
 
 class CountRequests:

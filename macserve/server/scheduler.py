@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
+from ..engine import scratch
 from ..engine.batch import SequenceBatch
 from ..engine.caches import EngineOptions, cache_bytes, clone
 from ..engine.generate import Step
@@ -145,6 +146,7 @@ class Scheduler:
         self.mode = drafting_mode(bundle, options)  # (on | auto | off, why)
         # Kept for --mtp auto, and for requests that ask for auto on an --mtp on server.
         self.auto = AutoMTP(options.mtp_k) if self.mode[0] != "off" else None
+        self.widths = scratch.model_widths(bundle.model)  # what a prefill chunk's scratch takes
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -263,7 +265,11 @@ class Scheduler:
             self._end(s)
             return
         busy = bool(self.active) or self.drafter is not None
-        end = min(len(s.prompt) - 1, s.pos + (BUSY_CHUNK if busy else PREFILL_CHUNK))
+        # At most the server's chunk, less where its scratch would not fit the budget at
+        # this position (engine/scratch.py); chunks stay powers of two, so 2,048 boundaries
+        # are still met for the disk tier.
+        most = scratch.chunk(self.widths, s.pos, BUSY_CHUNK if busy else PREFILL_CHUNK)
+        end = min(len(s.prompt) - 1, s.pos + most)
         if s.pos < end:
             try:
                 self.bundle.model(mx.array([s.prompt[s.pos : end]]), cache=s.caches)
@@ -272,7 +278,8 @@ class Scheduler:
                 self.prefilling.popleft()
                 self._fail(s, e)
                 return
-            whole, s.pos = end - s.pos == PREFILL_CHUNK, end
+            whole = not busy and (end - s.cached) % PREFILL_CHUNK == 0
+            s.pos = end
             if whole and end < len(s.prompt) - 1:  # mid-prompt: the disk tier's boundary
                 self.pc.keep_on_disk(s.prompt[:end], [clone(c) for c in s.caches])
         if s.pos == len(s.prompt) - 1:

@@ -77,6 +77,7 @@ class Engine:
             ctx=settings.ctx,
             disk_dir=settings.prompt_cache_dir,
             disk_bytes=settings.prompt_cache_disk,
+            memory_share=settings.memory_share,
         )
 
     @property

@@ -27,7 +27,9 @@ class Settings:
     shutdown_grace: float = 10.0  # on SIGTERM, seconds running requests get to finish
     max_batch: int | None = None  # sequences decoded together; None: sized at load (capacity.py)
     memory_budget: int | None = None  # bytes weights + caches may use (sizes max_batch)
-    prompt_cache_bytes: int = 4 * 2**30  # the prompt cache's budget; 0: off
+    prompt_cache_bytes: int | None = 4 * 2**30  # the prompt cache's bound; 0: off; None: the
+    # default (4 GB, or with memory_share one whole-context sequence's KV)
+    memory_share: int | None = None  # `--memory`: every byte the process may hold (capacity.py)
     prompt_cache_dir: Path | None = None  # the disk tier's folder; None: no disk tier
     prompt_cache_disk: int = 0  # the disk tier's bound in bytes; 0: off
 

@@ -17,6 +17,7 @@ be mirrored on every rank step by step, which this path does not do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import random
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import psutil
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..engine import generate
@@ -36,7 +38,7 @@ from ..engine.caches import EngineOptions
 from ..engine.model import load
 from ..engine.mtp_auto import load_note
 from . import grammar, ranks
-from .capacity import Capacity, size_batch
+from .capacity import Capacity, SharePlan, ShareTooSmall, fit_share, hold_to, size_batch
 from .disk_cache import DiskTier, identity
 from .metrics import Metrics
 from .prompt_cache import PromptCache
@@ -46,6 +48,7 @@ from .scheduler import Scheduler
 log = logging.getLogger("macserve.server")
 
 KV_EVERY = 0.5  # seconds between refreshes of the KV bytes in use (/metrics)
+DEFAULT_PROMPT_CACHE = 4 * 2**30  # without --prompt-cache-bytes nor --memory
 DEFAULT_MAX_BATCH = 8  # without a memory budget to size it from (an embedding caller's Settings)
 END = object()  # the last item a job delivers, after its Steps (or an Exception)
 
@@ -109,19 +112,27 @@ class Worker(threading.Thread):
         on_load_failed: Callable[[str], None],
         split=None,
         max_batch: int | None = 8,
-        prompt_cache_bytes: int = 0,
+        prompt_cache_bytes: int | None = 0,
         memory_budget: int | None = None,
         ctx: int | None = None,
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
+        memory_share: int | None = None,
     ):
         """`max_batch` None: sized once the model is loaded (capacity.py) from `memory_budget`
-        (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's)."""
+        (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's).
+        `memory_share`: every byte this process may hold (`serve --memory`); then the batch,
+        the prompt cache (`prompt_cache_bytes` its bound), a prefill chunk's scratch and MLX's
+        own limits are all sized inside it (capacity.plan_share), or the load fails."""
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.options = options
         self.split = split
-        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        # None: not given (the default bound: 4 GB, or one whole-context sequence in a share)
+        self.prompt_cache_asked = prompt_cache_bytes is not None
+        self.prompt_cache = PromptCache(
+            DEFAULT_PROMPT_CACHE if prompt_cache_bytes is None else prompt_cache_bytes
+        )
         self.scheduler: Scheduler | None = None
         self.on_load_failed = on_load_failed
         self.bundle = None
@@ -139,6 +150,9 @@ class Worker(threading.Thread):
         self.memory_budget = memory_budget
         self.ctx = ctx
         self.capacity: Capacity | None = None
+        self.memory_share = memory_share
+        self.share: SharePlan | None = None  # the share's parts, once sized
+        self.baseline_bytes = 0  # the process's resident memory before the weights
         self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
         self.drain_until: float | None = None  # set once: the server is shutting down
         self.job_seconds = 0.0  # moving average of a job's run time (Retry-After estimates)
@@ -200,6 +214,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
+            self.baseline_bytes = psutil.Process().memory_info().rss
             log.info("loading %s", self.model)
             bundle = load(self.model, self.split)
             self.vocab = grammar.Vocab(bundle)
@@ -209,13 +224,15 @@ class Worker(threading.Thread):
             self.kv_plan = bundle.kv_plan(self.options.cache)
             log.info("kv cache: %s", self.kv_plan["summary"])
             log.info("kv cache per layer: %s", _per_layer(self.kv_plan))
-            if self._size_batch:
+            if self.memory_share is not None:
+                self._fit_share(bundle)
+            elif self._size_batch:
                 self._set_max_batch(bundle)
             self._open_disk_tier(bundle)
             self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
         except BaseException as e:  # noqa: BLE001 - any load failure ends the server, with a reason
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = str(e) if isinstance(e, ShareTooSmall) else f"{type(e).__name__}: {e}"
             log.error("loading %s failed: %s", self.model, self.error)
             self.on_load_failed(self.error)
             return
@@ -265,6 +282,29 @@ class Worker(threading.Thread):
         )
         self.max_batch = self.capacity.max_batch
         log.info("%s", self.capacity.describe())
+        log.info(
+            "sized against this whole machine's memory budget, not a share of it: "
+            "--memory SIZE bounds this server (batch, prompt cache, prefill scratch, MLX)"
+        )
+
+    def _fit_share(self, bundle) -> None:
+        """Everything inside --memory: the plan (or ShareTooSmall), then MLX's own limits."""
+        asked = self.prompt_cache.max_bytes if self.prompt_cache_asked else None
+        ctx = self.ctx or bundle.max_context or 4096
+        max_batch = None if self._size_batch else self.max_batch
+        plan = fit_share(
+            bundle,
+            self.options.cache,
+            ctx,
+            self.memory_share,
+            self.baseline_bytes,
+            asked,
+            max_batch,
+        )
+        self.share, self.max_batch = plan, plan.max_batch
+        self.prompt_cache.max_bytes = plan.prompt_cache_bytes
+        hold_to(plan)
+        log.info("%s", plan.describe())
 
     # -- one process: continuous batching -----------------------------------------------------
 
@@ -278,7 +318,13 @@ class Worker(threading.Thread):
         )
         self.scheduler = sched
         kv_at = 0.0
-        with wired_limit(self.bundle.model, [generation_stream]), mx.stream(generation_stream):
+        # With a share, the wired limit is the share's (_fit_share), not mlx-lm's whole-GPU one.
+        wired = (
+            contextlib.nullcontext()
+            if self.share
+            else wired_limit(self.bundle.model, [generation_stream])
+        )
+        with wired, mx.stream(generation_stream):
             while True:
                 while sched.in_flight() < self.max_batch:
                     try:
@@ -290,6 +336,8 @@ class Worker(threading.Thread):
                     sched.step()
                 except Exception as e:  # noqa: BLE001 - a bug must not stop the thread for good
                     sched.fail_all(e)
+                if sched.idle():  # the batch drained: MLX's buffer cache goes back to the system
+                    mx.clear_cache()
                 now = time.monotonic()
                 if now - kv_at > KV_EVERY:  # summing every layer each step would cost a step
                     self._kv_bytes, kv_at = sched.kv_bytes(), now

@@ -9,7 +9,8 @@
       edit.py         set: check, save, restart, roll back
       lifecycle.py    start, stop, restart, remove; endpoint
       journal.py      the change journal: changing (a set is at work), recover (a killed one)
-      footprint.py    weights + cache at the profile's CTX and KV
+      share.py        the memory share: weights + PARALLEL caches + prompt cache + baseline + reserve
+      baseline.py     the server process's own bytes, measured once per provider + model
       views.py        the rows behind ls / status / show
     routed.py       what running routers publish for ls (router/ writes it; nothing here
                     imports router/)

@@ -15,7 +15,7 @@ from .. import env
 from ..errors import MacserveError
 from ..sizing.report import report
 from . import plan as sizing_plan
-from . import providers, run
+from . import providers, run, share
 from .health import (
     TAIL_LINES,
     Interrupts,
@@ -315,7 +315,9 @@ def _create(
             notes.append(moved_note(st, name, prov, moved))
         secrets = {**secrets, **moved}
         prov.check_secrets(secrets)
-        prov.check_args(profile)  # a profile that cannot start is never written
+        # a profile that cannot start is never written; a MEMORY too small for the model is
+        # refused with the figures
+        prov.check_args(profile, share.check(profile).limits())
         st.save_secrets(name, secrets)  # first: the profile never exists without its key
         st.save(profile)
     out = Outcome(name, base_url(profile), notes)

@@ -3,7 +3,8 @@
 The GPU may wire (lock in RAM for Metal) up to `iogpu.wired_limit_mb` MB; 0 means macOS's
 default, about 2/3 of RAM up to 36 GB and 3/4 above (sizing/budget.py). Each profile needs
 its weights plus its KV cache at the context it is configured for: inspect's arithmetic
-(`footprint.footprint`). The profiles that start at login (installed and not stopped) must fit
+plus the sequences it serves at once, its prompt cache and its own process: its share
+(`share.share`). The profiles that start at login (installed and not stopped) must fit
 together, or the later ones fail to load (or the system starts swapping wired memory away).
 
 Raising the limit is one root command, `sudo sysctl iogpu.wired_limit_mb=N`; it lasts until
@@ -19,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from ..errors import MacserveError
 from ..sizing.budget import default_working_set, machine_budget
 from . import journal
-from .footprint import Footprint, footprint
 from .health import store
+from .share import share, unknown
 from .supervisors import get_backend
 
 HEADROOM = 8 * 2**30  # what the suggested limit leaves to macOS and the other programs
@@ -52,7 +53,7 @@ def suggested_limit_mb(total: int) -> int:
 
 
 def doctor(memory_bytes: int | None = None) -> Report:
-    """This Mac (or one with `memory_bytes` of RAM) against every profile's footprint."""
+    """This Mac (or one with `memory_bytes` of RAM) against every profile's share."""
     b = machine_budget(memory_bytes)
     on_mac = platform.system() == "Darwin" and memory_bytes is None
     wired = None
@@ -71,20 +72,21 @@ def doctor(memory_bytes: int | None = None) -> Report:
         # Installed and not stopped: launchd loads it at login (RunAtLoad); `stop` disables it.
         at_login = st.installed and st.state not in ("stopped", "not installed")
         try:
-            fp = footprint(name)
+            fp = share(name)
         except MacserveError as e:
             # One broken profile is its own row, not a refusal of every other one.
-            fp = Footprint(name, error=str(e))
+            fp = unknown(name, str(e))
         row = {
             "name": name,
             "state": st.state,
             "at_login": at_login,
-            **{k: v for k, v in asdict(fp).items() if k != "name"},
-            "total_bytes": fp.total_bytes,
+            **{k: v for k, v in fp.as_dict().items() if k != "name"},
+            "cache_bytes": fp.kv_total_bytes,  # the columns `doctor` prints (cli/views.py)
+            "total_bytes": fp.share_bytes,
         }
         rep.profiles.append(row)
-        if at_login and fp.total_bytes:
-            rep.at_login_bytes += fp.total_bytes
+        if at_login and fp.share_bytes:
+            rep.at_login_bytes += fp.share_bytes
     rep.fits = rep.at_login_bytes <= rep.budget_bytes
     rep.suggested_wired_limit_mb = suggested_limit_mb(b.total_bytes)
     rep.raise_command = f"sudo sysctl iogpu.wired_limit_mb={rep.suggested_wired_limit_mb}"

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
-from . import journal, providers, run
+from . import journal, providers, run, share
 from .create import check_ctx, moved_note
 from .health import (
     TAIL_LINES,
@@ -143,11 +143,12 @@ def _prepare(st: ProfileStore, name: str, changes: Changes, checked: _Edit | Non
         _check_aliases(st, new)
     edit = _Edit(raw, new, old_secrets, secrets, notes, old)
     prov.validate(new)  # no I/O: also when only the router's keys changed
-    sized = ("ctx", "kv", "model", "provider", "hosts")
+    sized = ("ctx", "kv", "model", "provider", "hosts", "parallel", "memory")
     if checked is None and any(getattr(new, k) != getattr(old, k) for k in sized):
         check_ctx(new)  # beyond the model's limit or the budget: refused before writing
     if _server_values(new) != _server_values(old) and (checked is None or new != checked.new):
-        prov.check_args(new)  # refuse before anything is written or restarted
+        # refuse before anything is written or restarted (a MEMORY too small: with figures)
+        prov.check_args(new, share.check(new).limits())
     return edit
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import MacserveError
-from . import providers, run
+from . import providers, run, share
 from .profiles import Profile, ProfileStore
 from .supervisors import Status, get_backend, spec_for
 
@@ -126,6 +126,8 @@ def wait_ready(
             return False, f"it exited and was started again (pid {first_pid} -> {st.pid})"
         if fresh and st.state == "running":  # supervisord: it outlived startsecs
             if provider.ready(profile, timeout=min(5.0, max(1.0, timeout - elapsed))):
+                # the first start of this provider + model here: its process's own bytes
+                share.record_baseline(profile, st.pid)
                 return True, ""
             why = provider.failed(profile)
             if why:

@@ -6,7 +6,7 @@ refuse the profile, before the unit changes.
 from __future__ import annotations
 
 from ..errors import MacserveError
-from . import journal, providers, run
+from . import journal, providers, run, share
 from .health import TAIL_LINES, Outcome, SetFailed, base_url, spec, store, wait_ready, with_log_line
 from .ports import check_host
 from .profiles import Profile
@@ -20,7 +20,7 @@ def checked(name: str) -> Profile:
     prov = providers.for_profile(profile)
     prov.check_secrets(st.load_secrets(name))
     check_host(profile.host)  # a hand-edited HOST the server could not bind
-    prov.check_args(profile)
+    prov.check_args(profile, share.share_of(profile).limits())
     return profile
 
 

@@ -24,7 +24,14 @@ Keys:
   SHARDING    pipeline | tensor: how mlx-lm splits the model over HOSTS (default pipeline)
   SPLIT       pipeline layers per HOSTS entry, `n1,n2,...` (mlx; default: mlx-lm's even split).
               `macserve inspect --memory A,B` prints the split in proportion to each host's budget
-  PARALLEL    reserved; validated as a positive integer, not used yet.
+  PARALLEL    sequences the server serves at once (a positive integer, default 1): its
+              memory share counts that many whole-context caches, and the provider sets its
+              server's own concurrency from it (the engine --max-batch, llama-server -np,
+              mlx_lm.server --decode-concurrency). With MEMORY and no PARALLEL: as many as fit
+  MEMORY      the profile's memory share by hand (`24GB`, binary units): the most its server's
+              process tree may hold (services/share.py). Default: weights + PARALLEL caches at
+              CTX + its prompt cache + the process's baseline + a 10 % reserve. The provider
+              passes it to the server (the engine --memory, llama-server --cache-ram, ...)
   TTL         for the router (`macserve router`): stop the service after this long without
               a request (`90`, `90s`, `10m`, `1h`; default: the router's --ttl), or `never`
               (always on: the router never stops it, not for idleness, not to make room)
@@ -85,6 +92,7 @@ KEYS = (
     "SHARDING",
     "SPLIT",
     "PARALLEL",
+    "MEMORY",
     "TTL",
     "ALIASES",
     "SYSTEM",
@@ -159,7 +167,8 @@ class Profile:
     backend: str | None = field(init=False)  # None: the provider's default
     sharding: str = field(init=False)  # pipeline (default) | tensor
     split: tuple[int, ...] = field(init=False)  # () : the engine's even split
-    parallel: int | None = field(init=False)  # reserved
+    parallel: int | None = field(init=False)  # PARALLEL; None: 1, or derived from MEMORY
+    memory: int | None = field(init=False)  # MEMORY in bytes; None: the share is computed
     ttl: float | None = field(
         init=False
     )  # seconds idle before the router stops it; None: its default
@@ -240,6 +249,11 @@ class Profile:
         if par and (not par.isdigit() or int(par) < 1):
             raise MacserveError(f"bad PARALLEL {par!r}: expected a positive integer")
         set_(self, "parallel", int(par) if par else None)
+        mem = v.get("MEMORY", "").strip()
+        try:
+            set_(self, "memory", parse_size(mem) if mem else None)
+        except MacserveError as e:
+            raise MacserveError(f"bad MEMORY: {e}") from None
         ttl = v.get("TTL", "").strip()
         set_(self, "always_on", ttl.lower() == NEVER)
         set_(self, "ttl", None if not ttl or self.always_on else parse_duration(ttl, "TTL"))

@@ -30,7 +30,7 @@ import psutil
 
 from .. import env
 from ..fileio import atomic_write
-from . import graceful, providers
+from . import graceful, providers, share
 from .profiles import ProfileStore, check_name
 from .supervisors import logs
 
@@ -107,9 +107,13 @@ def exec_profile(name: str) -> None:
     st = ProfileStore()
     profile = providers.typed(st.load(name))  # an old profile runs as its typed keys say
     provider = providers.for_profile(profile)
-    argv = provider.argv(profile)
+    # the profile's memory share as the server's own limits (share.py; the engine refuses to
+    # run without it rather than size itself to the whole machine)
+    limits = share.share_of(profile).limits()
+    argv = provider.argv(profile, limits)
     variables = dict(os.environ)
     variables.update(provider.env(profile))
+    variables.update(provider.limit_env(limits))
     variables.update(provider.secret_env(st.load_secrets(name)))
     if env.supervised():
         _back_off(name)

@@ -10,7 +10,7 @@ import time
 import psutil
 
 from ..errors import MacserveError
-from . import journal, providers, routed, run
+from . import journal, providers, routed, run, share
 from .health import base_url, store
 from .profiles import ProfileStore
 from .supervisors import Status, get_backend, log_path, logs
@@ -110,7 +110,7 @@ def show(name: str) -> dict:
     p = st.load(name)
     prov = providers.for_profile(p)
     try:
-        argv = prov.argv(providers.typed(p))
+        argv = prov.argv(providers.typed(p), share.share_of(p).limits())
     except MacserveError as e:
         argv = [f"<{e}>"]
     secrets = st.load_secrets(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -56,6 +57,31 @@ def python_error(lines: list[str]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """A profile's memory share as its server's limits come from it (services/share.py builds
+    it; providers render it: `argv(profile, limits)`). Here, not in share.py, so providers never
+    import the share (which imports them)."""
+
+    share_bytes: int | None  # the whole share; None: unknown (why_unknown says why)
+    ctx: int | None  # context tokens of one sequence (CTX, or the model's limit)
+    parallel: int  # sequences served at once
+    kv_bytes: int | None  # one whole-context sequence's cache
+    prompt_cache_bytes: int  # the in-memory prompt cache's bound
+    reserve_bytes: int  # prefill scratch + allocator slack
+    prefill_step: int = 2048  # prompt tokens per prefill chunk whose scratch fits the reserve
+    why_unknown: str | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.share_bytes is not None
+
+    def unknown_error(self, label: str) -> MacserveError:
+        return MacserveError(
+            f"{label} needs its memory share, which is unknown: {self.why_unknown}"
+        )
+
+
 class BaseProvider:
     """Shared behaviour: --host/--port, GET health probe, --help flag check, and a refusal of
     the multi-Mac keys for providers that do not run across hosts."""
@@ -88,8 +114,15 @@ class BaseProvider:
     routes = False
     # It takes PROMPT_CACHE_DISK: its server keeps a prompt cache on disk.
     prompt_cache_disk = False
-    # What footprint says of a server of no model (where its memory goes instead).
+    # What the share says of a server of no model (where its memory goes instead).
     footprint_note = ""
+    # The server process's own bytes (runtime, buffers) counted in its share until the first
+    # start on this machine measures it (services/baseline.py).
+    assumed_baseline = 0
+    # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
+    limit_flags: dict[str, str] = {}
+    # the flags that set the sequences served at once: PARALLEL (lifted out of EXTRA_ARGS)
+    par_flags: tuple[str, ...] = ()
     # A planned stop: True when its server has no drain of its own, so `macserve run` stays its
     # parent and drains it (services/graceful.py) through the hooks below; False: `macserve run`
     # execs the server, which drains itself (the engine) or under a shim (mlx_drain.py).
@@ -134,19 +167,30 @@ class BaseProvider:
     def model_args(self, profile: Profile) -> list[str]:
         raise NotImplementedError
 
-    def argv(self, profile: Profile) -> list[str]:
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        """The server command. `limits` (the profile's share, services/share.py) adds the
+        server's own memory limits; None: the command without them (the flags a check reads)."""
         return (
             self.command()
             + self.model_args(profile)
             + ["--host", profile.host, "--port", str(profile.port)]
-            + self.typed_args(profile)
+            + self.typed_args(profile, limits)
             + list(profile.extra_args)
         )
 
-    def typed_args(self, profile: Profile) -> list[str]:
-        """CTX and KV as this server's flags."""
+    def typed_args(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        """CTX and KV as this server's flags, then the share's limits."""
         out = (self.context_args(profile.ctx) or []) if profile.ctx else []
-        return out + (self.kv_args(profile.kv) if profile.kv else [])
+        out += self.kv_args(profile.kv) if profile.kv else []
+        return out + (self.limit_args(limits) if limits is not None else [])
+
+    def limit_args(self, limits: Limits) -> list[str]:
+        """The share as this server's own limits ([]: it has none)."""
+        return []
+
+    def limit_env(self, limits: Limits) -> dict[str, str]:
+        """The share as variables of the server's environment (an in-process shim reads them)."""
+        return {}
 
     def taken(self, profile: Profile) -> dict[str, str]:
         """{flag: profile key}: the flags macserve sets from the profile, which EXTRA_ARGS may
@@ -156,6 +200,8 @@ class BaseProvider:
             **self.secret_flags,
             **dict.fromkeys(self.ctx_flags, "CTX"),
             **dict.fromkeys(self.kv_flags, "KV"),
+            **dict.fromkeys(self.par_flags, "PARALLEL"),
+            **self.limit_flags,
         }
 
     def env(self, profile: Profile) -> dict[str, str]:
@@ -228,8 +274,9 @@ class BaseProvider:
                 f"KV {profile.kv}: {self.label} caches "
                 + (" | ".join(self.cache_types) if self.cache_types else "no model (remove KV)")
             )
-        if profile.ctx and not self.formats:
-            raise MacserveError(f"CTX is for a server of a model, not for {self.label}")
+        for key in ("CTX", "PARALLEL", "MEMORY"):
+            if profile.values.get(key) and not self.formats:
+                raise MacserveError(f"{key} is for a server of a model, not for {self.label}")
         if profile.prompt_cache_disk and not self.prompt_cache_disk:
             raise MacserveError("PROMPT_CACHE_DISK applies to PROVIDER=macserve only")
         if not self.serves_model:
@@ -240,9 +287,14 @@ class BaseProvider:
                         f"not for {self.label}"
                     )
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         text = help_text(self.command(), self.binary_path())
+        check_flags(
+            (self.limit_args(limits) if limits is not None else []),
+            flags_from_help(text),
+            self.label,
+        )  # the limits' own flags: a server too old to take them is refused here
         check_flags(
             list(profile.extra_args),
             flags_from_help(text),
@@ -284,7 +336,7 @@ class BaseProvider:
         """A profile written before CTX and KV were keys, with those flags still in EXTRA_ARGS:
         (the profile with them moved into CTX and KV, a one-line note), or (profile, None).
         A flag in EXTRA_ARGS wins over the key, as it did on the command line (it came last)."""
-        if not (self.ctx_flags or self.kv_flags) or not profile.extra_args:
+        if not (self.ctx_flags or self.kv_flags or self.par_flags) or not profile.extra_args:
             return profile, None
         values, kept, moved = {}, [], []
         kv_too = self.one_cache_type(profile)
@@ -302,10 +354,12 @@ class BaseProvider:
             return profile, None
         values["EXTRA_ARGS"] = shlex.join(kept)
         new = profile.updated(values)
-        set_ = ", ".join(f"{k}={new.values[k]}" for k in ("CTX", "KV") if k in new.values)
+        keys = ("CTX", "KV", "PARALLEL")
+        set_ = ", ".join(f"{k}={new.values[k]}" for k in keys if k in new.values)
         return new, (
             f"moved {', '.join(moved)} out of EXTRA_ARGS into "
-            f"{set_ or 'the profile (the default, so no key)'}: CTX and KV are profile keys now"
+            f"{set_ or 'the profile (the default, so no key)'}: CTX, KV and PARALLEL are "
+            "profile keys now"
         )
 
     def one_cache_type(self, profile: Profile) -> bool:
@@ -317,6 +371,8 @@ class BaseProvider:
         """(CTX or KV, its value) for one EXTRA_ARGS flag, or None to keep the flag there."""
         if flag in self.ctx_flags and value.isdigit():
             return "CTX", value if int(value) > 0 else None  # 0: the model's limit, no CTX
+        if flag in self.par_flags and value.isdigit() and int(value) > 0:
+            return "PARALLEL", value if int(value) > 1 else None  # 1: the default
         if kv_too and flag in self.kv_flags:
             kind = self.kv_name(value)
             if kind is not None:

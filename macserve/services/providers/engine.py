@@ -17,7 +17,7 @@ from ...int2_format import SHIPPED_ROTATION
 from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
-from .base import BaseProvider
+from .base import BaseProvider, Limits
 from .flags import cli_parse
 from .mlx_lm import LAUNCH_SHIM, check_hosts, launch_command, validate_hosts
 
@@ -39,11 +39,17 @@ class Engine(BaseProvider):
         "--shutdown-grace": "DRAIN",
     }
     multi_host = True
+    # Python + MLX + the HTTP server, until measured (a demo profile held ~200 MB besides weights)
+    assumed_baseline = 250 * 2**20
     formats = ("mlx",)
     ctx_flags = ("--ctx",)
     # serve --kv: bf16 (mlx-lm's own cache, the default) or int2 (the INT2 latent cache)
     cache_types = {"bf16": "mlx/bf16", "int2": "macserve/int2"}
     kv_flags = ("--kv",)
+    par_flags = ("--max-batch",)
+    # The share, which `serve --memory` sizes and enforces everything within (its batch, its
+    # prompt cache, MLX's own limits): without it serve would size its batch to the machine.
+    limit_flags = {"--memory": "MEMORY", "--prompt-cache-bytes": "MEMORY"}
     api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
     prompt_cache_disk = True
@@ -71,8 +77,8 @@ class Engine(BaseProvider):
             f"{drain_secs(profile.drain):g}",
         ]
 
-    def argv(self, profile: Profile) -> list[str]:
-        argv = super().argv(profile)
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        argv = super().argv(profile, limits)
         if not profile.multi_host:
             return argv
         if profile.split:
@@ -86,6 +92,18 @@ class Engine(BaseProvider):
             + argv[1:]
         )
 
+    def limit_args(self, limits: Limits) -> list[str]:
+        if limits.share_bytes is None:
+            raise limits.unknown_error(self.label)
+        return [
+            "--memory",
+            f"{limits.share_bytes}B",
+            "--max-batch",
+            str(limits.parallel),
+            "--prompt-cache-bytes",
+            f"{limits.prompt_cache_bytes}B" if limits.prompt_cache_bytes else "0",
+        ]
+
     def env(self, profile: Profile) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
 
@@ -95,7 +113,7 @@ class Engine(BaseProvider):
             raise MacserveError("the macserve engine shards by pipeline only (SHARDING=pipeline)")
         validate_hosts(profile)
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         # The engine serves local folders only; refusing here beats a crash loop.
         path = local_model_path(profile.model)
@@ -104,7 +122,9 @@ class Engine(BaseProvider):
                 f"{profile.model}: macserve serve needs a local model folder with a config.json"
             )
         self.refuse_taken_flags(profile)
-        self.parse(BaseProvider.argv(self, profile)[len(self.command()) :])
+        # with the share's --memory: a share that is unknown is refused here (serve would
+        # otherwise size its batch to the whole machine)
+        self.parse(BaseProvider.argv(self, profile, limits)[len(self.command()) :])
         if profile.multi_host:
             check_hosts(profile)
             preflight.check(profile, self.macserve_on_hosts(profile))

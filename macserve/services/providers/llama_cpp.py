@@ -24,7 +24,7 @@ from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile, local_model_path
 from . import llama_slots
-from .base import BaseProvider
+from .base import BaseProvider, Limits
 from .flags import flag_value, help_flags, help_text
 
 HOMEBREW_DIRS = ("/opt/homebrew/bin", "/usr/local/bin")
@@ -102,6 +102,7 @@ class LlamaCpp(BaseProvider):
         # a second key source `show` would not name, read from a file macserve does not guard
         "--api-key-file": "API_KEY",
     }
+    assumed_baseline = 64 * 2**20  # its compute buffers and HTTP server, until measured
     formats = ("gguf",)
     # -c is the whole KV cache, shared by the -np slots
     ctx_flags = ("-c", "--ctx-size")
@@ -118,6 +119,19 @@ class LlamaCpp(BaseProvider):
         "q5_1": None,
     }
     kv_flags = _K_FLAGS + _V_FLAGS
+    par_flags = ("-np", "--parallel")
+    # From the share: the host-memory prompt cache (default 8 GiB per process, counted nowhere)
+    # and a KV cell pool shared across slots (-kvu lets one slot hold the others' CTX: the
+    # memory is the same, measured: 90 MiB for -c 4096 -np 2 either way; the per-slot CTX not)
+    limit_flags = {
+        "-cram": "MEMORY",
+        "--cache-ram": "MEMORY",
+        "-kvu": "PARALLEL",
+        "--kv-unified": "PARALLEL",
+        "-no-kvu": "PARALLEL",
+        "--no-kv-unified": "PARALLEL",
+        "--kv-unified-per-slot": "CTX",
+    }
     api_key_env = "LLAMA_API_KEY"  # llama-server --help: "--api-key KEY ... (env: LLAMA_API_KEY)"
     secret_flags = {"--api-key": "API_KEY", "--hf-token": "HF_TOKEN", "-hft": "HF_TOKEN"}
 
@@ -141,9 +155,9 @@ class LlamaCpp(BaseProvider):
             return ["--hf-repo", profile.model]
         raise MacserveError(f"MODEL {profile.model!r} is neither a file nor owner/repo[:QUANT]")
 
-    def argv(self, profile: Profile) -> list[str]:
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
         # --metrics: llama-server's Prometheus /metrics, which the router passes through
-        argv = super().argv(profile) + ["--metrics"]
+        argv = super().argv(profile, limits) + ["--metrics"]
         workers = rpc_workers(profile)
         if workers:
             argv += ["--rpc", ",".join(f"{h}:{p}" for h, p in workers)]
@@ -189,13 +203,13 @@ class LlamaCpp(BaseProvider):
         if profile.hostfile is not None:
             raise MacserveError("llama.cpp takes HOSTS as worker[:port],... (no hostfile)")
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         local = local_model_path(profile.model)
         if local is not None and not local.is_file():
             raise MacserveError(f"model file {local} not found")
         self.model_args(profile)
-        super().check_args(profile)
+        super().check_args(profile, limits)
         workers = rpc_workers(profile)
         if workers:
             if "--rpc" not in help_flags(self.command(), self.binary_path()):
@@ -209,6 +223,21 @@ class LlamaCpp(BaseProvider):
                     f"rpc worker {', '.join(down)} not reachable: start "
                     f"`rpc-server -H 0.0.0.0 -p PORT` there first"
                 )
+
+    def typed_args(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        if limits is None:
+            return super().typed_args(profile)
+        # -c is the whole KV pool, split evenly over the -np slots: CTX x PARALLEL gives each
+        # slot CTX (the share's ctx: CTX, or the model's limit when CTX is not set)
+        ctx = limits.ctx or profile.ctx
+        out = ["-c", str(ctx * limits.parallel)] if ctx else []
+        out += self.kv_args(profile.kv) if profile.kv else []
+        return out + self.limit_args(limits)
+
+    def limit_args(self, limits: Limits) -> list[str]:
+        # --cache-ram in MiB; 0 turns the prompt cache off (an unknown share: nothing uncounted)
+        mib = -(-limits.prompt_cache_bytes // 2**20) if limits.known else 0
+        return ["-np", str(limits.parallel), "--cache-ram", str(mib)]
 
     def kv_args(self, kind: str) -> list[str]:
         return ["-ctk", kind, "-ctv", kind]  # KV types both caches alike

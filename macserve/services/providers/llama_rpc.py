@@ -9,7 +9,7 @@ which is why `macserve worker` asks for the address to bind explicitly.
 from __future__ import annotations
 
 from ..profiles import Profile
-from .base import BaseProvider, url_host
+from .base import BaseProvider, Limits, url_host
 from .llama_cpp import RPC_PORT, find_rpc_server, reachable
 
 DEFAULT_PORT = RPC_PORT
@@ -27,7 +27,7 @@ class RpcWorker(BaseProvider):
     def model_args(self, profile: Profile) -> list[str]:
         return []
 
-    def argv(self, profile: Profile) -> list[str]:
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
         return (
             self.command()
             + ["-H", profile.host, "-p", str(profile.port)]

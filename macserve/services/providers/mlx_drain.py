@@ -55,6 +55,7 @@ from typing import Any
 from ...web.errors import HttpError
 from ...web.openai_api import error_body, error_event
 from ..graceful import wait_idle
+from . import mlx_limits
 
 SETTLE_SECS = 2.0  # after the drain: the 503s being written, the GETs, a slow client's headers
 FOLLOW_SECS = 10.0  # a rank > 0 outlives rank 0's drain by this much at most (< STOP_MARGIN)
@@ -304,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     # mlx-lm, in this process only: a service's server, not a cold start
     from mlx_lm import server
 
+    # the memory share: MLX's limits, and a prompt past CTX refused (mlx_limits.py)
+    bounded = mlx_limits.apply(server, drain.log)
     own = server._run_http_server
     if isinstance(drain, Follower):
         drain.follow(server)
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
                 sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
             )
     else:
-        handler = drain.handler(server.APIHandler)
+        base = server.APIHandler
+        handler = drain.handler(bounded(base) if bounded else base)
 
         def run_http_server(host, port, response_generator, *args, **kwargs):
             kwargs["handler_class"] = handler

@@ -38,7 +38,8 @@ from ...sizing import sources
 from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
-from .base import BaseProvider, base_url
+from .base import BaseProvider, Limits, base_url
+from .mlx_limits import CTX_ENV, MEMORY_RESERVE_ENV, MEMORY_SHARE_ENV
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
@@ -53,12 +54,24 @@ class MlxLm(BaseProvider):
     label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
     multi_host = True
+    assumed_baseline = 250 * 2**20  # Python + MLX + mlx-lm, until measured (baseline.py)
     formats = ("mlx",)
     # No context flag: its cache grows per request (CTX is what doctor and the router count).
     # Its cache is the model's own dtype, or quantized by --kv-bits (inspect models neither
     # quantized kind).
     cache_types = {"bf16": "mlx/bf16", "q8": None, "q4": None}
     kv_flags = ("--kv-bits",)
+    par_flags = ("--decode-concurrency",)
+    # From the share (mlx_lm.server's defaults: 32 sequences decoded and 8 prompts prefilled
+    # at once, 10 prompt-cache entries with no byte cap). Its --prompt-cache-bytes bounds the
+    # prompt cache AND the batch's caches together (server.py: trim_to(total - active)), but
+    # only as a request joins a batch: the entry count bounds it in between.
+    limit_flags = {
+        "--prompt-concurrency": "PARALLEL",
+        "--prompt-cache-size": "MEMORY",
+        "--prompt-cache-bytes": "MEMORY",
+        "--prefill-step-size": "MEMORY",
+    }
     # mlx_lm.server has no /v1/messages, and it loads whatever `model` a request names (from the
     # hub, if it is not the one it serves): its own name for --model is "default_model".
     anthropic_api = False
@@ -67,8 +80,8 @@ class MlxLm(BaseProvider):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "mlx_lm", "server"]
 
-    def argv(self, profile: Profile) -> list[str]:
-        argv = super().argv(profile)
+    def argv(self, profile: Profile, limits: Limits | None = None) -> list[str]:
+        argv = super().argv(profile, limits)
         # [python, -m, mlx_lm, server, ...] -> the same server under the drain shim, which gives
         # a planned stop's generations in flight up to DRAIN (mlx_drain.py); on several hosts
         # every rank runs it (rank 0 drains, the others follow it)
@@ -88,6 +101,30 @@ class MlxLm(BaseProvider):
             + split
             + argv[4:]
         )
+
+    def limit_args(self, limits: Limits) -> list[str]:
+        out = ["--decode-concurrency", str(limits.parallel), "--prompt-concurrency", "1"]
+        if not limits.known or not limits.kv_bytes:
+            return out + ["--prompt-cache-size", "1"]
+        entries = max(1, limits.prompt_cache_bytes // limits.kv_bytes)
+        held = limits.prompt_cache_bytes + limits.kv_bytes * limits.parallel
+        return out + [
+            "--prompt-cache-size",
+            str(entries),
+            "--prompt-cache-bytes",
+            str(held),
+            "--prefill-step-size",
+            str(limits.prefill_step),
+        ]
+
+    def limit_env(self, limits: Limits) -> dict[str, str]:
+        # the drain shim sets MLX's own limits from it and refuses prompts longer than CTX
+        # (mlx_lm.server has no context flag): mlx_limits.py
+        out = {CTX_ENV: str(limits.ctx)} if limits.ctx else {}
+        if limits.known:
+            out[MEMORY_SHARE_ENV] = str(limits.share_bytes)
+            out[MEMORY_RESERVE_ENV] = str(limits.reserve_bytes)
+        return out
 
     def binary_path(self) -> str:
         # The help cache is keyed on mlx_lm's server.py, so upgrading mlx-lm re-probes flags.
@@ -113,9 +150,9 @@ class MlxLm(BaseProvider):
             " and its SPLIT shim" if profile.split else ""
         )
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         check_model_folder(profile.model)
-        super().check_args(profile)
+        super().check_args(profile, limits)
         if profile.multi_host:
             check_hosts(profile)
             preflight.check(

@@ -16,7 +16,7 @@ from pathlib import Path
 from ... import env
 from ...errors import MacserveError
 from ..profiles import Profile
-from .base import BaseProvider
+from .base import BaseProvider, Limits
 from .flags import cli_parse, is_flag, normalize_flag
 
 DEFAULT_PORT = 8000
@@ -46,7 +46,7 @@ class Router(BaseProvider):
         # supervisord, the same launchctl, LaunchAgents folder and domain).
         return {"PYTHONUNBUFFERED": "1", **env.service_settings()}
 
-    def check_args(self, profile: Profile) -> None:
+    def check_args(self, profile: Profile, limits: Limits | None = None) -> None:
         self.validate(profile)
         self.refuse_taken_flags(profile)
         for a in profile.extra_args:

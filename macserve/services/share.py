@@ -1,0 +1,244 @@
+"""A profile's memory share: the most its server's process tree may hold, and what it is made of.
+
+It replaces the old footprint (weights + ONE sequence's cache at CTX), which counted neither
+the sequences a server batches, nor its in-memory prompt cache, nor the process itself, nor
+prefill scratch. A share counts all five:
+
+    weights + kv_bytes x PARALLEL + prompt cache + baseline, plus RESERVE of the share
+
+- kv_bytes: one whole-context sequence's cache at CTX (inspect's figure for the cache kind);
+- PARALLEL: sequences served at once (the profile's key, default 1; with MEMORY and no
+  PARALLEL, as many whole-context sequences as fit);
+- the prompt cache: every provider's in-memory prompt cache is bounded to one whole-context
+  sequence's cache (rounded up to a whole MiB, llama-server's unit);
+- baseline: the server process itself (runtime, buffers), measured once per provider and model
+  on this machine after a start (baseline.py), assumed until then;
+- RESERVE: prefill scratch and the allocator's slack, a fixed fraction of the share.
+
+With MEMORY= the share IS that figure, and the parts must fit in it. Each provider turns the
+share into its server's own limits (`Share.limits()` -> providers' `Limits`, which
+`Provider.argv` renders): the engine `--memory`, llama-server `-c -np --cache-ram`,
+mlx_lm.server its concurrency and prompt-cache flags and MLX's own limits. The router admits
+the sum of shares; doctor and the web page show them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ..errors import MacserveError
+from ..sizing.report import inspect_source
+from . import baseline, providers
+from .profiles import Profile, ProfileStore
+from .providers.base import Limits
+
+RESERVE = 0.10  # of the share: prefill scratch + the allocator's cache (the engine's contract)
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Share:
+    name: str
+    weights_bytes: int | None
+    kv_bytes: int | None  # ONE sequence's cache at ctx (inspect's figure for the cache kind)
+    parallel: int  # sequences served at once: PARALLEL, or derived from MEMORY, default 1
+    prompt_cache_bytes: int  # the in-memory prompt cache's bound (RAM)
+    baseline_bytes: int  # the server process itself, measured once per provider+model (stored)
+    baseline_source: str  # "measured <date>" | "assumed (not measured yet)"
+    reserve_bytes: int  # prefill scratch + allocator slack: RESERVE of the share
+    ctx: int | None
+    cache_key: str | None
+    memory_bytes: int | None  # MEMORY= set by the user: then the share IS this
+    source: str  # "MEMORY=24GB" | "CTX x PARALLEL"
+    note: str = ""
+    error: str | None = None
+
+    @property
+    def kv_total_bytes(self) -> int | None:
+        return None if self.kv_bytes is None else self.kv_bytes * self.parallel
+
+    @property
+    def share_bytes(self) -> int | None:
+        """The whole share; None when it is unknown (then `error` says why)."""
+        if self.error is not None:
+            return None
+        if self.memory_bytes is not None:
+            return self.memory_bytes
+        if self.weights_bytes is None or self.kv_bytes is None:
+            return None
+        return self.parts_bytes + self.reserve_bytes
+
+    @property
+    def parts_bytes(self) -> int:
+        """Everything but the reserve (unknown parts as 0)."""
+        return (
+            (self.weights_bytes or 0)
+            + (self.kv_total_bytes or 0)
+            + self.prompt_cache_bytes
+            + self.baseline_bytes
+        )
+
+    def as_dict(self) -> dict:
+        """Every field, plus kv_total_bytes and share_bytes (JSON: `ls --json`, the router)."""
+        d = asdict(self)
+        d["note"] = self.note or None
+        d["kv_total_bytes"] = self.kv_total_bytes
+        d["share_bytes"] = self.share_bytes
+        return d
+
+    def limits(self) -> Limits:
+        """What the provider renders as its server's own flags (providers/base.py `Limits`)."""
+        return Limits(
+            share_bytes=self.share_bytes,
+            ctx=self.ctx,
+            parallel=self.parallel,
+            kv_bytes=self.kv_bytes,
+            prompt_cache_bytes=self.prompt_cache_bytes,
+            reserve_bytes=self.reserve_bytes,
+            why_unknown=self.error or (None if self.share_bytes else "its share is unknown"),
+        )
+
+
+def unknown(name: str, error: str) -> Share:
+    """The share of a profile that cannot even be read (one broken profile among others)."""
+    return Share(name, None, None, 1, 0, 0, "", 0, None, None, None, "", error=error)
+
+
+def share(name: str) -> Share:
+    return share_of(ProfileStore().load(name))
+
+
+def with_reserve(parts: int) -> int:
+    """The share whose RESERVE is what is left over after `parts`."""
+    return math.ceil(parts / (1 - RESERVE))
+
+
+def fit_parallel(memory: int, fixed: int, kv: int) -> int:
+    """Whole-context sequences that fit in `memory` after `fixed` (weights, prompt cache,
+    baseline) and the reserve; 0: not even one."""
+    room = memory - math.ceil(memory * RESERVE) - fixed
+    return max(0, room // kv) if kv > 0 else 0
+
+
+def prompt_cache_bound(kv_bytes: int | None) -> int:
+    """The in-memory prompt cache's bound: one whole-context sequence's cache, in whole MiB."""
+    return math.ceil(kv_bytes / MIB) * MIB if kv_bytes else 0
+
+
+def _gib(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MIB:.1f} MiB"
+
+
+def too_small(s: Share) -> str | None:
+    """Why MEMORY cannot hold weights + PARALLEL sequences (+ prompt cache, baseline,
+    reserve), with the figures; None when it fits (or MEMORY is not set)."""
+    if s.memory_bytes is None or s.weights_bytes is None or s.kv_bytes is None:
+        return None
+    need = with_reserve(
+        s.weights_bytes + s.kv_bytes * s.parallel + s.prompt_cache_bytes + s.baseline_bytes
+    )
+    if need <= s.memory_bytes:
+        return None
+    return (
+        f"{s.source} is too small for {s.parallel} sequence(s) at CTX {s.ctx}: it needs "
+        f"{_gib(need)} (weights {_gib(s.weights_bytes)} + cache {_gib(s.kv_bytes)} x "
+        f"{s.parallel} + prompt cache {_gib(s.prompt_cache_bytes)} + baseline "
+        f"{_gib(s.baseline_bytes)} + {RESERVE:.0%} reserve): raise MEMORY, or lower CTX"
+        + (" or PARALLEL" if s.parallel > 1 else "")
+    )
+
+
+def share_of(profile: Profile) -> Share:
+    """A profile's share, saved or not (the web page and `set` size a change before making
+    it). Never raises for a model it cannot size: `error` says why (share_bytes is None)."""
+    p = providers.typed(profile)
+    prov = providers.for_profile(p)
+    memory = p.memory
+    s = Share(
+        name=p.name,
+        weights_bytes=None,
+        kv_bytes=None,
+        parallel=p.parallel or 1,
+        prompt_cache_bytes=0,
+        baseline_bytes=0,
+        baseline_source="",
+        reserve_bytes=0,
+        ctx=p.ctx,
+        cache_key=None,
+        memory_bytes=memory,
+        source=f"MEMORY={p.values.get('MEMORY')}" if memory is not None else "CTX x PARALLEL",
+    )
+    if not prov.serves_model:
+        return replace(s, note=prov.footprint_note)
+    bl, bl_source = baseline.lookup(prov.name, p.model, prov.assumed_baseline)
+    s = replace(s, cache_key=prov.cache_key(p), baseline_bytes=bl, baseline_source=bl_source)
+    try:
+        rep = inspect_source(p.model)
+    except MacserveError as e:
+        return replace(s, error=f"{p.model}: {e}")
+    ctx, notes = p.ctx, []
+    if ctx is None:
+        ctx = rep.shape.max_position_embeddings
+        notes.append("no context set: counted at the model's limit")
+    if prov.context_args(1) is None:
+        notes.append(f"{prov.label} has no context flag: macserve refuses longer prompts")
+    if p.multi_host:
+        notes.append("the whole model, before it is split over HOSTS")
+    lay = rep.layouts.get(s.cache_key) if s.cache_key else None
+    kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
+    weights = rep.weights_bytes
+    s = replace(s, weights_bytes=weights, kv_bytes=kv, ctx=ctx, prompt_cache_bytes=0)
+    s = replace(s, prompt_cache_bytes=prompt_cache_bound(kv))
+    unknown = None
+    if kv is None:
+        unknown = f"inspect does not model a {p.kv or prov.default_kv()} cache of {p.model}"
+    elif weights is None:
+        unknown = f"the weights of {p.model} are unknown"
+    if memory is None:
+        if unknown:
+            why = f"{unknown}: set MEMORY= to give it a share by hand"
+            return replace(s, note="; ".join(notes), error=why)
+        return replace(
+            s, note="; ".join(notes), reserve_bytes=with_reserve(s.parts_bytes) - s.parts_bytes
+        )
+    s = replace(s, reserve_bytes=math.ceil(memory * RESERVE))
+    if unknown:
+        notes.append(f"{unknown}: the share is MEMORY alone")
+    elif p.parallel is None:
+        assert kv is not None and weights is not None
+        n = fit_parallel(memory, weights + s.prompt_cache_bytes + bl, kv)
+        s = replace(s, parallel=max(1, n))
+        notes.append(f"PARALLEL={n} derived from MEMORY")
+    return replace(s, note="; ".join(notes), error=too_small(s))
+
+
+def check(profile: Profile) -> Share:
+    """`new` and `set`: a MEMORY that cannot hold the model is refused with the figures."""
+    s = share_of(profile)
+    why = too_small(s)
+    if why:
+        raise MacserveError(why)
+    return s
+
+
+def record_baseline(profile: Profile, pid: int | None) -> None:
+    """Once a start is ready (health.wait_ready): the first time this provider serves this
+    model here, store its process tree's resident bytes less the weights (baseline.py). A
+    measurement that cannot be made is skipped: it never fails a start."""
+    p = providers.typed(profile)
+    prov = providers.for_profile(p)
+    # one host's tree is not a multi-host server's baseline
+    if pid is None or not prov.serves_model or p.multi_host:
+        return
+    try:
+        if baseline.measured(prov.name, p.model):
+            return
+        rss = baseline.tree_rss(pid)
+        weights = share_of(p).weights_bytes
+        if rss and weights is not None:
+            baseline.record(prov.name, p.model, rss, weights)
+    except (MacserveError, OSError):
+        return
