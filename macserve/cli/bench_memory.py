@@ -19,8 +19,6 @@ from .lazy import lazy
 
 worst_case = lazy("macserve.services.worst_case")
 profiles = lazy("macserve.services.profiles")
-baseline = lazy("macserve.services.baseline")
-providers = lazy("macserve.services.providers")
 held_bench = lazy("macserve.engine.bench.held")
 bench_setup = lazy("macserve.engine.bench.setup")
 serve_http = lazy("macserve.engine.bench.serve_http")
