@@ -291,10 +291,14 @@ def _print_held(table: dict, pb: dict) -> None:
         f"\nin a cache budget of {fmt.size(pb['budget_bytes'])} ({layers} layers): whole "
         "sequences of each context, and the tokens of context they hold"
     )
-    click.echo(f"{'context':>8}  {'INT2':>16}{'bf16-latent':>16}{'mlx-lm':>16}")
+    click.echo(
+        f"{'context':>8}  {'INT2 seqs':>10}{'tokens':>11}{'bf16-lat seqs':>15}{'tokens':>11}"
+        f"{'mlx-lm seqs':>13}{'tokens':>11}{'INT2/mlx-lm':>13}"
+    )
     for n, row in pb["contexts"].items():
         cells = "".join(
-            f"{row[w]['sequences']:>6,} {fmt.tokens_k(row[w]['tokens']):>9}"
-            for w in ("int2", "bf16_latent", "bf16")
+            f"{row[w]['sequences']:>{width},}{row[w]['tokens']:>11,}"
+            for w, width in (("int2", 10), ("bf16_latent", 15), ("bf16", 13))
         )
-        click.echo(f"{fmt.tokens_k(int(n)):>8}  {cells}")
+        more = row["int2"]["sequences"] / max(1, row["bf16"]["sequences"])
+        click.echo(f"{fmt.tokens_k(int(n)):>8}  {cells}{more:>12.2f}x")
