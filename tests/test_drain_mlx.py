@@ -72,7 +72,9 @@ def test_mlx_drain_finishes_a_stream_or_ends_it_with_an_error_event(
     # stops are supervisord's own (what `macserve restart` and `stop` ask it for), from this
     # process: the CLI's start-up would take a varying part of the stream before the SIGTERM
     sv = SupervisorBackend(macserve_home)
-    r = cli("set", "tiny", "--", f"DRAIN={short:g}")
+    # PARALLEL=2: the stream and the request beside it are generated together (mlx_lm.server
+    # decodes PARALLEL sequences at once, the profile's share)
+    r = cli("set", "tiny", "--", f"DRAIN={short:g}", "PARALLEL=2")
     assert r.returncode == 0, r.stderr
     services.append(status("tiny")["pid"])
     assert f"stopwaitsecs={values.stop_wait(short)}\n" in program.read_text()

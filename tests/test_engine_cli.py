@@ -195,7 +195,9 @@ def test_bench_engine_json_small_contexts(monkeypatch):
     assert held["int2"] < held["bf16"]
     assert d["rotation_bytes_per_layer"] == 512 * 512 * 2
     tr = d["prefill_transient_bytes"]["2048"]
-    assert 0 < tr["int2"] < tr["bf16"]
+    # both read keys in blocks (mla_attention.blocked_prefill for mlx-lm's cache): neither
+    # materializes heads x chunk x context scores (test_engine_memory.py bounds them)
+    assert tr["int2"] > 0 and tr["bf16"] > 0
     for key in ("chunk_vs_steps_max_logit_diff", "chunk_vs_steps_bf16_model"):
         diffs = d[key]
         assert all(0 <= diffs[w] < 0.1 for w in ("int2", "bf16", "bf16_latent")), diffs

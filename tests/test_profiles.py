@@ -116,6 +116,8 @@ def test_defaults():
         ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=a:99999\n", "bad HOSTS '99999'"),
         ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nBACKEND=carrier-pigeon\n", "unknown BACKEND"),
         ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nPARALLEL=0\n", "bad PARALLEL '0'"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nMEMORY=lots\n", "bad MEMORY: not a size"),
+        ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nMEMORY=24\n", "bad MEMORY: '24' needs a"),
         ("PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOST='a b'\n", "bad HOST 'a b'"),
     ],
 )
@@ -131,7 +133,7 @@ def test_bad_names(name):
         ProfileStore().path(name)
 
 
-def test_reserved_multi_mac_keys_validate():
+def test_multi_mac_keys_validate():
     p = parse(
         "PROVIDER=llama.cpp\nMODEL=a\nPORT=8080\nHOSTS=studio1:50052,studio2\nBACKEND=rpc\nPARALLEL=4\n",
         "x",
@@ -318,16 +320,22 @@ def test_set_edits_single_flags_and_names_lost_ones(macserve_home, llama_server,
     )
     # -t and --threads are one flag (aliases on one --help line): replaced in place; the old
     # profile's -c moves to CTX on this first write
-    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--threads 2 -np 1")
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--threads 2 -b 512")
     assert code == 0, err
     a = st.load("a")
-    assert a.extra_args == ("--spec-type", "draft-mtp", "--threads", "2", "-np", "1")
+    assert a.extra_args == ("--spec-type", "draft-mtp", "--threads", "2", "-b", "512")
     assert a.ctx == 1024 and "moved -c 1024 out of EXTRA_ARGS into CTX=1024" in out
-    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS-=--parallel")
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS-=--batch-size")
     assert code == 0, err
     assert st.load("a").extra_args == ("--spec-type", "draft-mtp", "--threads", "2")
+    # the slots are PARALLEL now: -np moves into it; the host prompt cache is the share's
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=-np 2")
+    assert code == 0, err
+    assert st.load("a").parallel == 2 and "moved -np 2 out of EXTRA_ARGS into" in out
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--cache-ram 64")
+    assert code == 2 and "--cache-ram is set by macserve from the profile; use the MEMORY" in err
     # replacing the whole value is allowed, and says which flags went
-    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-np 1")
+    code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS=-b 512")
     assert code == 0, err
     assert "EXTRA_ARGS no longer has --spec-type draft-mtp, --threads 2" in out
     assert st.load("a").ctx == 1024  # a key, not a flag: EXTRA_ARGS= leaves it

@@ -1,7 +1,8 @@
 """`/metrics` on a real `macserve serve` subprocess: behind the API key, parsed with
 prometheus_client's own text parser, its counters moving as the official clients make
 requests (requests by route and status, tokens, TTFT, prompt-cache reuse), and the batch
-size sized at load when --max-batch is not given."""
+size sized at load when --max-batch is not given. With --memory: MLX's allocator and the
+share as gauges, /health's breakdown of the share, everything held inside it."""
 
 import httpx
 import openai
@@ -101,3 +102,42 @@ def test_a_running_stream_shows_in_flight_with_its_kv_bytes(server):
     stream.close()
     assert seen is not None, "no scrape during the stream saw its caches"
     assert get(seen, "macserve_sequences_in_flight") == 1
+
+
+SHARE = 256 * 2**20  # the demo model (weights ~21 MB, 2.5 MB per 1,024-token sequence)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("serve-share"), "--memory", "256MB", "--api-key", KEY) as s:
+        yield s
+
+
+def test_a_share_sizes_the_server_and_its_gauges_show_mlx_within_it(shared):
+    c = openai.OpenAI(base_url=shared.url + "/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who art thou?"}]
+    c.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
+    mem = shared.health()["memory"]
+    assert mem["source"] == "--memory" and mem["share_bytes"] == SHARE
+    parts = ("baseline_bytes", "weights_bytes", "kv_bytes", "prompt_cache_bytes", "reserve_bytes")
+    assert sum(mem[p] for p in parts) + mem["free_bytes"] == SHARE and mem["free_bytes"] >= 0
+    # the share, not the machine, bounds the batch: below the cap a bare serve reaches here
+    assert 1 <= mem["max_batch"] < 64
+    # the prompt cache's default bound in a share: one whole-context sequence
+    assert mem["prompt_cache_bytes"] == mem["kv_bytes_per_sequence"]
+    m = scrape(shared)
+    assert get(m, "macserve_max_batch") == mem["max_batch"]
+    assert get(m, "macserve_memory_share_bytes") == SHARE
+    assert get(m, "macserve_memory_baseline_bytes") == mem["baseline_bytes"] > 0
+    active, peak = get(m, "macserve_memory_active_bytes"), get(m, "macserve_memory_peak_bytes")
+    assert mem["weights_bytes"] <= active <= peak <= SHARE - mem["baseline_bytes"]
+    # the batch drained: MLX's buffer cache was given back
+    assert get(m, "macserve_memory_cache_bytes") <= mem["buffer_cache_bytes"]
+    assert "memory share" in shared.log.read_text()
+
+
+def test_a_bare_serve_says_it_sizes_against_the_whole_machine(server):
+    m = scrape(server)
+    assert get(m, "macserve_memory_share_bytes") == 0
+    assert server.health()["memory"]["source"] == "the machine's memory budget"
+    assert "whole machine" in server.log.read_text()

@@ -427,7 +427,7 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
     port = free_port()
     r = cli("new", str(tiny_mlx_f32), "--name", "tiny-mlx", "--port", str(port), "--timeout", "120")
     assert r.returncode == 0, r.stderr
-    assert "mlx has no context-size flag" in r.stderr
+    assert "mlx has no context-size flag: macserve refuses a prompt past" in r.stderr
     text = (macserve_home / "profiles" / "tiny-mlx.env").read_text()
     assert "PROVIDER=mlx" in text
     s = status("tiny-mlx")
@@ -443,7 +443,8 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
     )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1
     # CTX and KV on mlx: KV=q8 is --kv-bits 8; mlx_lm.server has no context flag, so CTX is
-    # what doctor (and the router's budget) count its cache up to
+    # kept by macserve's shim (not on its command line); inspect models no q8 cache of mlx-lm's,
+    # so its share is unknown until MEMORY= gives one
     r = cli("set", "tiny-mlx", "--", "CTX=512", "KV=q8", timeout=300)
     assert r.returncode == 0, r.stderr
     s2 = status("tiny-mlx")
@@ -454,7 +455,7 @@ def test_mlx_service_ready_means_a_completion(tiny_mlx_f32, services, macserve_h
     d = json.loads(cli("doctor", "--json").stdout)
     row = next(p for p in d["profiles"] if p["name"] == "tiny-mlx")
     assert (row["ctx"], row["cache_key"]) == (512, None)
-    assert "counted up to CTX" in row["note"] and "does not model a q8 cache" in row["note"]
+    assert "has no context flag" in row["note"] and "does not model a q8 cache" in row["error"]
     assert cli("rm", "tiny-mlx").returncode == 0
 
 

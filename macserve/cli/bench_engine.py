@@ -16,6 +16,8 @@ from .lazy import lazy
 engine_bench = lazy("macserve.engine.bench.engine")
 bench_setup = lazy("macserve.engine.bench.setup")
 engine_model = lazy("macserve.engine.model")
+prefill_scratch = lazy("macserve.engine.bench.prefill_scratch")
+budget = lazy("macserve.sizing.budget")
 mtp_bench = lazy("macserve.engine.bench.mtp")
 
 
@@ -83,6 +85,19 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
     type=click.FloatRange(0, 1),
     help="MTP acceptance for the projection [default: measured on the demo model]",
 )
+@click.option(
+    "--scratch",
+    is_flag=True,
+    help="only this: one prefill chunk's scratch by MLX's allocator at each --scratch-contexts "
+    "position, the chunk picked for a `serve --memory` share's reserve, per cache",
+)
+@click.option("--scratch-contexts", default="32768,131072", show_default=True)
+@click.option(
+    "--scratch-reserve",
+    default="2GB",
+    show_default=True,
+    help="the share's reserve (10% of --memory); a chunk's scratch gets half of it",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_engine(
     model,
@@ -97,6 +112,9 @@ def bench_engine(
     chunk_tokens,
     bf16_chunk_tokens,
     acceptance,
+    scratch,
+    scratch_contexts,
+    scratch_reserve,
     as_json,
 ):
     """The INT2 cache against mlx-lm's bf16 cache at real width: conversions, prefill memory,
@@ -109,13 +127,12 @@ def bench_engine(
         "decode": _ints(decode_contexts, "--decode-contexts"),
         "projection": _ints(projection_contexts, "--projection-contexts"),
     }
+    if scratch:
+        _scratch(model, synthetic, layers, scratch_contexts, scratch_reserve, as_json)
+        return
     if acceptance is None:
         acceptance = _demo_acceptance()
-    setup = (
-        bench_setup.setup_synthetic(synthetic, layers)
-        if synthetic
-        else bench_setup.setup_folder(model)
-    )
+    setup = _setup(model, synthetic, layers)
     res = engine_bench.run(
         setup,
         contexts,
@@ -129,6 +146,43 @@ def bench_engine(
         click.echo(json.dumps(res, indent=1))
         return
     _print_engine(res)
+
+
+def _setup(model, synthetic, layers):
+    if synthetic:
+        return bench_setup.setup_synthetic(synthetic, layers)
+    return bench_setup.setup_folder(model)
+
+
+def _scratch(model, synthetic, layers, contexts, reserve, as_json) -> None:
+    setup = _setup(model, synthetic, layers)
+    bench_setup.to_dtype(setup, bench_setup.engine_dtype())
+    res = prefill_scratch.run(
+        setup,
+        _ints(contexts, "--scratch-contexts"),
+        budget.parse_size(reserve),
+        progress=lambda m: click.echo(f"... {m}", err=True),
+    )
+    res["model"] = setup.name
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    click.echo(
+        f"{res['model']}: one prefill chunk's scratch (MLX's peak over the chunk less what was "
+        f"held before it) against a reserve of {_gb(res['reserve_bytes'])}, half of it the "
+        f"chunk's budget ({_gb(res['budget_bytes'])})"
+    )
+    click.echo(
+        f"{'context':>8} {'chunk':>6} {'bf16 peak':>10} {'int2 peak':>10} {'modelled':>10} "
+        f"{'budget':>9}  mlx-lm's own 2,048 chunk (not run, lower bound)"
+    )
+    for n, row in res["contexts"].items():
+        ok = max(row["bf16"], row["int2"]) <= res["budget_bytes"]
+        click.echo(
+            f"{int(n):>8,} {row['chunk']:>6,} {_gb(row['bf16']):>10} {_gb(row['int2']):>10} "
+            f"{_gb(row['modelled_bytes']):>10} {_gb(res['budget_bytes']):>9}  "
+            f">{_gb(row['unbounded_lower_bound'])}{'' if ok else '  OVER BUDGET'}"
+        )
 
 
 def _gb(b):
@@ -159,7 +213,10 @@ def _print_engine(r: dict) -> None:
             f"{int(n):>8,} {_gb(peak['int2']):>10} {bf:>10} {_gb(tr['int2']):>15} "
             f"{_gb(tr['bf16']):>15}"
         )
-    click.echo("* not run: mlx-lm's scores alone would exceed this machine's free memory")
+    click.echo(
+        "bf16: mlx-lm's cache, read in blocks of keys by the engine (mlx-lm's own attention "
+        "materializes at least bf16_prefill_transient_lower_bound)"
+    )
     held, nb = r["held_bytes_per_token_per_layer"], r["nbytes_per_token_per_layer"]
     click.echo(
         "bytes per token per layer held by the allocator (nbytes): "

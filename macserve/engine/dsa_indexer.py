@@ -20,7 +20,7 @@ from .latent_cache import RotatedLatentCache
 from .rows import CODE_STEP, Rows, TokenRows
 
 # Transient bytes of one block of indexer scores (heads x queries x keys).
-BLOCK_BYTES = 256 * 2**20
+BLOCK_BYTES = DEFAULT_BLOCK_BYTES = 256 * 2**20
 
 
 class IndexerKeyCache(_BaseCache):

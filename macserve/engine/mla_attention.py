@@ -25,6 +25,10 @@ DSA models (deepseek_v32, glm_moe_dsa) cache CacheList(latent, indexer key); the
 top-k selection (`dsa_indexer.py`) becomes a mask over the same scores, and a decode step
 reads only the selected rows of the codes.
 
+A prefill chunk through mlx-lm's own plain cache is read in blocks of keys the same way
+(`blocked_prefill`): mlx-lm's form scores every query against every key at once and expands
+the whole cache to per-head keys and values, scratch that grows with the context.
+
 `install(model)` swaps each MLA attention module's class for a subclass whose `__call__`
 takes this path when its cache is a RotatedLatentCache and defers to mlx-lm otherwise, so
 mlx-lm's model code, weights and `generate` are used unchanged.
@@ -43,7 +47,7 @@ from .online_softmax import Merge, masked, tiled
 
 # Transient bytes one block of scores may take (heads x queries x keys); a prefill chunk's
 # keys are read in blocks this size, so its memory does not grow with the context.
-BLOCK_BYTES = 256 * 2**20
+BLOCK_BYTES = DEFAULT_BLOCK_BYTES = 256 * 2**20
 # DSA decode scores only the selected rows of the codes (False: all rows, masked; the bench
 # flips it to measure the difference, tests check both give the same attention).
 SPARSE_DECODE = True
@@ -83,13 +87,30 @@ def expanded_from(attn) -> int:
     return max(2, -(-r * (nope + v) // max(1, 2 * r - nope - v)))
 
 
-def blocks(cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=None) -> list:
+def block_keys(heads: int, L: int, itemsize: int, row_bytes: int = 0) -> int:
+    """Keys per block for L queries: its scores (heads x L x keys) and the bytes each key's
+    rows take once read (`row_bytes`: dense, and expanded to per-head K and V in the expanded
+    form) within BLOCK_BYTES; at least 64."""
+    return max(64, BLOCK_BYTES // max(1, heads * L * itemsize + row_bytes))
+
+
+def row_bytes(attn, L: int, itemsize: int) -> int:
+    """What one key of a block costs beside its scores, for L queries (`block_keys`)."""
+    dense = 2 * (attn.kv_lora_rank + attn.qk_rope_head_dim) * itemsize
+    if L < expanded_from(attn):
+        return dense
+    return dense + 2 * attn.num_heads * (attn.qk_nope_head_dim + attn.v_head_dim) * itemsize
+
+
+def blocks(
+    cache: RotatedLatentCache, L: int, heads: int, itemsize: int, chosen=None, row: int = 0
+) -> list:
     """[(kind, first token, latent parts, rope parts, visible)] per block of keys the last L
     queries read; blocks none of them can see are left out. A decode step (and a
     verification of a few tokens) gets each segment whole. `visible` is True (every query
     sees every row) or a (.., L, rows) bool mask; `chosen` (B, 1, L, tokens): the DSA
     selection, applied on top."""
-    bk = max(64, BLOCK_BYTES // max(1, heads * L * itemsize)) if L > 1 else 1 << 62
+    bk = block_keys(heads, L, itemsize, row) if L > 1 else 1 << 62
     out = []
     for kind, start, lat, pe in cache.segments(L):
         n = lat[0].shape[2]
@@ -205,11 +226,11 @@ def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, in
             chosen, top = picked
     q_pe = q_pe * attn.scale
     if L >= expanded_from(attn):
-        blks = blocks(cache, L, H, 4, chosen)
+        blks = blocks(cache, L, H, 4, chosen, row_bytes(attn, L, 4))
         out = _expanded(attn, cache, q_nope * attn.scale, q_pe, blks)
     else:
         q_lat = cache.rotate(attn.embed_q(q_nope) * attn.scale)
-        blks = blocks(cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen)
+        blks = blocks(cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen, row_bytes(attn, L, 4))
         if top is not None and L == 1 and SPARSE_DECODE:
             blks = dsa_indexer.gather_selected(cache, blks, top)
         out = absorbed(cache, q_lat, q_pe, blks, L)
@@ -265,12 +286,12 @@ class _Plain:
     rotation = None
 
 
-def plain_blocks(latent, pe, L: int, heads: int) -> list:
+def plain_blocks(latent, pe, L: int, heads: int, row: int) -> list:
     """`blocks` for rows of a plain cache (latent, pe: (B, 1, N, .)) read by its last L
     queries: every key before the chunk is seen by all of them, the chunk's own causally."""
     n = latent.shape[2]
     first = n - L  # the chunk's first position
-    bk = max(64, BLOCK_BYTES // max(1, heads * L * 4))
+    bk = block_keys(heads, L, 4, row)
     out = []
     for a in range(0, n, bk):
         b = min(n, a + bk)
@@ -293,7 +314,7 @@ def blocked_prefill(attn, x, cache):
     q_pe = attn.rope(q_pe, cache.offset)
     k_pe = attn.rope(k_pe, cache.offset)
     latent, k_pe = cache.update_and_fetch(latent, k_pe)
-    blks = plain_blocks(latent, k_pe, L, attn.num_heads)
+    blks = plain_blocks(latent, k_pe, L, attn.num_heads, row_bytes(attn, L, 4))
     q_pe = q_pe * attn.scale
     if L >= expanded_from(attn):
         out = _expanded(attn, _Plain, q_nope * attn.scale, q_pe, blks)
@@ -303,10 +324,11 @@ def blocked_prefill(attn, x, cache):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def set_block_bytes(n: int) -> None:
-    """The bytes one block of scores may take (the server sets it from its share's reserve)."""
+def set_block_bytes(n: int | None) -> None:
+    """The bytes one block of scores may take (the server sets it from its share's reserve;
+    None: the default)."""
     global BLOCK_BYTES
-    BLOCK_BYTES = max(1, int(n))
+    BLOCK_BYTES = DEFAULT_BLOCK_BYTES if n is None else max(1, int(n))
 
 
 # Up to this many queries, attention over an ordinary cache stays in latent space as well.

@@ -7,7 +7,8 @@ mlx-lm's plain cache alike), so its scores take one block (heads x L x keys, flo
 time, whatever the context; the block's keys are expanded to per-head keys and values. What
 still grows with L: the queries, the layer's activations and MLP rows, the merged softmax's
 running state. What grows with P: the model's causal mask (L x P booleans) and one layer's
-cache copied when it grows (mlx-lm's cache concatenates a new buffer). A model that is not
+cache copied when it grows (mlx-lm's cache concatenates a new buffer, then writes the
+chunk's rows into it). A model that is not
 MLA is read by mlx-lm's attention whole: its scores are heads x L x (P + L).
 
 The figures are an upper bound read off the code (every array a step may hold at once,
@@ -81,23 +82,42 @@ def block_bytes(budget: int) -> int:
     return max(1, budget // BLOCK_SHARE)
 
 
-def block_keys(heads: int, L: int, block: int) -> int:
-    """Keys per block for L queries (mla_attention's rule)."""
-    return max(MIN_BLOCK_KEYS, block // max(1, heads * L * 4))
+def expanded(w: Widths, L: int) -> bool:
+    """Whether L queries take the expanded form (mla_attention.expanded_from's rule)."""
+    nope = w.q_head - w.rope
+    r = w.rank
+    return L >= max(2, -(-r * (nope + w.v_head) // max(1, 2 * r - nope - w.v_head)))
+
+
+def row_bytes(w: Widths, L: int) -> int:
+    """One key's rows once read, beside its scores (mla_attention.row_bytes)."""
+    dense = 2 * (w.rank + w.rope) * 4
+    if not expanded(w, L):
+        return dense
+    return dense + 2 * w.heads * (w.q_head - w.rope + w.v_head) * 4
+
+
+def block_keys(w: Widths, L: int, block: int) -> int:
+    """Keys per block for L queries (mla_attention.block_keys' rule)."""
+    return max(MIN_BLOCK_KEYS, block // max(1, w.heads * L * 4 + row_bytes(w, L)))
 
 
 def chunk_scratch(w: Widths, L: int, pos: int, block: int) -> int:
     """Bytes a chunk of L tokens at position `pos` may hold beyond the weights and caches."""
     n = pos + L
-    keys = min(n, block_keys(w.heads, L, block)) if w.blocked else n
-    scores = SCORE_COPIES * w.heads * L * keys * 4
-    kv = 2 * w.heads * keys * (w.q_head + w.v_head) * w.itemsize  # a block's expanded K, V
+    if w.blocked:
+        keys = min(n, block_keys(w, L, block))
+        per_key = SCORE_COPIES * w.heads * L * 4 + row_bytes(w, L)
+    else:  # mlx-lm's attention: every key at once, scores in the model's dtype and float32
+        keys, per_key = n, SCORE_COPIES * w.heads * L * 4
     merged = 3 * w.heads * L * (max(w.v_head, w.rank) + 2) * 4  # running acc, max, sum
     queries = 3 * w.heads * L * (w.q_head + w.rank + w.v_head) * w.itemsize
     layer = L * w.itemsize * (8 * w.hidden + 3 * w.mlp)
     mask = L * n  # the model's causal mask, booleans
-    grow = (n + GROW_STEP) * w.row_bytes  # one layer's cache copied as it grows
-    return scores + kv + merged + queries + layer + mask + grow
+    # One layer's cache as it grows: mlx-lm's concatenation into a new buffer, and the
+    # chunk's rows written into that (a copy unless MLX donates it).
+    grow = 2 * (n + GROW_STEP) * w.row_bytes
+    return keys * per_key + merged + queries + layer + mask + grow
 
 
 def chunk_for(w: Widths, pos: int, budget: int | None, most: int) -> int:
@@ -117,12 +137,12 @@ _budget: int | None = None  # this process's: set once by the server (None: unbo
 
 def set_budget(n: int | None) -> None:
     """Bound every prefill chunk's scratch in this process to `n` bytes: the attention's
-    blocks of scores (mla_attention, dsa_indexer) and the chunks `chunk` picks."""
+    blocks of scores (mla_attention, dsa_indexer) and the chunks `chunk` picks. None: back
+    to the defaults (2,048-token chunks, 256 MB blocks)."""
     global _budget
     _budget = n
-    if n is not None:
-        mla_attention.set_block_bytes(block_bytes(n))
-        dsa_indexer.BLOCK_BYTES = block_bytes(n)
+    mla_attention.set_block_bytes(None if n is None else block_bytes(n))
+    dsa_indexer.BLOCK_BYTES = dsa_indexer.DEFAULT_BLOCK_BYTES if n is None else block_bytes(n)
 
 
 def budget() -> int | None:

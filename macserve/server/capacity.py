@@ -10,6 +10,12 @@ growth to the context. Two points, not one, because the INT2 latent cache is not
 its first sink + recent (+ slack) rows are bf16 and only the tokens after them are 2-bit codes,
 so a short prefill (all bf16) would count INT2 at the bf16 latent's bytes and give it a fifth
 of the sequences it holds at long contexts. The first probe therefore goes past those rows.
+
+With `serve --memory S` (plan_share / fit_share / hold_to) the same measurement sizes the batch
+inside S instead of the machine: the process's baseline (measured before the weights), the
+weights, the sequences, the prompt cache (its bound shrunk to what is left) and a RESERVE of S
+(half a prefill chunk's scratch, engine/scratch.py; half MLX's buffer cache); MLX's own
+limits are set from it, and a --max-batch that does not fit is refused with the figures.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ PROBE_TOKENS = 256  # tokens between the two measurements of a sequence's caches
 # Past this many rows a decode step's B per-sequence attention calls (engine.batch) cost more
 # than the extra rows bring; requests beyond it wait in the queue.
 MAX_AUTO_BATCH = 64
-RESERVE = 0.10  # of the budget, kept for activations (a 2,048-token prefill chunk) and MLX
+RESERVE = 0.10  # of the budget (or share), kept for a prefill chunk's scratch and MLX's cache
 
 
 @dataclass(frozen=True)

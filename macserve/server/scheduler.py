@@ -4,7 +4,8 @@ The worker thread runs `Scheduler.step` in a loop. One step does, in order:
 
 1. one prefill chunk of the oldest admitted request still prefilling (the rest of its prompt
    after the prompt cache's hit; 2,048 tokens when nothing decodes, BUSY_CHUNK while others
-   do, so decodes in flight keep moving). When all but the prompt's last token are in, it
+   do, so decodes in flight keep moving; fewer where the chunk's scratch at its position
+   would not fit the share's budget, engine/scratch.py). When all but the prompt's last token are in, it
    joins the decode batch: the next decode step feeds that token as one of its rows, samples
    the first token from it, and the caches, now holding the whole prompt, are snapshotted
    into the prompt cache (a whole chunk's end inside the prompt goes to its disk tier:

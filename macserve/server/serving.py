@@ -103,7 +103,9 @@ class Engine:
         return max(1, min(60, math.ceil((w.queued() + 1) * w.job_seconds / w.max_batch)))
 
     def full(self) -> bool:
-        """Every batch slot taken and --max-queue requests waiting behind them."""
+        """Every batch slot taken and --max-queue requests waiting behind them. The slots are
+        what the memory holds (--max-batch, sized inside --memory's share): a request beyond
+        them waits holding only its token ids, never a cache."""
         w = self.worker
         return w.queued() + w.in_flight() >= w.max_batch + self.settings.max_queue
 
@@ -186,7 +188,8 @@ async def generate(request: Request, api: Dialect) -> Response:
             # for Retry-After instead of marking it down.
             raise HttpError(
                 429,
-                f"{eng.settings.max_queue} requests are already waiting; retry later",
+                f"{eng.worker.max_batch} requests are running (all the memory holds at "
+                f"once) and {eng.settings.max_queue} already waiting; retry later",
                 type_="rate_limit_exceeded",
                 code="queue_full",
                 retry_after=eng.retry_after(),

@@ -224,7 +224,10 @@ class Worker(threading.Thread):
             self.kv_plan = bundle.kv_plan(self.options.cache)
             log.info("kv cache: %s", self.kv_plan["summary"])
             log.info("kv cache per layer: %s", _per_layer(self.kv_plan))
-            if self.memory_share is not None:
+            if self.memory_share is not None and self.ranks.distributed:
+                # Every rank must prefill in the same chunks; only rank 0 would know the share.
+                log.warning("--memory is not applied under mlx.launch: ranks size alike")
+            elif self.memory_share is not None:
                 self._fit_share(bundle)
             elif self._size_batch:
                 self._set_max_batch(bundle)

@@ -71,9 +71,10 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def record(provider: str, model: str, rss_bytes: int, weights_bytes: int | None) -> int:
-    """Store resident - weights (at least 0) for provider + model; returns the baseline."""
-    value = max(0, rss_bytes - (weights_bytes or 0))
+def record(provider: str, model: str, rss_bytes: int, held_bytes: int) -> int:
+    """Store resident - what the share counts apart (the weights; the cache too for a server
+    that allocates it at start), at least 0, for provider + model; returns the baseline."""
+    value = max(0, rss_bytes - held_bytes)
     p = path()
     p.parent.mkdir(parents=True, exist_ok=True)
     with open(p.with_name(".baselines.lock"), "a") as lock:
@@ -82,7 +83,7 @@ def record(provider: str, model: str, rss_bytes: int, weights_bytes: int | None)
         data[key(provider, model)] = {
             "bytes": value,
             "rss_bytes": rss_bytes,
-            "weights_bytes": weights_bytes,
+            "held_bytes": held_bytes,  # weights (+ the cache a server allocates at start)
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"),
         }
         atomic_write(p, json.dumps(data, indent=1, sort_keys=True) + "\n")

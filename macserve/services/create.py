@@ -100,13 +100,13 @@ def new(
         notes.append(f"context {plan.n_ctx:,} tokens ({why}; {cache} cache)")
         if prov.context_args(plan.n_ctx) is None:
             notes.append(
-                f"{plan.provider} has no context-size flag: CTX is what doctor and the router "
-                "count its cache up to, not a limit the server keeps"
+                f"{plan.provider} has no context-size flag: macserve refuses a longer prompt "
+                "(400) in the process it runs the server in"
             )
     elif plan.n_ctx:
         notes.append(
-            f"{plan.provider} has no context-size flag: its cache grows per request; "
-            f"{plan.fits:,} tokens fit the budget with {plan.cache_key}"
+            f"{plan.provider} has no context-size flag: macserve refuses a prompt past the "
+            f"model's limit (400); {plan.fits:,} tokens fit the budget with {plan.cache_key}"
             if plan.fits
             else f"{plan.provider} has no context-size flag"
         )

@@ -28,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..errors import MacserveError
+from ..hf_config import text_config
 from ..sizing.report import inspect_source
 from . import baseline, providers
 from .profiles import Profile, ProfileStore
@@ -35,6 +36,7 @@ from .providers.base import Limits
 
 RESERVE = 0.10  # of the share: prefill scratch + the allocator's cache (the engine's contract)
 MIB = 2**20
+PREFILL_STEP = 2048  # mlx-lm's default chunk: the most a share ever asks for
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class Share:
     source: str  # "MEMORY=24GB" | "CTX x PARALLEL"
     note: str = ""
     error: str | None = None
+    # prompt tokens per prefill chunk whose scratch fits the reserve at ctx (mlx_lm.server's
+    # --prefill-step-size; the engine chooses its own chunk within --memory)
+    prefill_step: int = PREFILL_STEP
 
     @property
     def kv_total_bytes(self) -> int | None:
@@ -96,6 +101,8 @@ class Share:
             kv_bytes=self.kv_bytes,
             prompt_cache_bytes=self.prompt_cache_bytes,
             reserve_bytes=self.reserve_bytes,
+            prefill_step=self.prefill_step,
+            baseline_bytes=self.baseline_bytes,
             why_unknown=self.error or (None if self.share_bytes else "its share is unknown"),
         )
 
@@ -124,6 +131,35 @@ def fit_parallel(memory: int, fixed: int, kv: int) -> int:
 def prompt_cache_bound(kv_bytes: int | None) -> int:
     """The in-memory prompt cache's bound: one whole-context sequence's cache, in whole MiB."""
     return math.ceil(kv_bytes / MIB) * MIB if kv_bytes else 0
+
+
+def scratch_per_token(config: dict | None, ctx: int) -> int | None:
+    """Prefill scratch per prompt token of a chunk at position `ctx`, one layer at a time:
+    the attention scores (query heads x ctx, float32, as an unfused attention materializes
+    them) and the MLP's and the residual stream's activations (float32). None: not a config."""
+    if not config:
+        return None
+    c = text_config(config)
+    heads = c.get("num_attention_heads")
+    hidden = c.get("hidden_size")
+    if not isinstance(heads, int) or not isinstance(hidden, int):
+        return None
+    mlp = max(
+        (
+            v
+            for k in ("intermediate_size", "moe_intermediate_size")
+            if isinstance(v := c.get(k), int)
+        ),
+        default=4 * hidden,
+    )
+    return 4 * (heads * ctx + 3 * mlp + 4 * hidden)
+
+
+def prefill_step(reserve: int, per_token: int | None) -> int:
+    """The longest chunk (at most PREFILL_STEP) whose scratch fits `reserve`, at least 1."""
+    if not per_token:
+        return PREFILL_STEP
+    return max(1, min(PREFILL_STEP, reserve // per_token))
 
 
 def _gib(n: int | None) -> str:
@@ -190,6 +226,7 @@ def share_of(profile: Profile) -> Share:
     lay = rep.layouts.get(s.cache_key) if s.cache_key else None
     kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
     weights = rep.weights_bytes
+    per_token = scratch_per_token(rep.source.config, ctx) if ctx else None
     s = replace(s, weights_bytes=weights, kv_bytes=kv, ctx=ctx, prompt_cache_bytes=0)
     s = replace(s, prompt_cache_bytes=prompt_cache_bound(kv))
     unknown = None
@@ -201,9 +238,9 @@ def share_of(profile: Profile) -> Share:
         if unknown:
             why = f"{unknown}: set MEMORY= to give it a share by hand"
             return replace(s, note="; ".join(notes), error=why)
-        return replace(
-            s, note="; ".join(notes), reserve_bytes=with_reserve(s.parts_bytes) - s.parts_bytes
-        )
+        reserve = with_reserve(s.parts_bytes) - s.parts_bytes
+        step = prefill_step(reserve, per_token)
+        return replace(s, note="; ".join(notes), reserve_bytes=reserve, prefill_step=step)
     s = replace(s, reserve_bytes=math.ceil(memory * RESERVE))
     if unknown:
         notes.append(f"{unknown}: the share is MEMORY alone")
@@ -212,7 +249,8 @@ def share_of(profile: Profile) -> Share:
         n = fit_parallel(memory, weights + s.prompt_cache_bytes + bl, kv)
         s = replace(s, parallel=max(1, n))
         notes.append(f"PARALLEL={n} derived from MEMORY")
-    return replace(s, note="; ".join(notes), error=too_small(s))
+    s = replace(s, note="; ".join(notes), error=too_small(s))
+    return replace(s, prefill_step=prefill_step(s.reserve_bytes, per_token))
 
 
 def check(profile: Profile) -> Share:
@@ -237,8 +275,11 @@ def record_baseline(profile: Profile, pid: int | None) -> None:
         if baseline.measured(prov.name, p.model):
             return
         rss = baseline.tree_rss(pid)
-        weights = share_of(p).weights_bytes
-        if rss and weights is not None:
-            baseline.record(prov.name, p.model, rss, weights)
+        s = share_of(p)
+        held = s.weights_bytes
+        if held is not None and prov.holds_cache_at_start:
+            held = None if s.kv_total_bytes is None else held + s.kv_total_bytes
+        if rss and held is not None:
+            baseline.record(prov.name, p.model, rss, held)
     except (MacserveError, OSError):
         return

@@ -70,6 +70,7 @@ class Limits:
     prompt_cache_bytes: int  # the in-memory prompt cache's bound
     reserve_bytes: int  # prefill scratch + allocator slack
     prefill_step: int = 2048  # prompt tokens per prefill chunk whose scratch fits the reserve
+    baseline_bytes: int = 0  # the process itself (runtime, buffers): outside MLX's allocator
     why_unknown: str | None = None
 
     @property
@@ -119,6 +120,9 @@ class BaseProvider:
     # The server process's own bytes (runtime, buffers) counted in its share until the first
     # start on this machine measures it (services/baseline.py).
     assumed_baseline = 0
+    # Its server allocates every sequence's cache when it starts (llama-server: -c cells), so
+    # a baseline measured at idle holds the cache too, which the share counts apart.
+    holds_cache_at_start = False
     # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
     limit_flags: dict[str, str] = {}
     # the flags that set the sequences served at once: PARALLEL (lifted out of EXTRA_ARGS)

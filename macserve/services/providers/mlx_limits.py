@@ -1,10 +1,11 @@
 """The memory share inside mlx_lm.server's own process (run by mlx_drain.py, which calls
 `apply` before mlx-lm's server starts): the limits its flags cannot set.
 
-- MLX's own limits from the share (env MACSERVE_MEMORY_SHARE, MACSERVE_MEMORY_RESERVE, bytes):
-  `mx.set_memory_limit` (a graph evaluation past it waits for freed buffers or fails, rather
-  than growing), `mx.set_cache_limit` (MLX's buffer cache, kept within the reserve: mlx-lm's
-  server never clears it);
+- MLX's own limits from the share (env MACSERVE_MEMORY_SHARE, _RESERVE, _BASELINE, bytes):
+  `mx.set_memory_limit` to the share less the process's baseline (what MLX's allocator may
+  hold: weights, caches, scratch; past it MLX frees its buffer cache and waits for buffers in
+  use before it allocates more), `mx.set_cache_limit` to the reserve (MLX's buffer cache:
+  mlx-lm's server never clears it). The wired limit stays mlx-lm's own;
 - a prompt longer than CTX (env MACSERVE_CTX) is refused with a 400, as llama-server and the
   engine refuse one past their context: mlx_lm.server has no context flag and would prefill
   it, growing its cache past what the share counts. The count is mlx-lm's own tokenization of
@@ -21,6 +22,7 @@ from typing import Any
 
 MEMORY_SHARE_ENV = "MACSERVE_MEMORY_SHARE"
 MEMORY_RESERVE_ENV = "MACSERVE_MEMORY_RESERVE"
+MEMORY_BASELINE_ENV = "MACSERVE_MEMORY_BASELINE"
 CTX_ENV = "MACSERVE_CTX"
 
 _refused = threading.local()  # the handler thread whose request was too long
@@ -45,10 +47,15 @@ def apply(server: Any, log) -> Any:
     if share:
         import mlx.core as mx  # here only: the shim runs in the server, after mlx-lm loads it
 
-        mx.set_memory_limit(share)
+        base = _int_env(MEMORY_BASELINE_ENV) or 0
+        limit = share - base if base < share else share
+        mx.set_memory_limit(limit)
         if reserve:
             mx.set_cache_limit(reserve)
-        log(f"MLX memory limit {share:,} B, buffer cache limit {reserve or 0:,} B (the share)")
+        log(
+            f"MLX memory limit {limit:,} B (the share {share:,} B less the process), "
+            f"buffer cache limit {reserve or 0:,} B"
+        )
     ctx = _int_env(CTX_ENV)
     if not ctx:
         return None

@@ -4,7 +4,8 @@ Its flags are `python -m mlx_lm server`'s, with the same interpreter as macserve
 -m mlx_lm.server` form is deprecated); one host runs it under `mlx_drain.py`, which gives a
 planned stop's generations up to DRAIN (mlx-lm's server has no drain of its own). Its `/health` answers 200 while the model is still loading
 in a background thread, so readiness is a real one-token completion. It has no context-size
-flag: the KV cache grows with each request.
+flag: the KV cache grows with each request, so the shim refuses a prompt longer than CTX
+(mlx_limits.py), and the memory share's limits are its flags and, in the shim, MLX's own.
 
 Several hosts (profile HOSTS): the same server runs under `mlx.launch` (MLX's own distributed
 launcher, `--backend ring|jaccl`), one rank per host; mlx-lm shards the model itself
@@ -39,7 +40,7 @@ from .. import preflight
 from ..profiles import Profile, local_model_path
 from ..values import drain_secs
 from .base import BaseProvider, Limits, base_url
-from .mlx_limits import CTX_ENV, MEMORY_RESERVE_ENV, MEMORY_SHARE_ENV
+from .mlx_limits import CTX_ENV, MEMORY_BASELINE_ENV, MEMORY_RESERVE_ENV, MEMORY_SHARE_ENV
 
 # mlx-lm's server with an uneven pipeline split (engine/pipeline.py); named, not imported:
 # it runs in the service's own process.
@@ -54,9 +55,10 @@ class MlxLm(BaseProvider):
     label = "mlx_lm.server"
     reserved = {"--host": "HOST", "--port": "PORT", "--model": "MODEL", "--pipeline": "SHARDING"}
     multi_host = True
-    assumed_baseline = 250 * 2**20  # Python + MLX + mlx-lm, until measured (baseline.py)
+    # Python + MLX + mlx-lm, until measured (baseline.py; the demo model on Linux: 99 MiB)
+    assumed_baseline = 160 * 2**20
     formats = ("mlx",)
-    # No context flag: its cache grows per request (CTX is what doctor and the router count).
+    # No context flag: its cache grows per request (the shim refuses a prompt past CTX).
     # Its cache is the model's own dtype, or quantized by --kv-bits (inspect models neither
     # quantized kind).
     cache_types = {"bf16": "mlx/bf16", "q8": None, "q4": None}
@@ -124,6 +126,7 @@ class MlxLm(BaseProvider):
         if limits.known:
             out[MEMORY_SHARE_ENV] = str(limits.share_bytes)
             out[MEMORY_RESERVE_ENV] = str(limits.reserve_bytes)
+            out[MEMORY_BASELINE_ENV] = str(limits.baseline_bytes)
         return out
 
     def binary_path(self) -> str:
