@@ -40,7 +40,7 @@ import httpx
 
 from ..errors import MacserveError
 from ..sizing.held import TreeSampler, wait_settled
-from . import providers
+from . import baseline, providers
 from .profiles import Profile, ProfileStore
 from .share import Share, record_baseline, share_of
 from .supervisors.base import package_root
@@ -207,6 +207,9 @@ def measure_baseline(profile: Profile, log: Path) -> str:
     """What the first start on a machine stores (share.record_baseline, called as soon as a
     start is ready, as health.wait_ready calls it): one start, stopped once it has; returns
     the baseline's source ("measured <date>")."""
+    source = share_of(profile).baseline_source
+    if source != baseline.ASSUMED:
+        return source  # stored by an earlier start
     with running(profile, log) as pid:
         record_baseline(profile, pid)
     return share_of(profile).baseline_source
