@@ -263,7 +263,7 @@ def _print_servers(res: dict) -> None:
             f"{_mb(s['baseline_bytes'])} + reserve {_mb(s['reserve_bytes'])} MB"
         )
         secs = ", ".join(f"{k} {v:.0f}" for k, v in r["seconds"].items())
-        click.echo(f"{'':<11}seconds: {secs}")
+        click.echo(f"{'':<11}seconds: {secs}; {r['answer_tokens']:,} tokens answered")
         for f in r["failed"][:3]:
             click.echo(f"{'':<11}failed: {f}")
 

@@ -78,6 +78,7 @@ class Result:
     answered: int = 0
     refused: int = 0  # 429/503: beyond what the server admits, as it should be
     failed: list[str] = field(default_factory=list)  # anything else
+    answer_tokens: int = 0  # generated, over every answer (usage.completion_tokens)
     chars_per_token: float = 1.0
     seconds: dict[str, float] = field(default_factory=dict)  # start, then each phase
 
@@ -107,6 +108,7 @@ class Result:
             "answered": self.answered,
             "refused": self.refused,
             "failed": self.failed,
+            "answer_tokens": self.answer_tokens,
             "seconds": self.seconds,
         }
 
@@ -178,8 +180,12 @@ class Driver:
             return None
         with self.lock:
             if r.status_code == 200:
+                out = r.json()
                 self.res.answered += 1
-                return r.json()
+                self.res.answer_tokens += int(
+                    (out.get("usage") or {}).get("completion_tokens") or 0
+                )
+                return out
             if r.status_code in (429, 503):
                 self.res.refused += 1
             else:
