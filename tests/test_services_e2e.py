@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from macserve.services.profiles import Profile, ProfileStore
+from macserve.services.share import share
 
 from .conftest import REPO, TINY_MODEL
 from .fixtures import (
@@ -70,7 +71,9 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     )
     assert r.returncode == 0, r.stderr
     assert f"tiny: started, healthy at {url}/v1" in r.stdout
-    assert "CTX=1024\nEXTRA_ARGS='--spec-type draft-mtp -t 1 -np 1'" in profile.read_text()
+    # -np is PARALLEL now (1, the default: no key); the share gives llama-server -np itself
+    assert "CTX=1024\nEXTRA_ARGS='--spec-type draft-mtp -t 1'" in profile.read_text()
+    assert "moved -np 1 out of EXTRA_ARGS" in r.stderr
     s = status("tiny")
     assert (s["state"], s["healthy"], s["port"]) == ("running", True, port)
     pid1 = s["pid"]
@@ -101,7 +104,7 @@ def test_llama_cpp_service_end_to_end(llama_server, model_gguf, services, macser
     assert "restarted, healthy" in r.stdout
     text = profile.read_text()
     assert "CTX=512\n" in text and "KV=q8_0\n" in text
-    assert "EXTRA_ARGS='--spec-type draft-mtp -t 1 -np 1'\n" in text
+    assert "EXTRA_ARGS='--spec-type draft-mtp -t 1'\n" in text
     pid2 = status("tiny")["pid"]
     services.append(pid2)
     assert pid2 != pid1 and not psutil.pid_exists(pid1)
@@ -507,7 +510,12 @@ def test_engine_service_new_set_chat(services, macserve_home):
     second = status("tiny-engine")
     assert second["healthy"] and second["pid"] != first["pid"]
     services.append(second["pid"])
-    assert "--ctx 512 --kv int2 --mtp-k 1" in " ".join(psutil.Process(second["pid"]).cmdline())
+    cmd = " ".join(psutil.Process(second["pid"]).cmdline())
+    s = share("tiny-engine")  # the engine's whole share, one sequence, its prompt cache
+    assert cmd.endswith(
+        f"--ctx 512 --kv int2 --memory {s.share_bytes}B --max-batch 1 "
+        f"--prompt-cache-bytes {s.prompt_cache_bytes}B --mtp-k 1"
+    )
     # one profile: `chat "a prompt"` asks it (with the profile's key)
     r = cli("chat", "What country, friends, is this?")
     assert r.returncode == 0, r.stderr
