@@ -69,7 +69,7 @@ def main():
 @main.group(
     "bench",
     cls=Families,
-    families=_families("bench", "bench_engine", "bench_serve", "bench_startup"),
+    families=_families("bench", "bench_engine", "bench_serve", "bench_startup", "bench_twin"),
 )
 def bench_group():
     """Benchmarks to run on your own Mac (ratios against a baseline in the same run)."""

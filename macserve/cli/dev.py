@@ -16,6 +16,7 @@ caches = lazy("macserve.engine.caches")
 disk_measure = lazy("macserve.server.disk_measure")
 engine_model = lazy("macserve.engine.model")
 gguf_export = lazy("macserve.dev.gguf_export")
+gguf_twin = lazy("macserve.dev.gguf_twin")
 hard_mla = lazy("macserve.dev.hard_mla")
 launchd_files = lazy("macserve.services.supervisors.launchd_files")
 llama_truth = lazy("macserve.dev.llama_truth")
@@ -57,6 +58,28 @@ def hard_mla_cmd(out):
 def export_gguf_cmd(model_dir, out, dtype):
     """Write the llama.cpp (deepseek2) GGUF twin of a DeepSeek-V3-family checkpoint."""
     click.echo(gguf_export.export_gguf(model_dir, out, dtype))
+
+
+@click.command("twin")
+@click.argument("gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "keep", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="keep: the GGUF's 4-bit groups as MLX quantized weights; a float type: dequantized. "
+    "auto: keep on a GPU, float32 on MLX's CPU backend (its quantized matmul is slow).",
+)
+def twin_cmd(gguf, out, dtype):
+    """The MLX twin of a Llama GGUF: an mlx-lm checkpoint (weights, config.json, tokenizer and
+    chat template from the GGUF's metadata) in OUT."""
+    if dtype == "auto":
+        dtype = gguf_twin.default_dtype()
+    elif dtype == "keep":
+        dtype = None
+    path = gguf_twin.convert(gguf, out, dtype)
+    click.echo(f"wrote {path} ({'4-bit groups kept' if dtype is None else dtype})")
 
 
 @click.command("mlx-check")
