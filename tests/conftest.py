@@ -23,6 +23,8 @@ from .fixtures import (  # noqa: F401  (constants other files import from here; 
     macserve_home,
     model_gguf,
     services,
+    smollm_gguf,
+    smollm_twin,
     tiny_gguf,
     tiny_mlx_f32,
 )

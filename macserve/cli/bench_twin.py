@@ -53,7 +53,7 @@ def bench_twin(gguf, twin_dir, prompts, max_tokens, logs, as_json):
         if not as_json:
             click.echo(f"{gguf.name} on llama-server ({server}) vs its MLX twin ({twin_dir})")
             click.echo(
-                f"{'prompt':34} {'tok':>4} {'same ids':>8} {'teacher-forced':>16} {'near':>5} "
+                f"{'prompt':34} {'tok':>4} {'same ids':>8} {'teacher-forced':>16} {'near':>5} {'gap':>5} "
                 f"{'diverge':>8} {'llama tok/s p/d':>16} {'mlx tok/s p/d':>15}"
             )
         for r in twin_bench.run(
@@ -74,6 +74,10 @@ def bench_twin(gguf, twin_dir, prompts, max_tokens, logs, as_json):
         f"{pos - agree} that differ, {near} are near ties (llama-server's top two within "
         f"{twin_bench.NEAR_TIE} nats). Free generations identical: {same} of {len(rows)}."
     )
+    click.echo(
+        "gap: the largest difference, in nats, between llama-server's log-probability of its "
+        f"top token and the twin's of the same token ({max(r.max_gap for r in rows):.2f} over all)"
+    )
     for r in rows:
         if r.first_divergence is not None:
             click.echo(f"  {r.prompt}\n    llama: {r.llama_text!r}\n    mlx:   {r.mlx_text!r}")
@@ -84,6 +88,6 @@ def _row(r):
     tf = f"{r.agree}/{r.positions} {r.agree / r.positions:.0%}"
     click.echo(
         f"{r.prompt[:34]:34} {r.prompt_tokens:>4} {'yes' if r.tokenize_agree else 'NO':>8} "
-        f"{tf:>16} {r.near_ties:>5} {div:>8} "
+        f"{tf:>16} {r.near_ties:>5} {r.max_gap:>5.2f} {div:>8} "
         f"{r.llama_tps[0]:>7.1f}/{r.llama_tps[1]:<8.1f} {r.mlx_tps[0]:>6.1f}/{r.mlx_tps[1]:<8.1f}"
     )

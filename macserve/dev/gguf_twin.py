@@ -205,13 +205,9 @@ def quantization(weights: dict[str, mx.array]) -> dict | None:
 
 def tokenizer_files(meta: dict) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json rebuilt from the GGUF's tokenizer metadata."""
-    # transformers' builders (their module imports no torch; its GGUF reader does)
-    from tokenizers import pre_tokenizers  # noqa: I001  (a dev-only conversion needs them)
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        add_gguf_special_tokens,
-        select_tokenizer_builder,
-        set_split_regex,
-    )
+    # transformers' GGUF tokenizer builders (that module imports no torch; its GGUF reader does):
+    from tokenizers import pre_tokenizers  # only a conversion needs tokenizers, transformers
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as hf_gguf  # 1-2 s import
 
     g = "tokenizer.ggml."
     d = {
@@ -225,13 +221,13 @@ def tokenizer_files(meta: dict) -> dict[str, str]:
     if g + "scores" in meta:
         d["scores"] = [float(x) for x in _list(meta[g + "scores"])]
     try:
-        tok = select_tokenizer_builder(_scalar(meta, "general.architecture"), d["tokenizer_type"])(
-            d
-        )
+        tok = hf_gguf.select_tokenizer_builder(
+            _scalar(meta, "general.architecture"), d["tokenizer_type"]
+        )(d)
     except ValueError as e:
         raise MacserveError(f"the GGUF's tokenizer: {e}") from None
-    tok = add_gguf_special_tokens(tok, d)
-    tok = set_split_regex(tok, d)
+    tok = hf_gguf.add_gguf_special_tokens(tok, d)
+    tok = hf_gguf.set_split_regex(tok, d)
     if _PRE_SPLITS.get(d["pre_tokenizer_type"]) == "digits":
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [

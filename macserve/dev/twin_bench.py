@@ -8,8 +8,10 @@ Per prompt (a chat turn rendered by the twin's own template, the same token ids 
   top two log-probabilities for the margin; the prompt cache makes each one token of work)
   against the argmax of the twin's logits from one MLX forward of the whole sequence. A
   disagreement where llama-server's own top two are within NEAR_TIE nats is counted apart:
-  quantization noise (llama.cpp's CPU dot products quantize the activations to 8 bits) can
-  flip a near tie without any conversion fault;
+  quantization noise (llama.cpp's CPU dot products quantize the activations to 8 bits; the
+  twin computes in float32 from the same 4-bit weights) moves a log-probability by up to
+  ~0.3 nats, so it can flip a near tie without any conversion fault. The gap itself (llama's
+  log-probability of its top token against the twin's of the same token) is reported too;
 - the first divergence of the two free greedy generations (None: the same tokens, the same
   stop);
 - tokens/s of each: llama-server's own timings, mlx-lm's stream_generate's.
@@ -31,7 +33,9 @@ import mlx.core as mx
 
 from ..errors import MacserveError
 
-NEAR_TIE = 0.1  # nats between llama-server's top two: a flip there is noise, not a fault
+# nats between llama-server's top two: a flip there is noise, not a fault (the two engines'
+# log-probabilities of one token differ by up to ~0.3 nats on SmolLM2: `bench twin`'s gap column)
+NEAR_TIE = 0.5
 
 PROMPTS = (
     "What is the capital of France?",
@@ -51,6 +55,7 @@ class Row:
     positions: int  # teacher-forced positions compared
     agree: int
     near_ties: int  # disagreements inside NEAR_TIE of llama-server's top two
+    max_gap: float  # nats: the largest |llama - twin| log-probability of llama's top token
     generated: tuple[int, int]  # tokens llama-server, MLX generated (the end of turn counted)
     first_divergence: int | None  # index into the generations; None: identical
     llama_text: str
@@ -105,8 +110,8 @@ def _complete(client: httpx.Client, url: str, body: dict) -> dict:
 
 
 def llama_next(client: httpx.Client, url: str, seq: list[int], start: int = 1):
-    """llama-server's greedy next token after each prefix seq[:p], p = start .. len(seq), and
-    the gap between its top two log-probabilities there."""
+    """llama-server's greedy next token after each prefix seq[:p], p = start .. len(seq): (its
+    id, the margin between its top two log-probabilities, its log-probability)."""
     out = []
     for p in range(start, len(seq) + 1):
         d = _complete(
@@ -114,14 +119,25 @@ def llama_next(client: httpx.Client, url: str, seq: list[int], start: int = 1):
         )
         top = d["completion_probabilities"][0]["top_logprobs"]
         margin = top[0]["logprob"] - top[1]["logprob"] if len(top) > 1 else float("inf")
-        out.append((top[0]["id"], margin))
+        out.append((top[0]["id"], margin, top[0]["logprob"]))
     return out
 
 
-def mlx_argmax(model, seq: list[int], start: int = 1) -> list[int]:
-    """The twin's argmax after each prefix seq[:p], p = start .. len(seq): one forward."""
-    logits = model(mx.array([seq]))[0]
-    return mx.argmax(logits[start - 1 :], axis=-1).tolist()
+def mlx_next(model, seq: list[int], ref: list[int], start: int = 1):
+    """The twin after each prefix seq[:p], p = start .. len(seq), from one forward: its argmax
+    and its log-probability of the token `ref` names there."""
+    logits = model(mx.array([seq]))[0][start - 1 :].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logprobs, mx.array(ref)[:, None], axis=-1)[:, 0]
+    return mx.argmax(logits, axis=-1).tolist(), picked.tolist()
+
+
+def judge(ref, mine, mine_lp) -> tuple[int, int, float]:
+    """(agreeing positions, disagreements that are near ties, the largest log-prob gap)."""
+    agree = sum(a == m for (a, _, _), m in zip(ref, mine))
+    near = sum(a != m and margin < NEAR_TIE for (a, margin, _), m in zip(ref, mine))
+    gap = max((abs(lp - x) for (_, _, lp), x in zip(ref, mine_lp)), default=0.0)
+    return agree, near, gap
 
 
 def llama_generate(client: httpx.Client, url: str, ids: list[int], max_tokens: int):
@@ -174,9 +190,8 @@ def compare(url: str, model, tokenizer, prompt: str, max_tokens: int) -> Row:
         seq = ids + [t for t in l_toks if t >= 0]
         ref = llama_next(client, url, seq)
     m_toks, m_text, m_tps = mlx_generate(model, tokenizer, ids, max_tokens)
-    mine = mlx_argmax(model, seq)
-    agree = sum(a == m for (a, _), m in zip(ref, mine))
-    near = sum(a != m and margin < NEAR_TIE for (a, margin), m in zip(ref, mine))
+    mine, mine_lp = mlx_next(model, seq, [a for a, _, _ in ref])
+    agree, near, gap = judge(ref, mine, mine_lp)
     return Row(
         prompt=prompt,
         prompt_tokens=len(ids),
@@ -184,6 +199,7 @@ def compare(url: str, model, tokenizer, prompt: str, max_tokens: int) -> Row:
         positions=len(ref),
         agree=agree,
         near_ties=near,
+        max_gap=gap,
         generated=(len(l_toks), len(m_toks)),
         first_divergence=first_divergence(l_toks, m_toks),
         llama_text=l_text,
