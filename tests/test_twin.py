@@ -172,22 +172,31 @@ def test_chat_template_and_end_of_turn(twin, smollm_twin):
     assert ids.count(im_end) == 2 and ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
 
+def _gguf(path, arch):
+    """A GGUF of one tensor and no hyperparameters: an architecture and nothing else."""
+    w = gguf_py.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.mark.model
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path):
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"not a gguf at all")
     with pytest.raises(MacserveError, match="cannot read this GGUF"):
         gguf_twin.convert(not_gguf, tmp_path / "out1")
-    other = tmp_path / "qwen.gguf"
-    w = gguf_py.GGUFWriter(str(other), "qwen2")
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    other = _gguf(tmp_path / "qwen.gguf", "qwen2")
     with pytest.raises(MacserveError, match="reads Llama GGUFs; this one is 'qwen2'") as e:
         gguf_twin.convert(other, tmp_path / "out2")
     assert "\n" not in str(e.value)
-    assert not (tmp_path / "out2" / "config.json").exists()
+    assert not (tmp_path / "out2").exists()
+    bare = _gguf(tmp_path / "bare.gguf", "llama")
+    with pytest.raises(MacserveError, match="no llama.attention.head_count"):
+        gguf_twin.convert(bare, tmp_path / "out4")
+    assert not (tmp_path / "out4").exists()
     with pytest.raises(MacserveError, match="dtype 'int3'"):
         gguf_twin.convert(other, tmp_path / "out3", "int3")

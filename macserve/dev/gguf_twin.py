@@ -72,6 +72,13 @@ def _scalar(meta: dict, key: str, default=None):
     return v.item() if hasattr(v, "item") else v
 
 
+def _need(meta: dict, key: str):
+    v = _scalar(meta, key)
+    if v is None:
+        raise MacserveError(f"the GGUF has no {key}: not a whole Llama header")
+    return v
+
+
 def read(gguf: Path) -> tuple[dict[str, mx.array], dict]:
     """The GGUF's tensors (quantized ones as MLX affine triples) and metadata, via MLX's reader."""
     try:
@@ -87,22 +94,24 @@ def hf_config(meta: dict, tensors: dict[str, mx.array]) -> dict:
         raise MacserveError(
             f"the twin converter reads Llama GGUFs; this one is {arch!r} (general.architecture)"
         )
-    heads = int(_scalar(meta, "llama.attention.head_count"))
-    hidden = int(_scalar(meta, "llama.embedding_length"))
+    heads = int(_need(meta, "llama.attention.head_count"))
+    hidden = int(_need(meta, "llama.embedding_length"))
+    if "tokenizer.ggml.tokens" not in meta:
+        raise MacserveError("the GGUF carries no tokenizer (tokenizer.ggml.tokens)")
     vocab = _scalar(meta, "llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     head_dim = int(_scalar(meta, "llama.attention.key_length") or hidden // heads)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
+        "intermediate_size": int(_need(meta, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_need(meta, "llama.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_scalar(meta, "llama.attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float(_need(meta, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_scalar(meta, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length")),
+        "max_position_embeddings": int(_need(meta, "llama.context_length")),
         "vocab_size": int(vocab),
         "hidden_act": "silu",
         "attention_bias": False,
@@ -128,13 +137,6 @@ def unpermute(w: mx.array, n_head: int) -> mx.array:
     rows = w.shape[0]
     half = rows // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
-
-
-def permute(w: mx.array, n_head: int) -> mx.array:
-    """llama.cpp's own order (the inverse of `unpermute`), for checks."""
-    rows = w.shape[0]
-    half = rows // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(rows, *w.shape[1:])
 
 
 def mlx_weights(
@@ -251,7 +253,7 @@ def tokenizer_files(meta: dict) -> dict[str, str]:
         "add_bos_token": bool(_scalar(meta, g + "add_bos_token", False)),
         "add_eos_token": bool(_scalar(meta, g + "add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, "llama.context_length")),
+        "model_max_length": int(_need(meta, "llama.context_length")),
     }
     if template:
         config["chat_template"] = template

@@ -140,9 +140,10 @@ def judge(ref, mine, mine_lp) -> tuple[int, int, float]:
     return agree, near, gap
 
 
-def llama_generate(client: httpx.Client, url: str, ids: list[int], max_tokens: int):
-    """llama-server's greedy answer: its tokens (its end of turn appended as -1 when it stopped
-    there), text and (prompt, decode) tokens/s from its own timings."""
+def llama_generate(client: httpx.Client, url: str, ids: list[int], max_tokens: int, eos=()):
+    """llama-server's greedy answer: its tokens (its end of turn as -1 when it stopped there:
+    llama-server lists the end-of-turn token, mlx-lm does not), text and (prompt, decode)
+    tokens/s from its own timings."""
     d = _complete(
         client,
         url,
@@ -150,6 +151,8 @@ def llama_generate(client: httpx.Client, url: str, ids: list[int], max_tokens: i
     )
     toks = list(d["tokens"])
     if d.get("stop_type") == "eos":
+        while toks and toks[-1] in eos:
+            toks.pop()
         toks.append(-1)
     t = d["timings"]
     return toks, d["content"], (t["prompt_per_second"], t["predicted_per_second"])
@@ -186,7 +189,9 @@ def compare(url: str, model, tokenizer, prompt: str, max_tokens: int) -> Row:
     with httpx.Client() as client:
         r = client.post(url + "/tokenize", json={"content": text, "parse_special": True})
         theirs = r.json()["tokens"]
-        l_toks, l_text, l_tps = llama_generate(client, url, ids, max_tokens)
+        l_toks, l_text, l_tps = llama_generate(
+            client, url, ids, max_tokens, set(tokenizer.eos_token_ids)
+        )
         seq = ids + [t for t in l_toks if t >= 0]
         ref = llama_next(client, url, seq)
     m_toks, m_text, m_tps = mlx_generate(model, tokenizer, ids, max_tokens)
