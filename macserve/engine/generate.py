@@ -53,6 +53,16 @@ class _Cancelled(Exception):
     pass
 
 
+def cut_text(detok) -> str:
+    """The detokenizer's last text when max_tokens ends an answer. A character whose bytes the
+    cut left incomplete (an emoji is 3 of SmolLM2's tokens) is left out: mlx-lm's `finalize`
+    decodes those bytes as U+FFFD, which a client would show as a broken character; llama-server's
+    stream leaves them out too. An answer that ends at the end of its turn keeps whatever the
+    model wrote."""
+    detok.finalize()
+    return detok.last_segment.rstrip("\ufffd")
+
+
 def _plain_tokens(
     bundle: Bundle,
     prompt,
@@ -243,8 +253,7 @@ def stream(
                 n += 1
                 detok.add_token(token)
                 if n >= max_tokens:
-                    detok.finalize()
-                    yield Step(token, detok.last_segment, "length", stats(), lp, top)
+                    yield Step(token, cut_text(detok), "length", stats(), lp, top)
                     return
                 yield Step(token, detok.last_segment, None, stats(), lp, top)
         except _Cancelled:

@@ -54,7 +54,7 @@ from mlx_lm.sample_utils import apply_top_p
 from ..engine import scratch
 from ..engine.batch import SequenceBatch
 from ..engine.caches import EngineOptions, cache_bytes, clone
-from ..engine.generate import Step
+from ..engine.generate import Step, cut_text
 from ..engine.mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
 from ..engine.mtp_decode import MTPDecoder
 from .prompt_cache import PromptCache, offset
@@ -407,8 +407,7 @@ class Scheduler:
         if lp is not None and s.job.top_logprobs is not None:
             logprob, top = _top(lp, token, s.job.top_logprobs)
         if s.n >= s.job.max_tokens:
-            s.detok.finalize()
-            s.job.deliver(Step(token, s.detok.last_segment, "length", s.stats(), logprob, top))
+            s.job.deliver(Step(token, cut_text(s.detok), "length", s.stats(), logprob, top))
             return True
         s.job.deliver(Step(token, s.detok.last_segment, None, s.stats(), logprob, top))
         return False
