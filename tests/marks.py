@@ -48,6 +48,7 @@ MODEL_FIXTURES = frozenset(
         "model_gguf",
         "ggufs",
         "hub",
+        "smollm_twin",  # converts the GGUF with MLX (dev/gguf_twin.py) inside the fixture
     }
 )
 

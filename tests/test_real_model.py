@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from macserve.dev.llama_truth import parse_caches
-from macserve.services.footprint import footprint
+from macserve.services.share import share
 from macserve.services.supervisors.supervisord import SupervisorBackend
 from macserve.sizing.budget import machine_budget
 
@@ -235,7 +235,7 @@ def test_router_serves_swaps_and_lists_the_real_model(smol, home, seen):
     r = cli("new", str(TINY_MODEL), "--provider", "macserve", "--name", "demo", "--ctx", "256",
             "--port", str(free_port()), "--no-start")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    fp = {n: footprint(n).total_bytes for n in ("smol", "demo")}
+    fp = {n: share(n).share_bytes for n in ("smol", "demo")}
     ram = int((max(fp.values()) + sum(fp.values())) / 2 * 1.5)
     assert max(fp.values()) <= machine_budget(ram).budget_bytes < sum(fp.values()), (fp, ram)
     port = free_port()

