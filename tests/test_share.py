@@ -45,7 +45,10 @@ def test_a_share_counts_weights_every_sequence_the_prompt_cache_the_process_and_
         baseline.ASSUMED,
     )
     parts = rep.weights_bytes + 3 * kv + s.prompt_cache_bytes + s.baseline_bytes
-    assert s.share_bytes == parts + s.reserve_bytes == math.ceil(parts / (1 - share.RESERVE))
+    assert s.share_bytes == parts + s.reserve_bytes == share.with_reserve(parts)
+    # the reserve: 10 % of the share, never under the floor a server's load growth needs
+    assert s.reserve_bytes >= max(share.MIN_RESERVE, share.RESERVE * s.share_bytes)
+    assert s.reserve_bytes < max(share.MIN_RESERVE, share.RESERVE * s.share_bytes) + 2
     assert (s.source, s.memory_bytes, s.error) == ("CTX x PARALLEL", None, None)
     d = s.as_dict()
     assert d["share_bytes"] == s.share_bytes and d["kv_total_bytes"] == 3 * kv
@@ -57,16 +60,20 @@ def test_a_share_counts_weights_every_sequence_the_prompt_cache_the_process_and_
 def test_memory_is_the_share_and_parallel_is_what_fits_in_it():
     one = share.share_of(_profile(CTX="512"))
     fixed = one.weights_bytes + one.prompt_cache_bytes + one.baseline_bytes
-    memory = math.ceil((fixed + 5.5 * one.kv_bytes) / (1 - share.RESERVE))
+    memory = share.with_reserve(math.ceil(fixed + 5.5 * one.kv_bytes))
     s = share.share_of(_profile(CTX="512", MEMORY=f"{memory}B"))
     assert (s.share_bytes, s.source, s.reserve_bytes) == (
         memory,
         f"MEMORY={memory}B",
-        math.ceil(memory * share.RESERVE),
+        max(math.ceil(memory * share.RESERVE), share.MIN_RESERVE),
     )
     # as many whole-context sequences as fit beside weights, prompt cache, baseline, reserve
     room = memory - s.reserve_bytes - fixed
     assert s.parallel == 5 == room // one.kv_bytes and "PARALLEL=5 derived" in s.note
+    # a MEMORY with room for hundreds: PARALLEL stops at the engine's own batch cap (the
+    # engine refuses --max-batch past it; mlx_lm.server and llama-server get the same)
+    huge = share.share_of(_profile(CTX="512", MEMORY=f"{memory + 500 * one.kv_bytes}B"))
+    assert huge.parallel == share.MAX_PARALLEL and "the most it derives" in huge.note
     # PARALLEL given with MEMORY: kept, and refused when MEMORY cannot hold it
     assert share.share_of(_profile(CTX="512", MEMORY=f"{memory}B", PARALLEL="2")).parallel == 2
     big = _profile(CTX="512", MEMORY=f"{memory}B", PARALLEL="9")
@@ -82,9 +89,8 @@ def test_a_memory_too_small_for_one_sequence_is_refused_with_the_figures():
         share.check(p)
     s = share.share_of(p)
     # the figures: what it needs, each part
-    need = math.ceil(
-        (s.weights_bytes + s.kv_bytes + s.prompt_cache_bytes + s.baseline_bytes)
-        / (1 - share.RESERVE)
+    need = share.with_reserve(
+        s.weights_bytes + s.kv_bytes + s.prompt_cache_bytes + s.baseline_bytes
     )
     assert f"{need / 2**20:.1f} MiB" in str(e.value) and "weights" in str(e.value)
     assert s.error == str(e.value) and s.share_bytes is None

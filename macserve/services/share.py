@@ -5,6 +5,7 @@ the sequences a server batches, nor its in-memory prompt cache, nor the process 
 prefill scratch. A share counts all five:
 
     weights + kv_bytes x PARALLEL + prompt cache + baseline, plus RESERVE of the share
+    (at least MIN_RESERVE)
 
 - kv_bytes: one whole-context sequence's cache at CTX (inspect's figure for the cache kind);
 - PARALLEL: sequences served at once (the profile's key, default 1; with MEMORY and no
@@ -13,7 +14,10 @@ prefill scratch. A share counts all five:
   sequence's cache (rounded up to a whole MiB, llama-server's unit);
 - baseline: the server process itself (runtime, buffers), measured once per provider and model
   on this machine after a start (baseline.py), assumed until then;
-- RESERVE: prefill scratch and the allocator's slack, a fixed fraction of the share.
+- RESERVE: prefill scratch and the allocator's slack, a fixed fraction of the share, but
+  never less than MIN_RESERVE: a server under load grows by a fixed amount above the idle
+  figure its baseline is measured at (request threads, tokenizer and HTTP buffers, MLX's
+  buffer cache), which 10 % of a small model's share does not cover.
 
 With MEMORY= the share IS that figure, and the parts must fit in it. Each provider turns the
 share into its server's own limits (`Share.limits()` -> providers' `Limits`, which
@@ -36,6 +40,13 @@ from .providers.base import Limits
 
 RESERVE = 0.10  # of the share: prefill scratch + the allocator's cache (the engine's contract)
 MIB = 2**20
+# mlx_lm.server on the demo model grew 24.5 MB above its idle figure under load (8 clients at
+# CTX 512, PARALLEL 2: tests/test_memory_real.py) against a 15 MB 10 % reserve: 1.04-1.08x its
+# share. A floor of 32 MiB covers it; on a model of GBs the 10 % is the larger term.
+MIN_RESERVE = 32 * MIB
+# the most derived from MEMORY: the engine's own cap on a batch (server/capacity.py), past which
+# a decode step's per-sequence attention calls cost more than the extra rows bring
+MAX_PARALLEL = 64
 PREFILL_STEP = 2048  # mlx-lm's default chunk: the most a share ever asks for
 
 
@@ -48,7 +59,7 @@ class Share:
     prompt_cache_bytes: int  # the in-memory prompt cache's bound (RAM)
     baseline_bytes: int  # the server process itself, measured once per provider+model (stored)
     baseline_source: str  # "measured <date>" | "assumed (not measured yet)"
-    reserve_bytes: int  # prefill scratch + allocator slack: RESERVE of the share
+    reserve_bytes: int  # prefill scratch + allocator slack: RESERVE of the share, >= MIN_RESERVE
     ctx: int | None
     cache_key: str | None
     memory_bytes: int | None  # MEMORY= set by the user: then the share IS this
@@ -117,15 +128,20 @@ def share(name: str) -> Share:
 
 
 def with_reserve(parts: int) -> int:
-    """The share whose RESERVE is what is left over after `parts`."""
-    return math.ceil(parts / (1 - RESERVE))
+    """The share whose reserve is what is left over after `parts`."""
+    return max(math.ceil(parts / (1 - RESERVE)), parts + MIN_RESERVE)
+
+
+def reserve_for(memory: int) -> int:
+    """The reserve of a share of `memory` bytes (MEMORY= by hand)."""
+    return max(math.ceil(memory * RESERVE), MIN_RESERVE)
 
 
 def fit_parallel(memory: int, fixed: int, kv: int) -> int:
     """Whole-context sequences that fit in `memory` after `fixed` (weights, prompt cache,
-    baseline) and the reserve; 0: not even one."""
-    room = memory - math.ceil(memory * RESERVE) - fixed
-    return max(0, room // kv) if kv > 0 else 0
+    baseline) and the reserve, at most MAX_PARALLEL; 0: not even one."""
+    room = memory - reserve_for(memory) - fixed
+    return min(MAX_PARALLEL, max(0, room // kv)) if kv > 0 else 0
 
 
 def prompt_cache_bound(kv_bytes: int | None) -> int:
@@ -182,8 +198,8 @@ def too_small(s: Share) -> str | None:
         f"{s.source} is too small for {s.parallel} sequence(s) at CTX {s.ctx}: it needs "
         f"{_gib(need)} (weights {_gib(s.weights_bytes)} + cache {_gib(s.kv_bytes)} x "
         f"{s.parallel} + prompt cache {_gib(s.prompt_cache_bytes)} + baseline "
-        f"{_gib(s.baseline_bytes)} + {RESERVE:.0%} reserve): raise MEMORY, or lower CTX"
-        + (" or PARALLEL" if s.parallel > 1 else "")
+        f"{_gib(s.baseline_bytes)} + {RESERVE:.0%} reserve, at least {_gib(MIN_RESERVE)}): "
+        "raise MEMORY, or lower CTX" + (" or PARALLEL" if s.parallel > 1 else "")
     )
 
 
@@ -241,14 +257,15 @@ def share_of(profile: Profile) -> Share:
         reserve = with_reserve(s.parts_bytes) - s.parts_bytes
         step = prefill_step(reserve, per_token)
         return replace(s, note="; ".join(notes), reserve_bytes=reserve, prefill_step=step)
-    s = replace(s, reserve_bytes=math.ceil(memory * RESERVE))
+    s = replace(s, reserve_bytes=reserve_for(memory))
     if unknown:
         notes.append(f"{unknown}: the share is MEMORY alone")
     elif p.parallel is None:
         assert kv is not None and weights is not None
         n = fit_parallel(memory, weights + s.prompt_cache_bytes + bl, kv)
         s = replace(s, parallel=max(1, n))
-        notes.append(f"PARALLEL={n} derived from MEMORY")
+        capped = " (the most it derives)" if n == MAX_PARALLEL else ""
+        notes.append(f"PARALLEL={n} derived from MEMORY{capped}")
     s = replace(s, note="; ".join(notes), error=too_small(s))
     return replace(s, prefill_step=prefill_step(s.reserve_bytes, per_token))
 
