@@ -77,7 +77,7 @@ def test_broken_profiles_beside_good_ones(llama_server, model_gguf, services, ma
     r = cli("doctor", "--json")
     assert r.returncode == 0, r.stderr
     doc = {p["name"]: p for p in json.loads(r.stdout)["profiles"]}
-    assert doc["good"]["error"] is None and doc["good"]["total_bytes"] > 0
+    assert doc["good"]["error"] is None and doc["good"]["share_bytes"] > 0
     for bad, why in reasons.items():
         assert why in doc[bad]["error"]
 
