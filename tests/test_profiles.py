@@ -331,7 +331,7 @@ def test_set_edits_single_flags_and_names_lost_ones(macserve_home, llama_server,
     # the slots are PARALLEL now: -np moves into it; the host prompt cache is the share's
     code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=-np 2")
     assert code == 0, err
-    assert st.load("a").parallel == 2 and "moved -np 2 out of EXTRA_ARGS into" in out
+    assert st.load("a").parallel == 2 and "moved -np 2 out of EXTRA_ARGS into PARALLEL=2:" in out
     code, out, err = _cli("set", "a", "--no-restart", "--", "EXTRA_ARGS+=--cache-ram 64")
     assert code == 2 and "--cache-ram is set by macserve from the profile; use the MEMORY" in err
     # replacing the whole value is allowed, and says which flags went

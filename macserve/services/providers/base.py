@@ -358,8 +358,9 @@ class BaseProvider:
             return profile, None
         values["EXTRA_ARGS"] = shlex.join(kept)
         new = profile.updated(values)
+        # the keys this lift set (not those the profile had already: `new` writes CTX first)
         keys = ("CTX", "KV", "PARALLEL")
-        set_ = ", ".join(f"{k}={new.values[k]}" for k in keys if k in new.values)
+        set_ = ", ".join(f"{k}={values[k]}" for k in keys if k in values)
         return new, (
             f"moved {', '.join(moved)} out of EXTRA_ARGS into "
             f"{set_ or 'the profile (the default, so no key)'}: CTX, KV and PARALLEL are "
