@@ -15,7 +15,8 @@ from macserve.engine.caches import CacheSpec, EngineOptions, clone
 from macserve.engine.mtp_decode import MTPDecoder
 from macserve.int2_format import INT2
 from macserve.server import scheduler
-from macserve.server.disk_cache import DiskTier, identity
+from macserve.server.disk_cache import DiskTier
+from macserve.server.disk_identity import identity
 from macserve.server.prompt_cache import PromptCache
 
 from .conftest import TINY_MODEL

@@ -1,9 +1,14 @@
 """The prompt cache's disk tier in process, on the demo model: an entry written by one
 PromptCache is read back by another (a restart) and gives a cold prefill's logits, for the
 bf16 and the INT2 cache and a drafting request's MTP rows; a file from another calibration
-or a corrupt one, or one of an older format, is skipped with one log line."""
+or a corrupt one, or one of an older format, is skipped with one log line; weights rewritten
+in place at the same size are another model (disk_identity.py), their hashes kept by stat."""
 
+import dataclasses
 import logging
+import os
+import shutil
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +16,8 @@ import pytest
 
 from macserve.engine.caches import CacheSpec, clone
 from macserve.engine.mtp_decode import MTPDecoder
-from macserve.server.disk_cache import DiskTier, identity
+from macserve.server.disk_cache import DiskTier
+from macserve.server.disk_identity import RACY, STORE, content_shas, identity
 from macserve.server.prompt_cache import PromptCache
 
 from .conftest import TINY_MODEL
@@ -32,7 +38,7 @@ def _tier(bundle, spec, root, mtp=False, ident=None):
     return DiskTier(
         root,
         2**30,
-        ident or identity(bundle, spec),
+        ident or identity(bundle, spec, root),
         lambda: bundle.caches(spec),
         bundle.mtp_cache_factory(spec) if mtp else None,
     )
@@ -142,3 +148,62 @@ def test_foreign_and_corrupt_files_are_skipped_with_one_line(bundle, tmp_path, c
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "format 'macserve-prompt-cache/2', not" in lines[0], lines
     assert t.stats()["entries"] == 0 and not f.exists()
+
+
+def test_weights_rewritten_in_place_at_the_same_size_are_another_model(bundle, tmp_path):
+    # A copy of the demo model's folder, its weights then changed by one byte in place (the
+    # name, the size, the folder kept): what a fine-tune written over its checkpoint leaves.
+    folder = tmp_path / TINY_MODEL.name
+    shutil.copytree(TINY_MODEL, folder)
+    b = dataclasses.replace(bundle, path=folder)
+    spec = CacheSpec.for_model(folder, "bf16")
+    root = tmp_path / "pc"
+    ids = prompt_ids(b, "PROSPERO.\nNow does my project gather to a head. ", 300)
+    pc = PromptCache(2**30, _tier(b, spec, root))
+    cs = b.caches(spec)
+    _feed(b, cs, ids)
+    pc.insert(ids, cs)
+    assert pc.disk.flush() and pc.disk.stats()["writes"] == 1
+    # Unchanged weights: a restart restores the prefix.
+    hit = PromptCache(2**30, _tier(b, spec, root)).fetch(ids + ids[:5])
+    assert hit is not None and hit.cached == len(ids)
+    weights = folder / "model.safetensors"
+    size, inode = weights.stat().st_size, weights.stat().st_ino
+    with open(weights, "r+b") as f:
+        f.seek(-1, os.SEEK_END)  # the last tensor's last byte: the header stays as it was
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert weights.stat().st_size == size and weights.stat().st_ino == inode
+    again = PromptCache(2**30, _tier(b, spec, root))
+    assert again.disk.stats()["entries"] == 0
+    assert again.fetch(ids + ids[:5]) is None
+    assert again.stats()["tiers"]["disk"]["hits"] == 0
+
+
+def test_a_weight_files_hash_is_kept_until_its_stat_changes(tmp_path):
+    store = tmp_path / STORE
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(bytes(range(256)) * 64)
+    shas, hashed = content_shas([w], store)
+    assert hashed == [w.resolve()]
+    # Just written: its stat could still be the same after another write in this timestamp
+    # tick, so its hash is not kept yet.
+    assert content_shas([w], store)[1] == [w.resolve()]
+    time.sleep(RACY)
+    assert content_shas([w], store)[1] == [w.resolve()]
+    assert content_shas([w], store) == (shas, [])  # kept: read from the store, not the file
+    st = w.stat()
+    # Each change is seen from the stat alone, without reading the file:
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # mtime
+    assert content_shas([w], store) == (shas, [w.resolve()])
+    with open(w, "ab") as f:  # size
+        f.write(b"x")
+    changed, hashed = content_shas([w], store)
+    assert hashed == [w.resolve()] and changed != shas
+    # inode: a file of the same bytes, size and mtime renamed over it
+    new = tmp_path / "new"
+    new.write_bytes(w.read_bytes())
+    os.utime(new, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns))
+    os.replace(new, w)
+    assert content_shas([w], store) == (changed, [w.resolve()])

@@ -13,6 +13,7 @@ from ..errors import MacserveError
 from .lazy import lazy
 
 caches = lazy("macserve.engine.caches")
+disk_identity = lazy("macserve.server.disk_identity")
 disk_measure = lazy("macserve.server.disk_measure")
 engine_model = lazy("macserve.engine.model")
 gguf_export = lazy("macserve.dev.gguf_export")
@@ -235,3 +236,30 @@ def disk_blocks_cmd(model_dir, kv, tokens, turn, sizes):
             f"{r.followup_write_s:>7.3f} {r.followup_write_s / base.followup_write_s:>5.2f} "
             f"{r.load_s:>7.3f} {r.load_s / base.load_s:>5.2f}"
         )
+
+
+@click.command("weights-hash")
+@click.argument(
+    "folder", type=click.Path(exists=True, file_okay=False), default=None, required=False
+)
+@click.option("--files", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--mb", type=click.IntRange(1), default=512, show_default=True, help="MB per file.")
+def weights_hash_cmd(folder, files, mb):
+    """What the disk prompt cache's weight hashes cost on this disk, and for 100 GB of weights.
+
+    FILES files of MB MB each written in FOLDER (default: a temp folder there is room for)
+    and dropped from the page cache, then hashed as the server's first start after a change
+    does (cold: read from the disk), again (warm: from the page cache) and as a later start
+    does (their stat alone)."""
+    with tempfile.TemporaryDirectory(dir=folder) as d:
+        r = disk_identity.measure(Path(d), files, mb)
+    click.echo(f"{files} files, {r['mb']} MB")
+    for k in ("cold", "warm"):
+        s = r[k]["s"]
+        rate = r["mb"] / s
+        click.echo(
+            f"{k:>5}: {s:8.3f} s, {r[k]['hashed']} files hashed, {rate:6.0f} MB/s; "
+            f"100 GB of weights: {100 * 1024 / rate:6.0f} s"
+        )
+    s = r["stat"]
+    click.echo(f" stat: {s['s']:8.4f} s, {s['hashed']} hashed (a later start: the stat alone)")

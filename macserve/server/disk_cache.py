@@ -20,7 +20,8 @@ The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored
 INT2 codes, scales and bf16 windows for the latent cache, keys and values for mlx-lm's, plus
 the MTP layer's cache for entries made by drafting requests (their blocks are their own:
 named with `:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
-format, the identity (model, calibration, cache kind) and a sha256 of every array's bytes.
+format, the identity (disk_identity.py: the model's config and weights' contents, the
+calibration, the cache kind) and a sha256 of every array's bytes.
 
 Where: `<dir>/<identity>/{b,t}-<hash>.safetensors`, `dir` from `--prompt-cache-dir`. Bounded
 by `--prompt-cache-disk` bytes over all files, least recently used (file mtime, touched on
@@ -50,7 +51,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..engine.caches import CacheSpec, model_dtype
 from ..engine.stored_form import restore
 from ..fileio import atomic_path
 from . import disk_blocks
@@ -62,7 +62,6 @@ from .disk_files import (
     Loaded,
     Plan,
     checksum,
-    file_sha,
     header,
     read_tokens,
     sha,
@@ -73,21 +72,6 @@ log = logging.getLogger("macserve.server")
 
 MIN_FREE = 2 * 2**30  # bytes the filesystem keeps free whatever --prompt-cache-disk says
 BLOCK_TOKENS = 256  # N: measured, docs/server.md ("Prefix blocks")
-
-
-def identity(bundle, spec: CacheSpec) -> dict[str, str]:
-    """What a stored cache is only valid for: the model (its config and weight files), the
-    calibration (its bytes) and the cache's format and dtype."""
-    path = Path(bundle.path)
-    weights = sorted((f.name, f.stat().st_size) for f in path.glob("*.safetensors"))
-    weights = [w for w in weights if w[0] != "latent-rotation.safetensors"]
-    model = sha((path / "config.json").read_bytes(), json.dumps(weights).encode())[:16]
-    if spec.kind.calibrated:
-        calibration = f"{spec.rotation.name}:{file_sha(spec.rotation)[:16]}:{spec.method}"
-    else:
-        calibration = "none"
-    cache = f"{FORMAT}:{spec.kind}:{spec.quant!r}:{model_dtype(bundle.model)}"
-    return {"model": f"{path.name}:{model}", "calibration": calibration, "cache": cache}
 
 
 class DiskTier:

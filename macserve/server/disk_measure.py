@@ -19,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..engine.caches import CacheSpec, clone
-from .disk_cache import DiskTier, identity
+from .disk_cache import DiskTier
+from .disk_identity import identity
 from .prompt_cache import PromptCache
 
 

@@ -34,12 +34,13 @@ import psutil
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..engine import generate
-from ..engine.caches import EngineOptions
+from ..engine.caches import EngineOptions, model_dtype
 from ..engine.model import load
 from ..engine.mtp_auto import load_note
 from . import grammar, ranks
 from .capacity import Capacity, SharePlan, ShareTooSmall, fit_share, hold_to, size_batch
-from .disk_cache import DiskTier, identity
+from .disk_cache import DiskTier
+from .disk_identity import identity, open_soon
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .ranks import Ranks
@@ -251,13 +252,15 @@ class Worker(threading.Thread):
         if self.ranks.distributed or not self.disk_bytes or not self.disk_dir or not pc.max_bytes:
             return
         spec = self.options.cache
-        pc.disk = DiskTier(
-            self.disk_dir,
-            self.disk_bytes,
-            identity(bundle, spec),
-            lambda: bundle.caches(spec),
-            bundle.mtp_cache_factory(spec) if self.mtp_usable(bundle) else None,
-        )
+        fresh_mtp = bundle.mtp_cache_factory(spec) if self.mtp_usable(bundle) else None
+        dtype = model_dtype(bundle.model)  # here: the model is this thread's
+
+        def tier():
+            ident = identity(bundle, spec, self.disk_dir, dtype)
+            fresh = lambda: bundle.caches(spec)  # noqa: E731
+            return DiskTier(self.disk_dir, self.disk_bytes, ident, fresh, fresh_mtp)
+
+        open_soon(pc, tier)
 
     def mtp_usable(self, bundle) -> bool:
         return self.options.drafts and bundle.mtp_problem() is None
