@@ -19,6 +19,7 @@ from .fixtures import (  # noqa: F401  (constants other files import from here; 
     ggufs,
     hub,
     launchctl,
+    llama_server,
     llama_server_binary,
     macserve_home,
     model_gguf,
@@ -28,22 +29,6 @@ from .fixtures import (  # noqa: F401  (constants other files import from here; 
     tiny_gguf,
     tiny_mlx_f32,
 )
-
-GET_LLAMA_SERVER = (
-    "no llama-server binary: `bash scripts/test.sh` builds one (once, into "
-    "~/.cache/macserve-build), or `bash scripts/build-llama-server.sh`, or put one on PATH or "
-    "in MACSERVE_LLAMA_SERVER; `-m 'not e2e'` runs the tests that need none"
-)
-
-
-@pytest.fixture
-def llama_server():
-    """The llama-server binary. Absent, the test fails, saying how to get one: a skip would
-    let `pytest` pass having never run a llama.cpp test."""
-    p = llama_server_binary()
-    if p is None:
-        pytest.fail(GET_LLAMA_SERVER, pytrace=False)
-    return p
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ for one by name).
 Fixtures: `macserve_home` (autouse: every test its own MACSERVE_HOME, never the real one),
 `bundle` (the demo model in process, once per test run), `gated_demo` / `gated_hard` (the
 demo model and the hard case with a gated calibration, once per run),
-`llama_server` (the binary, or a skip), `tiny_gguf` and `model_gguf` (the demo model's GGUF
+`llama_server` (the binary, or a failure saying how to get one), `tiny_gguf` and `model_gguf` (the demo model's GGUF
 twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU backend),
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
@@ -63,14 +63,26 @@ def llama_server_binary():
     return shutil.which("llama-server")
 
 
-@pytest.fixture
-def llama_server():
+GET_LLAMA_SERVER = (
+    "no llama-server binary: `bash scripts/test.sh` builds one through scripts/install.sh (once, "
+    "into ~/.cache/macserve-build, then exported as MACSERVE_LLAMA_SERVER), or `bash "
+    "scripts/build-llama-server.sh`, or put one on PATH or in MACSERVE_LLAMA_SERVER; "
+    "`-m 'not e2e'` runs the tests that need none"
+)
+
+
+def need_llama_server() -> str:
+    """The llama-server binary, or the test fails saying how to get one, on every machine: a
+    skip would let `pytest` pass having never run a llama.cpp test."""
     p = llama_server_binary()
     if p is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must provide llama-server (scripts/build-llama-server.sh)")
-        pytest.skip("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
+        pytest.fail(GET_LLAMA_SERVER, pytrace=False)
     return p
+
+
+@pytest.fixture
+def llama_server():
+    return need_llama_server()
 
 
 def _ephemeral_start() -> int:

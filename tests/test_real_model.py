@@ -35,7 +35,7 @@ from macserve.services.supervisors.supervisord import SupervisorBackend
 from macserve.sizing.budget import machine_budget
 
 from .conftest import TINY_MODEL
-from .fixtures import cli, free_port, llama_server_binary, router_process, state, status
+from .fixtures import cli, free_port, need_llama_server, router_process, state, status
 
 pytestmark = pytest.mark.e2e
 
@@ -90,8 +90,7 @@ def macserve_home(home, monkeypatch):
 def smol(home, seen, smollm_gguf):
     """`macserve new` on the real GGUF as a user runs it: no --ctx (inspect sizes it), one
     thread (two workers share two cores), `-lv 4` so llama-server logs its KV buffer."""
-    if llama_server_binary() is None:
-        pytest.fail("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
+    need_llama_server()
     port = free_port()
     r = cli("new", str(smollm_gguf), "--name", "smol", "--port", str(port),
             "--extra-args", "-t 1 -lv 4")  # fmt: skip

@@ -36,7 +36,7 @@ import pytest
 
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
-from .fixtures import cli, free_port, llama_server_binary, router_process, status
+from .fixtures import cli, free_port, need_llama_server, router_process, status
 
 pytestmark = pytest.mark.e2e
 
@@ -79,8 +79,7 @@ def macserve_home(home, monkeypatch):
 @pytest.fixture(scope="module")
 def router(home, seen, smollm_gguf, smollm_twin):
     """The two profiles, started by `new`, and a router in front of them."""
-    if llama_server_binary() is None:
-        pytest.fail("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
+    need_llama_server()
     ports = {n: free_port() for n in PROFILES}
     for name, args in (
         ("smol", [str(smollm_gguf), "--extra-args", "-t 1"]),

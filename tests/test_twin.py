@@ -29,7 +29,7 @@ from macserve.dev import gguf_twin, twin_bench
 from macserve.errors import MacserveError
 from macserve.sizing.gguf_header import read_gguf_metadata
 
-from .fixtures import llama_server_binary
+from .fixtures import need_llama_server
 
 # A raw text (no template): a short sequence whose greedy next tokens are mostly decided.
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
@@ -109,9 +109,7 @@ def test_permutation_undone_exactly(twin, permuted):
 
 @pytest.fixture(scope="module")
 def server_url(smollm_gguf, tmp_path_factory):
-    binary = llama_server_binary()
-    if binary is None:
-        pytest.skip("no llama-server binary (set MACSERVE_LLAMA_SERVER)")
+    binary = need_llama_server()
     log = tmp_path_factory.mktemp("twin-llama") / "llama-server.log"
     with twin_bench.llama_server(binary, smollm_gguf, ctx=1024, log=log) as url:
         yield url
