@@ -191,14 +191,15 @@ def test_page_shows_acts_streams_and_rolls_back(browser, services, macserve_home
         assert profile.read_text() == before
         assert ls_state("tiny") == "running" and get_pid("tiny") == pid
 
-        # CTX=1 passes every check (within the model's limit, a share that fits) and is
-        # written, but the engine cannot load with it (its load measures a cache of CTX - 1
-        # prompt tokens: none): the restart fails, `set` puts the previous profile back and
-        # restarts it. Should the checks ever refuse CTX=1, this needs another such value.
+        # CTX=1 passes every check before writing (within the model's limit, a share that
+        # fits, serve's --ctx range) and is written, but the engine refuses it at start (a
+        # turn needs a prompt and an answer token): the restart fails, `set` puts the previous
+        # profile back and restarts it. Should the checks ever refuse CTX=1 before writing,
+        # this needs another value the server alone refuses.
         set_ctx("1")
         line = wait(lambda: "rolled back" in (t := text(d, "#outcome")) and t, "the rollback")
         assert line.startswith("rolled back: new settings for tiny failed:"), line
-        assert "could not load" in line, line  # the server's own error line, from its log
+        assert "--ctx 1 holds no answer" in line, line  # the server's own line, from its log
         assert line.endswith("previous settings restored and healthy"), line
         assert profile.read_text() == before
         # a new process with the old settings, seen by `ls` and by the page

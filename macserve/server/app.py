@@ -216,6 +216,10 @@ class _Server(uvicorn.Server):
 def check_settings(settings: Settings) -> None:
     """Refuse what would only fail after the server is up: a missing folder, a --ctx the model
     cannot reach. (The cache spec refused a missing calibration when it was resolved.)"""
+    if settings.ctx is not None and settings.ctx < 2:
+        # a chat turn needs a prompt token and an answer token; click's range (1..) lets the
+        # profile checks pass it, so the server says it at load, before the model loads
+        raise MacserveError(f"--ctx {settings.ctx} holds no answer: at least 2 tokens")
     limit = read_config(settings.model).get("max_position_embeddings")
     if settings.ctx and limit and settings.ctx > limit:
         raise MacserveError(f"--ctx {settings.ctx} is more than the model's limit {limit}")
