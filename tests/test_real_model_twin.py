@@ -12,16 +12,11 @@ is pinned below as an expected failure, strict: an mlx-lm that fixes it fails th
 """
 
 import json
-import os
-import signal
 
 import httpx
-import psutil
 import pytest
 
-from macserve.services.supervisors.supervisord import SupervisorBackend
-
-from .fixtures import cli, free_port, status
+from .fixtures import cli, free_port, module_home, status
 
 HELPFUL = "You are a helpful assistant."
 FRANCE = "What is the capital of France?"
@@ -35,17 +30,8 @@ def seen():
 @pytest.fixture(scope="module")
 def home(tmp_path_factory, seen):
     """This module's MACSERVE_HOME and supervisord, shut down after it; no server may survive."""
-    h = tmp_path_factory.mktemp("real-twin") / "home"
-    h.mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MACSERVE_HOME", str(h))
-        mp.setenv("MACSERVE_SERVICE_BACKEND", "supervisor")
+    with module_home(tmp_path_factory, "real-twin", seen) as h:
         yield h
-        SupervisorBackend(h).shutdown()
-    leaked = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
-    for p in leaked:
-        os.kill(p, signal.SIGKILL)
-    assert not leaked, f"server processes outlived supervisord: {leaked}"
 
 
 @pytest.fixture
