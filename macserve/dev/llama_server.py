@@ -55,12 +55,18 @@ def run_llama_server(
         except subprocess.TimeoutExpired:  # alive but silent past the deadline
             return -1, "\n".join(lines + ["(llama-server timed out)"])
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)  # the group we started, nothing else
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_group(p)
         p.stdout.close()
+
+
+def stop_group(p: subprocess.Popen) -> None:
+    """Stop a server started in a process group of its own (start_new_session): SIGTERM to the
+    group we started, nothing else; SIGKILL if it has not gone in 10 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()

@@ -20,8 +20,6 @@ Per prompt (a chat turn rendered by the twin's own template, the same token ids 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -32,6 +30,7 @@ import httpx
 import mlx.core as mx
 
 from ..errors import MacserveError
+from .llama_server import stop_group
 
 # nats between llama-server's top two: a flip there is noise, not a fault (the two engines'
 # log-probabilities of one token differ by up to ~0.3 nats on SmolLM2: `bench twin`'s gap column)
@@ -90,14 +89,7 @@ def llama_server(
             time.sleep(0.2)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)  # the group we started, nothing else
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_group(p)
         if log:
             out.close()
 
