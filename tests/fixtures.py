@@ -95,16 +95,29 @@ def _ephemeral_start() -> int:
 _next_port = [0]
 
 
+def _worker_ports() -> tuple[int, int]:
+    """This worker's slice [lo, top) of the ports below the ephemeral range."""
+    top = _ephemeral_start()
+    lo = max(1024, top - 12000)
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ... ("" in one process)
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (top - lo) // max(1, count)
+    return lo + index * width, lo + (index + 1) * width
+
+
 def free_port() -> int:
     """A port no server holds now, for a server the test starts next.
 
     Taken below the kernel's ephemeral range: a port asked of the kernel (bind to 0) comes
     from that range, where any outgoing connection (a client, a health poll, supervisord's
     own) may take it before the server binds it; below it, only an explicit bind can, and
-    the tests bind their servers one at a time. Ports are handed out in turn from a start
-    spread by the pid, so consecutive tests (and a leftover server) never share one."""
-    top = _ephemeral_start()
-    lo = max(1024, top - 12000)
+    the tests bind their servers one at a time. Each pytest-xdist worker hands out ports
+    from its own slice of that range (a start spread by the pid alone put two workers'
+    starts 7 ports apart: each then handed out ports the other had just handed out and not
+    yet bound, "Address already in use"), in turn from a start spread by the pid, so
+    consecutive tests (and a leftover server) never share one."""
+    lo, top = _worker_ports()
     if not _next_port[0]:
         _next_port[0] = lo + (os.getpid() * 7) % (top - lo)
     for _ in range(top - lo):
