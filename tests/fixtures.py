@@ -363,11 +363,18 @@ def router_process(home, args, port, env=None):
             proc.wait(5)
 
 
-@contextlib.contextmanager
-def module_home(tmp_path_factory, label: str, seen: list[int]):
-    """A test module's own MACSERVE_HOME and supervisord, its servers shared by its tests; on
-    leaving, supervisord is shut down and no server in `seen` (pids its tests saw) may survive."""
-    h = tmp_path_factory.mktemp(label) / "home"
+@pytest.fixture(scope="module")
+def seen():
+    """Pids of the servers a module's tests saw: `home` checks that none outlives it."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def home(request, tmp_path_factory, seen):
+    """A test module's own MACSERVE_HOME and supervisord, its servers shared by its tests (the
+    module overrides `macserve_home` to return it); after the module, supervisord is shut down
+    and no server in `seen` may survive."""
+    h = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]) / "home"
     h.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MACSERVE_HOME", str(h))

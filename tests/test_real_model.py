@@ -34,7 +34,6 @@ from .conftest import TINY_MODEL
 from .fixtures import (
     cli,
     free_port,
-    module_home,
     need_llama_server,
     router_process,
     state,
@@ -58,20 +57,6 @@ WEATHER = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def seen():
-    """Pids of the servers this module's tests saw."""
-    return []
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory, seen):
-    """This module's MACSERVE_HOME and supervisord; after the module, supervisord is shut down
-    and no server it ran may survive."""
-    with module_home(tmp_path_factory, "real-model", seen) as h:
-        yield h
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import re
 import httpx
 import pytest
 
-from .fixtures import cli, free_port, module_home, need_llama_server, router_process, status
+from .fixtures import cli, free_port, need_llama_server, router_process, status
 
 pytestmark = pytest.mark.e2e
 
@@ -41,18 +41,6 @@ HELPFUL = {"role": "system", "content": "You are a helpful assistant."}
 FRANCE = {"role": "user", "content": "What is the capital of France?"}
 PIZZA = [HELPFUL, {"role": "user", "content": "What does 🍕 mean?"}]
 CAT = [HELPFUL, {"role": "user", "content": "Write the word cat in Chinese characters."}]
-
-
-@pytest.fixture(scope="module")
-def seen():
-    return []
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory, seen):
-    """This module's MACSERVE_HOME and supervisord, shut down after it; no server may survive."""
-    with module_home(tmp_path_factory, "real-edges", seen) as h:
-        yield h
 
 
 @pytest.fixture

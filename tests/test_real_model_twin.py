@@ -16,22 +16,10 @@ import json
 import httpx
 import pytest
 
-from .fixtures import cli, free_port, module_home, status
+from .fixtures import cli, free_port, status
 
 HELPFUL = "You are a helpful assistant."
 FRANCE = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def seen():
-    return []
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory, seen):
-    """This module's MACSERVE_HOME and supervisord, shut down after it; no server may survive."""
-    with module_home(tmp_path_factory, "real-twin", seen) as h:
-        yield h
 
 
 @pytest.fixture
