@@ -7,17 +7,20 @@
 # drafting.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$here/scripts/install.sh"
+# tests/test_demo.py runs this script whole after scripts/test.sh has installed everything:
+# it skips the install (MACSERVE_DEMO_INSTALLED) and gives its own ports and folder.
+if [ -z "${MACSERVE_DEMO_INSTALLED:-}" ]; then source "$here/scripts/install.sh"; fi
 cd "$here"
-out="${TMPDIR:-/tmp}/macserve-demo"; mkdir -p "$out"
+out="${MACSERVE_DEMO_DIR:-${TMPDIR:-/tmp}/macserve-demo}"; mkdir -p "$out"
 export MACSERVE_HOME="$out/home"
+read -r p_llama p_engine p_smol <<<"${MACSERVE_DEMO_PORTS:-18480 18481 18482}"
 
 # The real model: new sizes its context (its own 8K fits) and starts it under the supervisor;
 # chat prints the answer, then a stats line. The system prompt is ours: without one the
 # template adds its own, after which this 135M model's greedy answer rambles in French.
 smol="$(python3 -c 'from macserve.dev.smollm import gguf_path; print(gguf_path())')"
 macserve rm smol >/dev/null 2>&1 || true
-macserve new "$smol" --name smol --port 18482
+macserve new "$smol" --name smol --port "$p_smol"
 macserve chat smol "What is the capital of France?" --system "You are a helpful assistant." --temperature 0
 macserve rm smol
 
@@ -26,12 +29,12 @@ macserve inspect "$model"
 macserve dev export-gguf "$model" "$out/tiny-mla.gguf"
 macserve inspect "$out/tiny-mla.gguf"
 bin="${MACSERVE_LLAMA_SERVER:-$(command -v llama-server)}"
-"$bin" -m "$out/tiny-mla.gguf" --host 127.0.0.1 --port 18480 -c 1024 -np 1 \
+"$bin" -m "$out/tiny-mla.gguf" --host 127.0.0.1 --port "$p_llama" -c 1024 -np 1 \
   --spec-type draft-mtp --spec-draft-n-max 1 >"$out/llama-server.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do curl -sf http://127.0.0.1:18480/health >/dev/null && break; sleep 0.5; done
-curl -s http://127.0.0.1:18480/v1/chat/completions -H 'Content-Type: application/json' \
+for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$p_llama/health" >/dev/null && break; sleep 0.5; done
+curl -s "http://127.0.0.1:$p_llama/v1/chat/completions" -H 'Content-Type: application/json' \
   -d '{"messages":[{"role":"user","content":"What country, friends, is this?"}],"max_tokens":48,"temperature":0}' \
   | python3 -c 'import json,sys; d=json.load(sys.stdin); print(repr(d["choices"][0]["message"]["content"])); t=d.get("timings",{}); print("MTP draft acceptance:", t.get("draft_n_accepted"), "/", t.get("draft_n"))'
 kill $pid 2>/dev/null || true
@@ -41,7 +44,7 @@ kill $pid 2>/dev/null || true
 # a smaller context (the service restarts itself, is health-checked, rolls back on failure),
 # then one chat turn; the stats line shows the draft acceptance.
 macserve rm tiny-engine >/dev/null 2>&1 || true
-macserve new "$model" --provider macserve --name tiny-engine --port 18481
+macserve new "$model" --provider macserve --name tiny-engine --port "$p_engine"
 macserve show tiny-engine | sed -n 1,12p   # sed reads it all: head could kill show (SIGPIPE, pipefail)
 macserve set tiny-engine -- CTX=768
 macserve chat tiny-engine "What country, friends, is this?"
