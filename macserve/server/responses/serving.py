@@ -4,11 +4,11 @@ after the 200 as a `response.failed` event. `RESPONSES` serves /v1/responses."""
 
 from __future__ import annotations
 
+from ...web import responses_api as render
 from ...web.errors import HttpError
 from ..answers import cancelled_on_disconnect, log_done, read_steps
 from ..events import Finish, Text, ToolCall
 from ..request import GenerationRequest
-from . import render
 from .request import parse
 
 
