@@ -217,7 +217,11 @@ def usage(stats: dict) -> dict:
     p, c = stats.get("prompt_tokens", 0), stats.get("completion_tokens", 0)
     return {
         "input_tokens": p,
-        "input_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)},
+        # cache_write_tokens: what a provider bills for storing; nothing here is billed.
+        "input_tokens_details": {
+            "cached_tokens": stats.get("cached_tokens", 0),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": c,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": p + c,
