@@ -157,7 +157,10 @@ def test_a_whole_chat_answer_becomes_a_response_and_errors_pass():
 def test_keep_alives_in_each_dialect():
     ping = keepalive.event("/v1/messages", "claude-tiny", "tiny", 3.2, True)
     assert ping == b'event: ping\ndata: {"type":"ping"}\n\n'  # the anthropic SDKs skip these
-    note = keepalive.event("/v1/chat/completions", "gpt-tiny", "tiny", 12.4, True)
+    comment, note = keepalive.event("/v1/chat/completions", "gpt-tiny", "tiny", 12.4, True).split(
+        b"\n\n", 1
+    )
+    assert comment == b": macserve router: starting tiny (12s)"  # what `macserve chat` shows
     assert note.startswith(b"data: ") and note.endswith(b"\n\n")
     chunk = ChatCompletionChunk.model_validate(json.loads(note[6:]))
     assert chunk.model == "gpt-tiny" and chunk.choices[0].delta.content is None

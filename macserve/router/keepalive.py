@@ -5,9 +5,10 @@ without harm before the answer's first event:
 
 - Anthropic's Messages API: its own `event: ping` (the anthropic SDKs skip them anywhere;
   an SSE comment would be dropped by the parser before a client's idle timer sees it);
-- OpenAI chat completions: with the note on (the default), a chunk whose delta carries only
-  `reasoning_content` ("loading NAME, 12 s"), which chat UIs and agents that read reasoning
-  show as the model's thinking (llama-swap's way); with `--no-loading-note`, an SSE comment;
+- OpenAI chat completions: the SSE comment below (`macserve chat` shows it as progress) and,
+  with the note on (the default), a chunk whose delta carries only `reasoning_content`
+  ("loading NAME, 12 s"), which chat UIs and agents that read reasoning show as the model's
+  thinking (llama-swap's way); `--no-loading-note` leaves the comment alone;
 - everything else (completions, the Responses API): an SSE comment, since a note there would
   be an event of the answer itself (a second response.created, a completion's text).
 """
@@ -28,6 +29,7 @@ def event(path: str, asked: str, name: str, waited: float, loading_note: bool) -
     """One keep-alive for a request to `path`, `waited` seconds after it arrived."""
     if dialects.for_path(path) is anthropic_api:
         return b'event: ping\ndata: {"type":"ping"}\n\n'
+    comment = f": macserve router: starting {name} ({waited:.0f}s)\n\n".encode()
     if loading_note and path == "/v1/chat/completions":
         chunk = {
             "id": "chatcmpl-loading",
@@ -42,5 +44,5 @@ def event(path: str, asked: str, name: str, waited: float, loading_note: bool) -
                 }
             ],
         }
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-    return f": macserve router: starting {name} ({waited:.0f}s)\n\n".encode()
+        return comment + b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return comment
