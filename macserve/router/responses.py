@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from ..web import responses_api as api
+from ..web import responses_input as body_of
 from ..web.errors import HttpError
 from .errors import RouteError
 
@@ -35,8 +36,8 @@ class Translation:
 
     def __init__(self, data: dict, asked: str):
         try:
-            body = api.parse_body(data)
-            messages = api.chat_messages(body)
+            body = body_of.parse_body(data)
+            messages = body_of.chat_messages(body)
         except HttpError as e:
             raise _route_error(e) from None
         if body.previous_response_id is not None:
@@ -71,7 +72,7 @@ class Translation:
             chat["stream_options"] = {"include_usage": True}
         temp = data.get("temperature")
         top_p = data.get("top_p")
-        echo = api.echo_of(
+        echo = body_of.echo_of(
             body,
             data,
             tools,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from ...web.errors import HttpError
-from ...web.responses_api import (
+from ...web.responses_input import (
     FunctionTool,
     NamedFunction,
     TextConfig,
