@@ -2,11 +2,17 @@
 Code's Messages API fields (server/anthropic/request.py) and Codex's Responses API items
 (server/responses/request.py); and what each still refuses, with the field named."""
 
+from types import SimpleNamespace
+
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from macserve.server.anthropic.request import parse as parse_messages
+from macserve.server.prepare import prompt_ids
 from macserve.server.responses.request import parse as parse_responses
 from macserve.web.errors import HttpError
+
+from .conftest import TINY_MODEL
 
 
 def _refused(parse, body) -> HttpError:
@@ -88,3 +94,49 @@ def test_codex_items():
         ({}, "input"),
     ):  # fmt: skip
         assert _refused(parse_responses, body).param == param
+
+
+# Two templates: one that renders any role anywhere, and one that, like Qwen's or Gemma's,
+# takes a system turn only first.
+TURNS = (
+    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+ANYWHERE = "{% for m in messages %}" + TURNS
+SYSTEM_FIRST = (
+    "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}" + TURNS
+)
+
+
+def test_a_system_turn_inside_messages_on_a_template_that_wants_it_first():
+    """Claude Code's environment block (a system turn at messages[1]) is rendered where it
+    stands by a template that allows it, and joined to the leading system turn by one that
+    does not (the demo model's tokenizer, with each template)."""
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(TINY_MODEL / "tokenizer.json"))
+    bundle = SimpleNamespace(tokenizer=tok)
+    req = parse_messages(
+        {
+            "max_tokens": 8,
+            "system": "Be brief.",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "<env>cwd</env>"},
+                {"role": "user", "content": "go"},
+            ],
+        }
+    )
+    tok.chat_template = ANYWHERE
+    assert tok.decode(prompt_ids(bundle, req)) == (
+        "<|system|>Be brief.<|end|><|user|>hi<|end|><|system|><env>cwd</env><|end|>"
+        "<|user|>go<|end|><|assistant|>"
+    )
+    tok.chat_template = SYSTEM_FIRST
+    assert tok.decode(prompt_ids(bundle, req)) == (
+        "<|system|>Be brief.\n\n<env>cwd</env><|end|><|user|>hi<|end|><|user|>go<|end|>"
+        "<|assistant|>"
+    )
+    alone = parse_messages({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    tok.chat_template = "{{ raise_exception('no') }}"
+    with pytest.raises(HttpError, match="the chat template rejected these messages: no"):
+        prompt_ids(bundle, alone)

@@ -23,9 +23,17 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
         try:
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
-            raise HttpError(
-                400, f"the chat template rejected these messages: {e}", "messages"
-            ) from None
+            folded = fold_system(msgs)
+            if folded is None:
+                raise HttpError(
+                    400, f"the chat template rejected these messages: {e}", "messages"
+                ) from None
+            try:  # a template that wants its system turn first (Qwen's, Gemma's, ...)
+                ids = tok.apply_chat_template(folded, add_generation_prompt=True, **extra)
+            except Exception:  # noqa: BLE001 - the first refusal is the one to report
+                raise HttpError(
+                    400, f"the chat template rejected these messages: {e}", "messages"
+                ) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -37,6 +45,18 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
     # mlx-lm's rule: add BOS etc. unless the prompt already starts with the BOS text.
     bos = tok.bos_token
     return tok.encode(req.prompt, add_special_tokens=bos is None or not req.prompt.startswith(bos))
+
+
+def fold_system(msgs: list[dict]) -> list[dict] | None:
+    """System turns after the first turn (Claude Code's environment block sits at
+    messages[1]) joined to a leading system turn, in order, for the templates that refuse a
+    system turn anywhere else; None if there is none to move."""
+    later = [i for i, m in enumerate(msgs) if m.get("role") == "system" and i > 0]
+    if not later:
+        return None
+    system = [m["content"] for i, m in enumerate(msgs) if m.get("role") == "system"]
+    rest = [m for m in msgs if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
 
 
 def thinking_honoured(bundle) -> bool:
