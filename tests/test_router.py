@@ -366,7 +366,8 @@ def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnec
 
 def test_router_mlx_profile(tiny_mlx_f32, services, macserve_home):
     """mlx_lm.server behind the router: chat works (the router sends mlx-lm its own name for
-    the model it serves), and the Messages API, which mlx_lm.server lacks, is a clear 400."""
+    the model it serves), the Messages API, which mlx_lm.server lacks, is a clear 400, and the
+    Responses API, which it lacks too, is translated to chat and back (router/responses.py)."""
     r = cli("new", str(tiny_mlx_f32), "--name", "mlx", "--port", str(free_port()), "--no-start")
     assert r.returncode == 0, r.stderr
     port = free_port()
@@ -381,6 +382,18 @@ def test_router_mlx_profile(tiny_mlx_f32, services, macserve_home):
         )
         assert out.usage.completion_tokens >= 1
         assert listing(router.url)["mlx"]["state"] == "running"
+        ask = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hail."}]
+        r = gpt(router.url).responses.create(model="mlx", input=ask, max_output_tokens=4)
+        assert r.object == "response" and r.model == "mlx" and r.output_text
+        assert r.usage.output_tokens == 4 and r.status == "incomplete"
+        events = list(
+            gpt(router.url).responses.create(
+                model="mlx", input=ask, max_output_tokens=4, stream=True
+            )
+        )
+        assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text and events[-1].response.output[0].content[0].text == text
 
 
 def test_router_drives_launchd(launchctl, macserve_home, tmp_path):

@@ -18,12 +18,22 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
             raise HttpError(400, "this model has no chat template; use /v1/completions")
         fmt = tools.tool_format(tok)
         msgs, extra = tools.render(list(req.messages), req.tools if req.uses_tools else (), fmt)
+        if req.thinking is not None and thinking_honoured(bundle):
+            extra = {**extra, "enable_thinking": req.thinking}
         try:
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
-            raise HttpError(
-                400, f"the chat template rejected these messages: {e}", "messages"
-            ) from None
+            folded = fold_system(msgs)
+            if folded is None:
+                raise HttpError(
+                    400, f"the chat template rejected these messages: {e}", "messages"
+                ) from None
+            try:  # a template that wants its system turn first (Qwen's, Gemma's, ...)
+                ids = tok.apply_chat_template(folded, add_generation_prompt=True, **extra)
+            except Exception:  # noqa: BLE001 - the first refusal is the one to report
+                raise HttpError(
+                    400, f"the chat template rejected these messages: {e}", "messages"
+                ) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -35,6 +45,26 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
     # mlx-lm's rule: add BOS etc. unless the prompt already starts with the BOS text.
     bos = tok.bos_token
     return tok.encode(req.prompt, add_special_tokens=bos is None or not req.prompt.startswith(bos))
+
+
+def fold_system(msgs: list[dict]) -> list[dict] | None:
+    """System turns after the first turn (Claude Code's environment block sits at
+    messages[1]) joined to a leading system turn, in order, for the templates that refuse a
+    system turn anywhere else; None if there is none to move."""
+    later = [i for i, m in enumerate(msgs) if m.get("role") == "system" and i > 0]
+    if not later:
+        return None
+    system = [m["content"] for i, m in enumerate(msgs) if m.get("role") == "system"]
+    rest = [m for m in msgs if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}, *rest]
+
+
+def thinking_honoured(bundle) -> bool:
+    """Whether the model's chat template has a thinking switch (`enable_thinking`, as Qwen's
+    and DeepSeek's templates do): a request's thinking setting is passed to it there and
+    accepted and ignored elsewhere."""
+    template = getattr(bundle.tokenizer, "chat_template", None) or ""
+    return "enable_thinking" in str(template)
 
 
 def _n(k: int) -> str:
@@ -53,6 +83,8 @@ def token_budget(req: GenerationRequest, n_prompt: int, ctx: int, default: int) 
         )
     if req.max_tokens is None:
         return min(default, ctx - n_prompt)
+    if req.clamp_max_tokens:
+        return min(req.max_tokens, ctx - n_prompt)
     if n_prompt + req.max_tokens > ctx:
         raise HttpError(
             400,
