@@ -167,8 +167,5 @@ def window_bytes(
 def describe_window(ctx: int, recent: int, formats: str = "INT2", sink: int = INT2.sink) -> str:
     """What auto does with a sequence of `ctx` tokens at window `recent`, one line."""
     if recent + sink >= ctx:
-        return f"all bf16 at CTX {ctx:,} (no row quantized)"
-    return (
-        f"bf16 up to {recent + sink:,} tokens, then older rows {formats} (the first {sink} "
-        f"and last {recent:,} stay bf16)"
-    )
+        return "every row bf16 (no code written)"
+    return f"bf16 up to {recent + sink:,} tokens, then older rows {formats} (the first {sink} stay)"

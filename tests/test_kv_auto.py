@@ -51,7 +51,7 @@ def test_the_window_is_the_longest_the_sequences_fit():
 
 
 def test_what_auto_says_it_will_do():
-    assert describe_window(CTX, CTX) == "all bf16 at CTX 4,096 (no row quantized)"
+    assert describe_window(CTX, CTX) == "every row bf16 (no code written)"
     line = describe_window(CTX, 1024, "INT2")
     assert line.startswith("bf16 up to 1,088 tokens, then older rows INT2")
     assert CacheKind.parse("auto") is CacheKind.AUTO and CacheKind.AUTO.calibrated
@@ -88,7 +88,7 @@ def test_an_auto_share_counts_bf16_and_fits_its_window_in_memory():
     # without MEMORY: every row bf16, counted as such
     s = _auto(CTX="1024", PARALLEL="2")
     assert (s.kv_bytes, s.window, s.parallel) == (full, 1024, 2)
-    assert s.kv_note == "KV=auto at CTX 1,024 x 2: all bf16 at CTX 1,024 (no row quantized)"
+    assert s.kv_note == "KV=auto at CTX 1,024 x 2: every row bf16 (no code written)"
     assert s.as_dict()["kv_note"] == s.kv_note
     # MEMORY that holds it: the same; a MEMORY between int2's and bf16's: a window between
     held = _auto(CTX="1024", PARALLEL="2", MEMORY=f"{s.share_bytes}B")

@@ -73,7 +73,7 @@ class Capacity:
 def _auto_line(window: int | None, ctx: int | None) -> str:
     if window is None or ctx is None:
         return ""
-    return f"; --kv auto: {describe_window(ctx, window)}"
+    return f"; --kv auto at CTX {ctx:,}: {describe_window(ctx, window)}"
 
 
 def weights_bytes(model) -> int:
