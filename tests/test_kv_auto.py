@@ -53,7 +53,7 @@ def test_the_window_is_the_longest_the_sequences_fit():
 def test_what_auto_says_it_will_do():
     assert describe_window(CTX, CTX) == "every row bf16 (no code written)"
     line = describe_window(CTX, 1024, "INT2")
-    assert line.startswith("bf16 up to 1,088 tokens, then older rows INT2")
+    assert line == "bf16 up to 1,088 tokens, then older rows INT2, the first 64 kept bf16"
     assert CacheKind.parse("auto") is CacheKind.AUTO and CacheKind.AUTO.calibrated
     assert CacheKind.AUTO.facts.quant.recent == ALL_ROWS  # unsized: every row bf16
 
@@ -100,7 +100,7 @@ def test_an_auto_share_counts_bf16_and_fits_its_window_in_memory():
     tight = _auto(CTX="1024", PARALLEL="2", MEMORY=f"{mid}B")
     assert INT2.recent <= tight.window < 1024 - INT2.sink and tight.error is None
     assert tight.kv_bytes == window_bytes(1024, tight.window, base, row, full) < full
-    assert "then older rows INT2" in tight.kv_note
+    assert "then older rows INT2 (the calibration's formats)" in tight.kv_note
     assert (
         tight.weights_bytes
         + 2 * tight.kv_bytes
