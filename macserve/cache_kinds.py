@@ -168,4 +168,7 @@ def describe_window(ctx: int, recent: int, formats: str = "INT2", sink: int = IN
     """What auto does with a sequence of `ctx` tokens at window `recent`, one line."""
     if recent + sink >= ctx:
         return "every row bf16 (no code written)"
-    return f"bf16 up to {recent + sink:,} tokens, then older rows {formats} , the first {sink} kept bf16"
+    return (
+        f"bf16 up to {recent + sink:,} tokens, then older rows {formats}, the first {sink} "
+        "kept bf16"
+    )
