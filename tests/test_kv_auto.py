@@ -19,6 +19,7 @@ from macserve.int2_format import INT2
 from macserve.server.capacity import MAX_AUTO_BATCH, auto_batch
 from macserve.services import share
 from macserve.services.profiles import Profile
+from macserve.sizing import budget
 from macserve.sizing.kv_layout import auto_figures
 from macserve.sizing.report import inspect_source
 
@@ -115,3 +116,16 @@ def test_an_auto_share_counts_bf16_and_fits_its_window_in_memory():
     # too small for even the int2 cache: refused with the figures, as KV=int2 is
     small = _auto(CTX="1024", PARALLEL="2", MEMORY=f"{fixed + 2 * base}B")
     assert small.window == INT2.recent and "too small" in (small.error or "")
+
+
+def test_without_memory_a_machine_too_small_for_bf16_bounds_the_window(monkeypatch):
+    s = _auto(CTX="1024", PARALLEL="64")
+    assert s.window == 1024 and s.source == "CTX x PARALLEL"
+    # a machine whose budget is a little under that all-bf16 share (a Mac of this size
+    # cannot be had here: its budget is the one thing faked)
+    small = budget.Budget(s.share_bytes, s.share_bytes - 8 * share.MIB, None, "a small Mac")
+    monkeypatch.setattr(share, "machine_budget", lambda: small)
+    fitted = _auto(CTX="1024", PARALLEL="64")
+    assert fitted.share_bytes == small.budget_bytes and fitted.error is None
+    assert INT2.recent <= fitted.window < 1024 - INT2.sink
+    assert fitted.kv_bytes < s.kv_bytes and "over this machine's budget" in fitted.note

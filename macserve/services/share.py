@@ -21,7 +21,8 @@ prefill scratch. A share counts all five:
 
 KV=auto (the engine's rotated latent cache, bf16 as far as the share holds: cache_kinds.py)
 counts, without MEMORY, every row bf16 (the share is what CTX x PARALLEL needs in bf16, and
-the server then writes no code); with MEMORY, its window is fitted in the share on inspect's
+the server then writes no code) unless that is over the machine's budget, which is then its
+share as a MEMORY would be; with MEMORY, its window is fitted in the share on inspect's
 figures (sizing/kv_layout.auto_figures): PARALLEL sequences plus the prompt cache's one at
 the longest window that fits (PARALLEL not set: as many all-bf16 sequences as fit, else one).
 `window` and `kv_note` say what it will do; the server fits its own window on measured
@@ -43,6 +44,7 @@ from ..cache_kinds import CacheKind, auto_window, describe_window, window_bytes
 from ..errors import MacserveError
 from ..hf_config import text_config
 from ..int2_format import INT2
+from ..sizing.budget import machine_budget
 from ..sizing.kv_layout import auto_figures
 from ..sizing.report import inspect_source
 from . import baseline, providers
@@ -277,6 +279,15 @@ def share_of(profile: Profile) -> Share:
         unknown = f"inspect does not model a {p.kv or prov.default_kv()} cache of {p.model}"
     elif weights is None:
         unknown = f"the weights of {p.model} are unknown"
+    if memory is None and auto is not None and not unknown:
+        budget = machine_budget().budget_bytes
+        if with_reserve(s.parts_bytes) > budget:
+            # all bf16 would not fit this machine: the budget bounds it, as serve's does
+            notes.append("KV=auto all bf16 is over this machine's budget: fitted in it")
+            s = replace(s, memory_bytes=budget, source="this machine's budget")
+            s = fit_window(replace(s, reserve_bytes=reserve_for(budget)), auto, budget)
+            s = replace(s, note="; ".join(notes), error=too_small(s))
+            return replace(s, prefill_step=prefill_step(s.reserve_bytes, per_token))
     if memory is None:
         if unknown:
             why = f"{unknown}: set MEMORY= to give it a share by hand"
