@@ -17,9 +17,9 @@ weights, the sequences, the prompt cache (its bound shrunk to what is left) and 
 (half a prefill chunk's scratch, engine/scratch.py; half MLX's buffer cache); MLX's own
 limits are set from it, and a --max-batch that does not fit is refused with the figures.
 
-`--kv auto` (cache_kinds.auto_window) is sized on two measurements instead of one: a
-sequence at CTX with the int2 cache's own window (its least), and what each further bf16
-window row adds over its code. Given a batch (`--max-batch`, a profile's PARALLEL), the window
+`--kv auto` (cache_kinds.auto_window) is sized on three measured figures instead of one: a
+sequence at CTX with the int2 cache's own window (its least), one more bf16 window row's
+bytes, and a sequence at CTX with every row bf16 (window_figures). Given a batch (`--max-batch`, a profile's PARALLEL), the window
 is the longest at which the batch and the prompt cache's sequence fit; with none, the batch
 is as many all-bf16 sequences as fit (at least one, then at the longest window that fits).
 Without --memory the machine's budget stands in for the share the same way; with neither (a
@@ -140,8 +140,8 @@ def auto_batch(
 ) -> tuple[int, int]:
     """(sequences, window) --kv auto runs with in `room` bytes (what the share or budget
     leaves after the baseline, weights and reserve), on `window_figures`' (base, row, full).
-    `prompt_cache`:
-    its bytes, or None for its default bound, one more sequence at the same window.
+    `prompt_cache`: its bytes, or None for its default bound, one more sequence at the same
+    window.
     `max_batch` given: that many, at the longest window they fit; not given: as many
     all-bf16 sequences as fit (at most MAX_AUTO_BATCH), else one at the longest window. A
     room that holds not even the int2 cache gets its window (INT2.recent): the share's own
