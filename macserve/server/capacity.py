@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import psutil
 from mlx.utils import tree_flatten
 
 from ..cache_kinds import ALL_ROWS, CacheKind, auto_window, describe_window, window_bytes
@@ -298,16 +299,25 @@ def plan_share(
 
 
 def fit_share(
-    bundle, spec: CacheSpec, ctx: int, share: int, baseline: int, prompt_cache, max_batch
+    bundle,
+    spec: CacheSpec,
+    ctx: int,
+    share: int,
+    baseline: int,
+    prompt_cache,
+    max_batch,
+    loaded: int | None = None,
 ) -> SharePlan:
     """`plan_share` on the loaded model: its weights and one whole-context sequence measured
     (sequence_bytes). `prompt_cache` None: the default bound, one whole-context sequence.
-    --kv auto: the window too (auto_batch), in `window` ("the sequence" at that window)."""
+    --kv auto: the window too (auto_batch), in `window` ("the sequence" at that window),
+    fitted beside `loaded` (loaded_baseline) where that is more than `baseline`: a window
+    must not take the share's unused bytes that the process's own growth at load holds."""
     w = weights_bytes(bundle.model)
     window = None
     if spec.kind == CacheKind.AUTO:
         figures = window_figures(bundle, spec, ctx)
-        room = share - int(share * RESERVE) - baseline - w
+        room = share - int(share * RESERVE) - max(baseline, loaded or 0) - w
         _, window = auto_batch(room, figures, ctx, prompt_cache, max_batch)
         per_seq = window_bytes(ctx, window, *figures)
     else:
@@ -315,6 +325,15 @@ def fit_share(
     pc = per_seq if prompt_cache is None else prompt_cache
     plan = plan_share(share, baseline, w, per_seq, pc, max_batch)
     return replace(plan, window=window, ctx=ctx)
+
+
+def loaded_baseline(bundle) -> int:
+    """The process now, less the weights: its baseline with what loading added (MLX's
+    runtime, the grammar's tables of the tokenizer, the MTP layer), which the share's own
+    baseline (services/baseline.py, the tree once ready, less the weights) counts too."""
+    gc.collect()
+    mx.clear_cache()
+    return psutil.Process().memory_info().rss - weights_bytes(bundle.model)
 
 
 def fitted(spec: CacheSpec, window: int | None) -> CacheSpec:

@@ -38,7 +38,16 @@ from ..engine.caches import EngineOptions, model_dtype
 from ..engine.model import load
 from ..engine.mtp_auto import load_note
 from . import grammar, ranks
-from .capacity import Capacity, SharePlan, ShareTooSmall, fit_share, fitted, hold_to, size_batch
+from .capacity import (
+    Capacity,
+    SharePlan,
+    ShareTooSmall,
+    fit_share,
+    fitted,
+    hold_to,
+    loaded_baseline,
+    size_batch,
+)
 from .disk_cache import DiskTier
 from .disk_identity import identity, open_soon
 from .metrics import Metrics
@@ -307,6 +316,7 @@ class Worker(threading.Thread):
             self.baseline_bytes,
             asked,
             max_batch,
+            loaded_baseline(bundle),
         )
         self.share, self.max_batch = plan, plan.max_batch
         self.prompt_cache.max_bytes = plan.prompt_cache_bytes
