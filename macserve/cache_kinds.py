@@ -12,11 +12,16 @@ rows of tokens) is the class's own: `state` / `from_state` on mlx-lm's cache pro
 
 A string compares equal to its kind (`CacheKind.INT2 == "int2"`), so a kind parsed once can
 travel where a name did.
+
+`auto` is the INT2 cache (the calibration's per-layer formats) with a bf16 recent window as
+long as the memory share allows: `auto_window` is that arithmetic, without mlx, for the
+server (`serve --memory`, on the figures it measures: server/capacity.py) and for a
+profile's share (on inspect's figures: services/share.py) alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from .int2_format import INT2, LatentQuant
@@ -32,10 +37,12 @@ class KindFacts:
 
 
 class CacheKind(str, Enum):
-    """`--kv`: bf16 is mlx-lm's own cache for the model; int2 the rotated INT2 latent cache."""
+    """`--kv`: bf16 is mlx-lm's own cache for the model; int2 the rotated INT2 latent cache;
+    auto the same cache with its bf16 recent window as long as the memory share holds."""
 
     BF16 = "bf16"
     INT2 = "int2"
+    AUTO = "auto"
 
     def __str__(self) -> str:
         return self.value
@@ -80,6 +87,14 @@ class CacheKind(str, Enum):
         return q.row_bytes(latent_dims, rope_dims) if q is not None else None
 
 
+# auto's window before a share has sized it: every row bf16 (`generate`, `serve` with nothing to
+# size against). The server replaces it with the window its share holds (server/capacity.py).
+ALL_ROWS = 1 << 30
+AUTO_QUANT = replace(INT2, recent=ALL_ROWS)
+# a fitted window is rounded down to whole blocks of this many rows, so a few bytes more or
+# less in a share do not change it (and its prompt caches' identity: disk_identity.py)
+WINDOW_ALIGN = 64
+
 FACTS = {
     CacheKind.BF16: KindFacts(
         inspect_key="mlx/bf16",
@@ -97,6 +112,63 @@ FACTS = {
         disk_cuttable=False,
         summary="the rotated INT2 latent cache (a calibration's rotations)",
     ),
+    CacheKind.AUTO: KindFacts(
+        inspect_key="macserve/int2",  # its smallest form; services/share.py adds the window
+        calibrated=True,
+        quant=AUTO_QUANT,
+        disk_cuttable=False,  # as int2: once its window is full, rows leave it as codes
+        summary="the rotated latent cache, bf16 as far as the memory share holds, then the "
+        "calibration's formats (INT2)",
+    ),
 }
 
 KIND_NAMES = tuple(k.value for k in CacheKind)
+
+
+def auto_window(
+    ctx: int,
+    sequences: int,
+    room: int,
+    base: int,
+    row: int,
+    full: int,
+    quant: LatentQuant = INT2,
+) -> int | None:
+    """auto's bf16 recent window (LatentQuant.recent, in tokens) for `sequences` sequences of
+    `ctx` tokens in `room` bytes: `ctx` when every row fits in bf16 (one sequence all bf16:
+    `full` bytes; the sink and the window then cover the context, no code is written), else
+    the longest window from `quant.recent` (the int2 cache's own, the least auto keeps) up
+    at which every sequence fits, in whole WINDOW_ALIGN blocks; None: not even the int2
+    cache fits. A sequence at window R counts `base` (its bytes at R = quant.recent) plus
+    `row` per further window row: a row's bf16 bytes, without the code it replaces (codes
+    are held in blocks: fewer codes may free nothing), so the count is never under."""
+    if sequences < 1:
+        raise ValueError("auto_window needs at least one sequence")
+    per_seq = room // sequences
+    if per_seq >= full:
+        return ctx
+    if per_seq < base:
+        return None
+    widest = ctx - quant.sink - 1  # one row short of holding every row
+    extra = (per_seq - base) // row if row > 0 else widest
+    r = min(widest, quant.recent + extra)
+    return max(quant.recent, r - r % WINDOW_ALIGN)
+
+
+def window_bytes(
+    ctx: int, recent: int, base: int, row: int, full: int, quant: LatentQuant = INT2
+) -> int:
+    """One sequence's bytes at window `recent`, on `auto_window`'s count."""
+    if recent + quant.sink >= ctx:
+        return full
+    return base + row * max(0, recent - quant.recent)
+
+
+def describe_window(ctx: int, recent: int, formats: str = "INT2", sink: int = INT2.sink) -> str:
+    """What auto does with a sequence of `ctx` tokens at window `recent`, one line."""
+    if recent + sink >= ctx:
+        return "every row bf16 (no code written)"
+    return (
+        f"bf16 up to {recent + sink:,} tokens, then older rows {formats}, the first {sink} "
+        "kept bf16"
+    )

@@ -3,7 +3,7 @@
 # package, installed with the test extras) as a supervised llama-server service, asked one
 # short question. Then the main job on the built-in demo model: size its cache, export its
 # GGUF twin, serve it with a real llama-server (MTP drafting on) and ask it one question; then
-# run it as a supervised service on macserve's own engine with the INT2 latent cache and MTP
+# run it as a supervised service on macserve's own engine with its latent cache (KV=auto) and MTP
 # drafting.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,7 +40,8 @@ curl -s "http://127.0.0.1:$p_llama/v1/chat/completions" -H 'Content-Type: applic
 kill $pid 2>/dev/null || true
 
 # The same model on macserve's own MLX engine as a supervised service: new (the folder ships
-# a calibration, so the INT2 latent cache; the model has an MTP layer, so drafting), then set
+# a calibration, so KV=auto: the latent cache, bf16 while its share holds it, INT2 past that;
+# the model has an MTP layer, so drafting), then set
 # a smaller context (the service restarts itself, is health-checked, rolls back on failure),
 # then one chat turn; the stats line shows the draft acceptance.
 macserve rm tiny-engine >/dev/null 2>&1 || true

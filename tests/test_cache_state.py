@@ -163,9 +163,9 @@ def test_a_stored_form_of_another_kind_or_format_is_refused(request):
 
 
 def test_every_kind_is_named_once_with_its_facts():
-    assert KIND_NAMES == ("bf16", "int2")
+    assert KIND_NAMES == ("bf16", "int2", "auto")
     assert CacheKind.parse("int2") is CacheKind.INT2 and CacheKind.INT2 == "int2"
-    with pytest.raises(ValueError, match="kv must be one of bf16, int2, not 'q4'"):
+    with pytest.raises(ValueError, match="kv must be one of bf16, int2, auto, not 'q4'"):
         CacheKind.parse("q4")
     assert CacheKind.INT2.calibrated and not CacheKind.BF16.calibrated
     assert CacheKind.INT2.latent and not CacheKind.BF16.latent

@@ -30,7 +30,8 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     assert r.returncode == 0, r.stderr
     services.append(status("g")["pid"])
     for args in (
-        [str(TINY_MODEL), "--provider", "macserve", "--name", "e", "--ctx", "512"],
+        # KV=int2 by hand: the calibrated folder's default, auto, counts bf16 (test_kv_auto.py)
+        [str(TINY_MODEL), "--provider", "macserve", "--name", "e", "--ctx", "512", "--kv", "int2"],
         [MLX_REPO, "--name", "m"],
     ):
         r = cli("new", *args, "--no-start")
@@ -44,7 +45,7 @@ def test_doctor_sums_what_starts_at_login(hub, llama_server, services, macserve_
     # type and context; the share is services/share.py's
     expect = {
         "g": (f"{GGUF_REPO}:F32", 1024, "llama.cpp/f16"),  # -c 1024: new's choice
-        "e": (str(TINY_MODEL), 512, "macserve/int2"),  # the folder ships its calibration
+        "e": (str(TINY_MODEL), 512, "macserve/int2"),
         "m": (MLX_REPO, 1024, "mlx/bf16"),  # no context flag: up to the model's limit
     }
     for name, (source, ctx, key) in expect.items():

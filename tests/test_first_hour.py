@@ -255,11 +255,11 @@ def test_context_beyond_the_budget_refused(macserve_home):
 
 
 @pytest.mark.e2e
-def test_calibrated_folder_defaults_to_int2(macserve_home):
+def test_calibrated_folder_defaults_to_auto(macserve_home):
     r = cli("new", str(TINY_MODEL), "--provider", "macserve", "--name", "t", "--no-start")
     assert r.returncode == 0, r.stderr
     text = (macserve_home / "profiles" / "t.env").read_text()
-    assert "PROVIDER=macserve" in text and "KV=int2" in text
+    assert "PROVIDER=macserve" in text and "KV=auto" in text
     assert "note: the folder ships its calibration (latent-rotation.safetensors)" in r.stderr
     r = cli(
         "new",

@@ -256,8 +256,9 @@ def test_what_callers_once_asked_by_name_the_providers_answer(tmp_path):
         mlx.validate(p.updated({"PROMPT_CACHE_DISK": "1GB"}))
     eng = p.updated({"PROVIDER": "macserve", "PROMPT_CACHE_DISK": "1GB"})
     reg["macserve"].validate(eng)
-    # `new` picks the INT2 cache for a folder that ships its calibration, on the engine only
-    assert reg["macserve"].shipped_kv(TINY_MODEL)[0] == "int2"
+    # `new` picks KV=auto (the latent cache, bf16 as far as the share holds) for a folder
+    # that ships its calibration, on the engine only
+    assert reg["macserve"].shipped_kv(TINY_MODEL)[0] == "auto"
     assert reg["macserve"].shipped_kv(tmp_path) is None
     assert all(reg[n].shipped_kv(TINY_MODEL) is None for n in reg if n != "macserve")
     # pre-flight asks whether every host needs macserve: the engine's ranks and mlx's (its

@@ -502,7 +502,7 @@ def test_engine_service_new_set_chat(services, macserve_home):
     r = cli("set", "tiny-engine", "--", "KV=int3")
     assert (r.returncode, r.stderr.strip()) == (
         2,
-        "error: KV int3: macserve serve caches bf16 | int2",
+        "error: KV int3: macserve serve caches bf16 | int2 | auto",
     )
     assert status("tiny-engine")["pid"] == first["pid"]
     r = cli("set", "tiny-engine", "--", "CTX=512", "KV=int2", timeout=300)

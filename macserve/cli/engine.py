@@ -175,7 +175,13 @@ def gate_report_lines(rep: dict) -> list[str]:
 @click.argument("prompt")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--kv", type=click.Choice(KIND_NAMES), default="bf16", show_default=True)
+@click.option(
+    "--kv",
+    type=click.Choice(KIND_NAMES),
+    default="bf16",
+    show_default=True,
+    help="bf16, int2 (the INT2 latent cache) or auto (no share to size here: every row bf16).",
+)
 @click.option("--rotation", type=click.Path(exists=True, dir_okay=False))
 @click.option("--mtp", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True)
 @click.option("--mtp-k", type=click.IntRange(0, 3), default=1, show_default=True)

@@ -40,12 +40,15 @@ server_settings = lazy("macserve.server.settings")
     type=click.Choice(KIND_NAMES),
     default="bf16",
     show_default=True,
-    help="KV cache: bf16, or the rotated INT2 MLA latent cache.",
+    help="KV cache: bf16; int2, the rotated INT2 MLA latent cache; or auto, that cache with "
+    "every row bf16 as far as --memory holds --max-batch sequences at --ctx, older rows in "
+    "the calibration's formats past that (without --memory: sized to the machine's budget "
+    "the same way; with --max-batch and no --memory: all bf16).",
 )
 @click.option(
     "--rotation",
     type=click.Path(exists=True, dir_okay=False),
-    help="Fitted rotations for --kv int2.",
+    help="Fitted rotations for --kv int2 / auto.",
 )
 @click.option(
     "--mtp",

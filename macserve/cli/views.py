@@ -114,6 +114,8 @@ def ledger_lines(r: dict) -> list[str]:
         ]
         if sh.get("note"):
             out.append(f"          {sh['note']}")
+        if sh.get("kv_note"):
+            out.append(f"          {sh['kv_note']}")
     if res.get("now_bytes") is None:
         out.append("resident: not running")
     else:
@@ -137,6 +139,9 @@ def ls(as_json):
         _table(rows)
         counted = sum(r.get("share_bytes") or 0 for r in rows if r.get("resident_bytes"))
         click.echo(machine_line(service_views.machine(), counted))
+        for r in rows:  # what KV=auto will do in each share, one line a profile
+            if (r.get("share") or {}).get("kv_note"):
+                click.echo(f"{r['name']}: {r['share']['kv_note']}")
     _journal_notes(rows)
 
 

@@ -1,6 +1,6 @@
 """Which KV cache a generation uses (a frozen spec, resolved once) and how it is built.
 
-    spec = CacheSpec.for_model(model_dir, "int2")        # or "bf16"; rotation found here, once
+    spec = CacheSpec.for_model(model_dir, "int2")        # "bf16", "auto"; rotation found here
     opts = EngineOptions(spec, mtp_k=1)                   # what serve / generate run with
     caches = make_caches(model, quant, rotations, clips)  # one RotatedLatentCache per layer
 
@@ -8,12 +8,14 @@ A model folder may ship its calibration as `latent-rotation.safetensors`; `--kv 
 needs no `--rotation`. That default is decided in `CacheSpec.for_model` and nowhere else.
 A calibration whose gate chose a format per layer (engine/gate.py) gets a cache per layer in
 that format: `quant` is then a list, one LatentQuant per layer of the whole model.
+`auto` is that cache with the bf16 recent window its memory share holds (`with_window`, set
+by server/capacity.py once the model is measured; every row bf16 until then).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,11 +33,12 @@ from .latent_cache import RotatedLatentCache
 class CacheSpec:
     """`kind` (cache_kinds.py; a name is parsed here) bf16 is mlx-lm's own cache; int2 the
     rotated INT2 latent cache in `quant`'s format with the rotations of calibration file
-    `rotation` (`method`: None = the file's default)."""
+    `rotation` (`method`: None = the file's default); auto the same cache, its window in
+    `quant.recent` (None: the kind's own format: INT2, or for auto every row bf16)."""
 
     kind: CacheKind = CacheKind.BF16
     rotation: Path | None = None
-    quant: LatentQuant = INT2
+    quant: LatentQuant = None  # type: ignore[assignment]  # set in __post_init__
     method: str | None = None
 
     def __post_init__(self):
@@ -43,6 +46,14 @@ class CacheSpec:
             object.__setattr__(self, "kind", CacheKind.parse(self.kind))
         except ValueError as e:
             raise MacserveError(str(e)) from None
+        if self.quant is None:
+            object.__setattr__(self, "quant", self.kind.facts.quant or INT2)
+
+    def with_window(self, recent: int) -> CacheSpec:
+        """auto's spec with a bf16 recent window of `recent` tokens (capacity.py fits it)."""
+        if self.kind != CacheKind.AUTO:
+            raise ValueError(f"a window is auto's, not {self.kind}'s")
+        return replace(self, quant=replace(self.quant, recent=recent))
 
     @classmethod
     def for_model(
@@ -52,7 +63,7 @@ class CacheSpec:
         kind = cls(kind).kind
         if not kind.calibrated:
             if rotation is not None:
-                which = ", ".join(str(k) for k in CacheKind if k.calibrated)
+                which = " or ".join(str(k) for k in CacheKind if k.calibrated)
                 raise MacserveError(f"--rotation applies to the {which} cache; add --kv {which}")
             return cls(kind)
         rotation = rotation or shipped_rotation(model_dir)

@@ -75,6 +75,8 @@ def _row(r: dict, i: int) -> str:
             f"{size(sh['reserve_bytes'])}"
         )
         fp = f'{_e(size(r["share_bytes"]))}<div class="sub">{_e(parts)}</div>'
+        if sh.get("kv_note"):  # what KV=auto will do in this share
+            fp += f'<div class="sub kv-auto">{_e(sh["kv_note"])}</div>'
     elif r.get("share_note"):
         fp = f'unknown<div class="why">{_e(r["share_note"])}</div>'
     res = r["resident"]

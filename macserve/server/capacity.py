@@ -16,19 +16,31 @@ inside S instead of the machine: the process's baseline (measured before the wei
 weights, the sequences, the prompt cache (its bound shrunk to what is left) and a RESERVE of S
 (half a prefill chunk's scratch, engine/scratch.py; half MLX's buffer cache); MLX's own
 limits are set from it, and a --max-batch that does not fit is refused with the figures.
+
+`--kv auto` (cache_kinds.auto_window) is sized on three measured figures instead of one: a
+sequence at CTX with the int2 cache's own window (its least), one more bf16 window row's
+bytes, and a sequence at CTX with every row bf16 (window_figures). Given a batch (`--max-batch`, a profile's PARALLEL), the window
+is the longest at which the batch and the prompt cache's sequence fit; with none, the batch
+is as many all-bf16 sequences as fit (at least one, then at the longest window that fits).
+Without --memory the machine's budget stands in for the share the same way; with neither (a
+--max-batch and no budget) nothing is sized and every row stays bf16.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import psutil
 from mlx.utils import tree_flatten
 
+from ..cache_kinds import ALL_ROWS, CacheKind, auto_window, describe_window, window_bytes
 from ..engine import scratch
 from ..engine.caches import CacheSpec, cache_bytes
 from ..errors import MacserveError
+from ..int2_format import INT2
 
 PROBE_TOKENS = 256  # tokens between the two measurements of a sequence's caches
 # Past this many rows a decode step's B per-sequence attention calls (engine.batch) cost more
@@ -45,6 +57,8 @@ class Capacity:
     weights_bytes: int
     budget_bytes: int
     room_bytes: int  # what the budget leaves for running sequences' caches
+    window: int | None = None  # --kv auto: the bf16 recent window fitted (tokens)
+    ctx: int | None = None
 
     def describe(self) -> str:
         gb = 2**30
@@ -53,7 +67,14 @@ class Capacity:
             f"(budget {self.budget_bytes / gb:.1f} GB - weights {self.weights_bytes / gb:.1f} GB "
             f"- prompt cache - {RESERVE:.0%} reserve) / {self.kv_bytes_per_sequence / gb:.3f} GB "
             f"per whole-context sequence ({self.kv_bytes_per_token:.0f} B per token)"
+            + _auto_line(self.window, self.ctx)
         )
+
+
+def _auto_line(window: int | None, ctx: int | None) -> str:
+    if window is None or ctx is None:
+        return ""
+    return f"; --kv auto at CTX {ctx:,}: {describe_window(ctx, window)}"
 
 
 def weights_bytes(model) -> int:
@@ -65,6 +86,13 @@ def _probe_tokens(spec: CacheSpec) -> int:
     return PROBE_TOKENS + spec.kind.bf16_rows(spec.quant)
 
 
+def _fill(bundle, caches, n: int) -> int:
+    """n more tokens through the model into `caches`; the bytes they then hold."""
+    bundle.model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
+    mx.eval([c.state for c in caches])
+    return sum(cache_bytes(c) for c in caches)
+
+
 def sequence_bytes(bundle, spec: CacheSpec, ctx: int) -> tuple[int, float]:
     """One sequence's cache bytes at `ctx` tokens, as allocated, and the steady bytes per
     token. Measured on fresh caches: after n1 tokens and after n1 + PROBE_TOKENS; the growth
@@ -73,11 +101,7 @@ def sequence_bytes(bundle, spec: CacheSpec, ctx: int) -> tuple[int, float]:
     too short for the two probes is filled whole and measured as it is."""
     n1 = _probe_tokens(spec)
     caches = bundle.caches(spec)
-
-    def fill(n: int) -> int:
-        bundle.model(mx.zeros((1, n), dtype=mx.int32), cache=caches)
-        mx.eval([c.state for c in caches])
-        return sum(cache_bytes(c) for c in caches)
+    fill = lambda n: _fill(bundle, caches, n)  # noqa: E731
 
     if ctx <= n1 + PROBE_TOKENS:  # all but one token prefilled, the last one decoded: the
         fill(ctx - 1)  # decode step's growth headroom is held too
@@ -89,15 +113,72 @@ def sequence_bytes(bundle, spec: CacheSpec, ctx: int) -> tuple[int, float]:
     return int(b1 + per_token * steps * PROBE_TOKENS), per_token
 
 
+def window_figures(bundle, spec: CacheSpec, ctx: int) -> tuple[int, int, int]:
+    """--kv auto's figures (cache_kinds.auto_window), measured on fresh caches: one sequence's
+    bytes at `ctx` with the int2 cache's window (INT2.recent: the least auto keeps), the
+    bytes of one more bf16 window row (over every layer), and one sequence's bytes at `ctx`
+    with every row bf16. The last two from a window holding every row: PROBE_TOKENS rows,
+    PROBE_TOKENS more, then one decode step (its growth headroom held, as at `ctx`): bf16
+    rows grow exactly by their bytes, so the sequence at `ctx` is that plus the rows to it."""
+    base, _ = sequence_bytes(bundle, spec.with_window(INT2.recent), ctx)
+    if ctx <= 2 * PROBE_TOKENS + 1:  # short enough to hold whole (sequence_bytes fills it)
+        full, per_token = sequence_bytes(bundle, spec.with_window(ALL_ROWS), ctx)
+        return base, math.ceil(per_token), full
+    caches = bundle.caches(spec.with_window(ALL_ROWS))
+    first = _fill(bundle, caches, PROBE_TOKENS)
+    row = math.ceil((_fill(bundle, caches, PROBE_TOKENS) - first) / PROBE_TOKENS)
+    stepped = _fill(bundle, caches, 1)  # 2 x PROBE_TOKENS + 1 rows, with decode headroom
+    full = stepped + row * max(0, ctx - 2 * PROBE_TOKENS - 1)
+    return base, row, full
+
+
+def auto_batch(
+    room: int,
+    figures: tuple[int, int, int],
+    ctx: int,
+    prompt_cache: int | None,
+    max_batch: int | None,
+) -> tuple[int, int]:
+    """(sequences, window) --kv auto runs with in `room` bytes (what the share or budget
+    leaves after the baseline, weights and reserve), on `window_figures`' (base, row, full).
+    `prompt_cache`: its bytes, or None for its default bound, one more sequence at the same
+    window.
+    `max_batch` given: that many, at the longest window they fit; not given: as many
+    all-bf16 sequences as fit (at most MAX_AUTO_BATCH), else one at the longest window. A
+    room that holds not even the int2 cache gets its window (INT2.recent): the share's own
+    check then refuses it with the figures, as for --kv int2."""
+    extra = 1 if prompt_cache is None else 0
+    left = room - (prompt_cache or 0)
+    n = max_batch
+    if n is None:
+        fits = left // figures[2] - extra
+        if fits >= 1:
+            return min(MAX_AUTO_BATCH, fits), ctx
+        n = 1
+    return n, auto_window(ctx, n + extra, left, *figures) or INT2.recent
+
+
 def size_batch(
     bundle, spec: CacheSpec, ctx: int, budget_bytes: int, prompt_cache_bytes: int
 ) -> Capacity:
+    if spec.kind == CacheKind.AUTO:
+        return _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes)
     per_seq, per_token = sequence_bytes(bundle, spec, ctx)
     per_seq = max(1, per_seq)
     w = weights_bytes(bundle.model)
     room = int(budget_bytes * (1 - RESERVE)) - w - prompt_cache_bytes
     n = max(1, min(MAX_AUTO_BATCH, room // per_seq))
     return Capacity(n, per_token, per_seq, w, budget_bytes, max(0, room))
+
+
+def _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes) -> Capacity:
+    figures = window_figures(bundle, spec, ctx)
+    w = weights_bytes(bundle.model)
+    room = int(budget_bytes * (1 - RESERVE)) - w
+    n, window = auto_batch(room, figures, ctx, prompt_cache_bytes, None)
+    per_seq = window_bytes(ctx, window, *figures)
+    room -= prompt_cache_bytes
+    return Capacity(n, per_seq / ctx, per_seq, w, budget_bytes, max(0, room), window, ctx)
 
 
 # -- `serve --memory S`: everything inside one share ------------------------------------------
@@ -124,6 +205,8 @@ class SharePlan:
     max_batch: int
     prompt_cache_bytes: int
     prompt_cache_asked: int
+    window: int | None = None  # --kv auto: the bf16 recent window fitted (tokens)
+    ctx: int | None = None
 
     @property
     def reserve_bytes(self) -> int:
@@ -167,6 +250,7 @@ class SharePlan:
             "scratch_bytes": self.scratch_bytes,
             "buffer_cache_bytes": self.buffer_cache_bytes,
             "free_bytes": self.free_bytes,
+            "window": self.window,
         }
 
     def describe(self) -> str:
@@ -180,6 +264,7 @@ class SharePlan:
             f"{_gb(self.prompt_cache_bytes)}{shrunk} + reserve {_gb(self.reserve_bytes)} "
             f"({RESERVE:.0%}: prefill scratch {_gb(self.scratch_bytes)}, MLX buffer cache "
             f"{_gb(self.buffer_cache_bytes)}); {_gb(self.free_bytes)} unused"
+            + _auto_line(self.window, self.ctx)
         )
 
 
@@ -214,13 +299,46 @@ def plan_share(
 
 
 def fit_share(
-    bundle, spec: CacheSpec, ctx: int, share: int, baseline: int, prompt_cache, max_batch
+    bundle,
+    spec: CacheSpec,
+    ctx: int,
+    share: int,
+    baseline: int,
+    prompt_cache,
+    max_batch,
+    loaded: int | None = None,
 ) -> SharePlan:
     """`plan_share` on the loaded model: its weights and one whole-context sequence measured
-    (sequence_bytes). `prompt_cache` None: the default bound, one whole-context sequence."""
-    per_seq, _ = sequence_bytes(bundle, spec, ctx)
+    (sequence_bytes). `prompt_cache` None: the default bound, one whole-context sequence.
+    --kv auto: the window too (auto_batch), in `window` ("the sequence" at that window),
+    fitted beside `loaded` (loaded_baseline) where that is more than `baseline`: a window
+    must not take the share's unused bytes that the process's own growth at load holds."""
+    w = weights_bytes(bundle.model)
+    window = None
+    if spec.kind == CacheKind.AUTO:
+        figures = window_figures(bundle, spec, ctx)
+        room = share - int(share * RESERVE) - max(baseline, loaded or 0) - w
+        _, window = auto_batch(room, figures, ctx, prompt_cache, max_batch)
+        per_seq = window_bytes(ctx, window, *figures)
+    else:
+        per_seq, _ = sequence_bytes(bundle, spec, ctx)
     pc = per_seq if prompt_cache is None else prompt_cache
-    return plan_share(share, baseline, weights_bytes(bundle.model), per_seq, pc, max_batch)
+    plan = plan_share(share, baseline, w, per_seq, pc, max_batch)
+    return replace(plan, window=window, ctx=ctx)
+
+
+def loaded_baseline(bundle) -> int:
+    """The process now, less the weights: its baseline with what loading added (MLX's
+    runtime, the grammar's tables of the tokenizer, the MTP layer), which the share's own
+    baseline (services/baseline.py, the tree once ready, less the weights) counts too."""
+    gc.collect()
+    mx.clear_cache()
+    return psutil.Process().memory_info().rss - weights_bytes(bundle.model)
+
+
+def fitted(spec: CacheSpec, window: int | None) -> CacheSpec:
+    """The spec a server runs once sized: --kv auto's with the window fitted (if any)."""
+    return spec if window is None or spec.kind != CacheKind.AUTO else spec.with_window(window)
 
 
 def hold_to(plan: SharePlan) -> None:

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,16 @@ from ..engine.caches import EngineOptions, model_dtype
 from ..engine.model import load
 from ..engine.mtp_auto import load_note
 from . import grammar, ranks
-from .capacity import Capacity, SharePlan, ShareTooSmall, fit_share, hold_to, size_batch
+from .capacity import (
+    Capacity,
+    SharePlan,
+    ShareTooSmall,
+    fit_share,
+    fitted,
+    hold_to,
+    loaded_baseline,
+    size_batch,
+)
 from .disk_cache import DiskTier
 from .disk_identity import identity, open_soon
 from .metrics import Metrics
@@ -287,6 +296,7 @@ class Worker(threading.Thread):
             bundle, self.options.cache, ctx, self.memory_budget, self.prompt_cache.max_bytes
         )
         self.max_batch = self.capacity.max_batch
+        self._fitted(self.capacity.window)
         log.info("%s", self.capacity.describe())
         log.info(
             "sized against this whole machine's memory budget, not a share of it: "
@@ -306,11 +316,19 @@ class Worker(threading.Thread):
             self.baseline_bytes,
             asked,
             max_batch,
+            loaded_baseline(bundle),
         )
         self.share, self.max_batch = plan, plan.max_batch
         self.prompt_cache.max_bytes = plan.prompt_cache_bytes
+        self._fitted(plan.window)
         hold_to(plan)
         log.info("%s", plan.describe())
+
+    def _fitted(self, window: int | None) -> None:
+        """--kv auto: every cache from here on (and the disk tier's identity) at its window."""
+        self.options = replace(self.options, cache=fitted(self.options.cache, window))
+        if window is not None and self.kv_plan is not None:
+            self.kv_plan["window"] = window  # /health says what auto does
 
     # -- one process: continuous batching -----------------------------------------------------
 

@@ -19,6 +19,15 @@ prefill scratch. A share counts all five:
   figure its baseline is measured at (request threads, tokenizer and HTTP buffers, MLX's
   buffer cache), which 10 % of a small model's share does not cover.
 
+KV=auto (the engine's rotated latent cache, bf16 as far as the share holds: cache_kinds.py)
+counts, without MEMORY, every row bf16 (the share is what CTX x PARALLEL needs in bf16, and
+the server then writes no code) unless that is over the machine's budget, which is then its
+share as a MEMORY would be; with MEMORY, its window is fitted in the share on inspect's
+figures (sizing/kv_layout.auto_figures): PARALLEL sequences plus the prompt cache's one at
+the longest window that fits (PARALLEL not set: as many all-bf16 sequences as fit, else one).
+`window` and `kv_note` say what it will do; the server fits its own window on measured
+figures (server/capacity.py), which `/health` reports.
+
 With MEMORY= the share IS that figure, and the parts must fit in it. Each provider turns the
 share into its server's own limits (`Share.limits()` -> providers' `Limits`, which
 `Provider.argv` renders): the engine `--memory`, llama-server `-c -np --cache-ram`,
@@ -31,8 +40,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from ..cache_kinds import CacheKind, auto_window, describe_window, window_bytes
 from ..errors import MacserveError
 from ..hf_config import text_config
+from ..int2_format import INT2
+from ..sizing.budget import machine_budget
+from ..sizing.kv_layout import auto_figures
 from ..sizing.report import inspect_source
 from . import baseline, providers
 from .profiles import Profile, ProfileStore
@@ -69,6 +82,16 @@ class Share:
     # prompt tokens per prefill chunk whose scratch fits the reserve at ctx (mlx_lm.server's
     # --prefill-step-size; the engine chooses its own chunk within --memory)
     prefill_step: int = PREFILL_STEP
+    window: int | None = None  # KV=auto: its bf16 recent window in tokens (CTX: all bf16)
+
+    @property
+    def kv_note(self) -> str | None:
+        """KV=auto: what it does with a sequence at CTX x PARALLEL in this share, one line."""
+        if self.window is None or self.ctx is None:
+            return None
+        return f"KV=auto at CTX {self.ctx:,} x {self.parallel}: " + describe_window(
+            self.ctx, self.window, "INT2 (the calibration's formats)"
+        )
 
     @property
     def kv_total_bytes(self) -> int | None:
@@ -101,6 +124,7 @@ class Share:
         d["note"] = self.note or None
         d["kv_total_bytes"] = self.kv_total_bytes
         d["share_bytes"] = self.share_bytes
+        d["kv_note"] = self.kv_note
         return d
 
     def limits(self) -> Limits:
@@ -241,6 +265,11 @@ def share_of(profile: Profile) -> Share:
         notes.append("the whole model, before it is split over HOSTS")
     lay = rep.layouts.get(s.cache_key) if s.cache_key else None
     kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
+    auto = None
+    if lay is not None and kv is not None and ctx and (p.kv or prov.default_kv()) == CacheKind.AUTO:
+        auto = auto_figures(lay, ctx)
+        kv = auto[2]  # every row bf16: what CTX x PARALLEL needs when no MEMORY bounds it
+        s = replace(s, window=ctx)
     weights = rep.weights_bytes
     per_token = scratch_per_token(rep.source.config, ctx) if ctx else None
     s = replace(s, weights_bytes=weights, kv_bytes=kv, ctx=ctx, prompt_cache_bytes=0)
@@ -250,6 +279,15 @@ def share_of(profile: Profile) -> Share:
         unknown = f"inspect does not model a {p.kv or prov.default_kv()} cache of {p.model}"
     elif weights is None:
         unknown = f"the weights of {p.model} are unknown"
+    if memory is None and auto is not None and not unknown:
+        budget = machine_budget().budget_bytes
+        if with_reserve(s.parts_bytes) > budget:
+            # all bf16 would not fit this machine: the budget bounds it, as serve's does
+            notes.append("KV=auto all bf16 is over this machine's budget: fitted in it")
+            s = replace(s, memory_bytes=budget, source="this machine's budget")
+            s = fit_window(replace(s, reserve_bytes=reserve_for(budget)), auto, budget)
+            s = replace(s, note="; ".join(notes), error=too_small(s))
+            return replace(s, prefill_step=prefill_step(s.reserve_bytes, per_token))
     if memory is None:
         if unknown:
             why = f"{unknown}: set MEMORY= to give it a share by hand"
@@ -265,9 +303,29 @@ def share_of(profile: Profile) -> Share:
         n = fit_parallel(memory, weights + s.prompt_cache_bytes + bl, kv)
         s = replace(s, parallel=max(1, n))
         capped = " (the most it derives)" if n == MAX_PARALLEL else ""
-        notes.append(f"PARALLEL={n} derived from MEMORY{capped}")
+        bf16 = " in bf16" if auto else ""
+        notes.append(f"PARALLEL={max(1, n)} derived from MEMORY{bf16}{capped}")
+        if auto and n == 0:
+            s = fit_window(s, auto, memory)
+    elif auto:
+        s = fit_window(s, auto, memory)
     s = replace(s, note="; ".join(notes), error=too_small(s))
     return replace(s, prefill_step=prefill_step(s.reserve_bytes, per_token))
+
+
+def fit_window(s: Share, figures: tuple[int, int, int], memory: int) -> Share:
+    """KV=auto in MEMORY: the longest bf16 window at which PARALLEL sequences and the prompt
+    cache's one fit beside the weights, baseline and reserve (a MiB kept for the prompt
+    cache's rounding); none fits: int2's own (too_small then says so with the figures)."""
+    assert s.ctx is not None and s.weights_bytes is not None
+    room = memory - s.reserve_bytes - s.weights_bytes - s.baseline_bytes
+    full = figures[2]
+    if s.parallel * full + prompt_cache_bound(full) <= room:
+        w = s.ctx
+    else:
+        w = auto_window(s.ctx, s.parallel + 1, room - MIB, *figures) or INT2.recent
+    kv = window_bytes(s.ctx, w, *figures)
+    return replace(s, kv_bytes=kv, prompt_cache_bytes=prompt_cache_bound(kv), window=w)
 
 
 def check(profile: Profile) -> Share:

@@ -64,6 +64,10 @@ from .kv_llama import llama_layout
 from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
 MLX_KEY, INT2_KEY = CacheKind.BF16.inspect_key, CacheKind.INT2.inspect_key  # cache_kinds.py
+LATENT_ROWS, WINDOW_ROWS = "latent + rope", "bf16 sink + recent + slack rows"  # int2's buffers
+# rows a decode step grows the latent cache's bf16 window by (engine/latent_cache.py's
+# WINDOW_STEP): held past CTX by a sequence whose every row is bf16
+WINDOW_HEADROOM = 32
 CACHE_KEYS = (MLX_KEY, "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", INT2_KEY)
 LLAMA_UBATCH = 512  # llama-server's default -ub
 
@@ -197,15 +201,13 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
         ]
     if isinstance(l, MLA):
         if int2:
-            what = f"latent + rope ({format_name(q)}/{'bf16' if q.bits is None else 'int8'})"
+            what = f"{LATENT_ROWS} ({format_name(q)}/{'bf16' if q.bits is None else 'int8'})"
             out = [Buffer(i, what, q.row_bytes(l.latent, l.rope), "token")]
             # what the engine holds after a prefill (the allocator's figure, bench engine):
             # 64 + 512 tokens and the 16 rows kept for an exact trim (none for a bf16 layer)
             bf = BF16_LATENT.row_bytes(l.latent, l.rope)
             if q.bf16_rows():
-                out.append(
-                    Buffer(i, "bf16 sink + recent + slack rows", bf, "fixed", rows=q.bf16_rows())
-                )
+                out.append(Buffer(i, WINDOW_ROWS, bf, "fixed", rows=q.bf16_rows()))
         elif mod.name in MLX_MLA_EXPANDED:
             out = [
                 Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token"),
@@ -307,6 +309,24 @@ def layout(
     if key == INT2_KEY:
         return _mlx_layout(layers, key, mlx_module(shape.model_type), int2=True, plan=plan)
     raise MacserveError(f"unknown cache type {key!r}; one of {', '.join(CACHE_KEYS)}")
+
+
+def auto_figures(int2: Layout, ctx: int) -> tuple[int, int, int]:
+    """macserve's `auto` cache at `ctx`, from the macserve/int2 layout (a calibration's plan):
+    (one sequence's bytes with int2's window, one more bf16 window row's bytes over the layers
+    that store codes, one sequence's bytes with every row bf16): cache_kinds.auto_window's
+    figures. All bf16: each such layer's code rows become bf16 rows, CTX of them plus a decode
+    step's headroom, in place of its fixed window rows."""
+    base = int2.bytes_at(ctx)
+    cells = -(-ctx // int2.pad) * int2.pad if ctx > 0 else 0  # as Layout.bytes_at pads
+    row, full = 0, base
+    windows = {b.layer: b for b in int2.buffers if b.what == WINDOW_ROWS}
+    for b in int2.buffers:
+        w = windows.get(b.layer)
+        if w is not None and b.what.startswith(LATENT_ROWS):
+            row += w.row
+            full += w.row * (cells + WINDOW_HEADROOM - w.rows) - b.row * cells
+    return base, row, full
 
 
 def engine_notes(shape: ModelShape) -> list[str]:

@@ -43,8 +43,9 @@ class Engine(BaseProvider):
     assumed_baseline = 160 * 2**20
     formats = ("mlx",)
     ctx_flags = ("--ctx",)
-    # serve --kv: bf16 (mlx-lm's own cache, the default) or int2 (the INT2 latent cache)
-    cache_types = {"bf16": "mlx/bf16", "int2": "macserve/int2"}
+    # serve --kv: bf16 (mlx-lm's own cache, the default), int2 (the INT2 latent cache) or auto
+    # (that cache, bf16 as far as the share holds; counted from int2's row: services/share.py)
+    cache_types = {"bf16": "mlx/bf16", "int2": "macserve/int2", "auto": "macserve/int2"}
     kv_flags = ("--kv",)
     par_flags = ("--max-batch",)
     # The share, which `serve --memory` sizes and enforces everything within (its batch, its
@@ -146,10 +147,11 @@ class Engine(BaseProvider):
     def shipped_kv(self, folder: Path) -> tuple[str, str] | None:
         if not (folder / SHIPPED_ROTATION).is_file():
             return None
-        return "int2", (
-            f"the folder ships its calibration ({SHIPPED_ROTATION}): the INT2 latent cache, "
-            "KV=int2 (a sequence holds 3.2x less than bf16 at 4K, 4.7x at 32K: docs/memory.md; "
-            "--kv bf16 for the plain cache)"
+        return "auto", (
+            f"the folder ships its calibration ({SHIPPED_ROTATION}): KV=auto, the latent cache "
+            "in bf16 as far as the memory share holds CTX x PARALLEL, older rows INT2 past that "
+            "(INT2 holds a sequence in 3.2x less at 4K, 4.7x at 32K: docs/memory.md; --kv int2 "
+            "for INT2 always, --kv bf16 for the plain cache)"
         )
 
     def macserve_on_hosts(self, profile: Profile) -> str | None:

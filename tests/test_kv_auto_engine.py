@@ -1,0 +1,105 @@
+"""KV=auto on the demo model in process (issue 45's done-when): a share that holds the batch
+at CTX in bf16 gets a window covering the context and its caches never hold a code row; a
+share too small for that gets a shorter window, its caches hold codes in the calibration's
+formats, and MLX's allocator stays within the share's part for them while they fill.
+
+The share is cut as `serve --memory` cuts it (capacity.fit_share, the figures measured on the
+loaded model); the baseline is 0 here, so the share is MLX's own part of it. The sequences
+are filled as the server fills them: a prefill in chunks, then a decode step."""
+
+import mlx.core as mx
+import pytest
+
+from macserve.engine import scratch
+from macserve.engine.caches import CacheSpec, cache_bytes, formats, latent_caches
+from macserve.server.capacity import RESERVE, fit_share, fitted, weights_bytes, window_figures
+from macserve.server.disk_identity import identity
+from macserve.services import providers
+
+from .conftest import TINY_MODEL
+
+pytestmark = pytest.mark.model
+
+CTX = 1024  # past int2's own sink + window (576 rows): room for a window between
+BATCH = 2
+# the process before its weights: the engine's own figure until a start measures it
+BASELINE = providers.get("macserve").assumed_baseline
+
+
+@pytest.fixture(scope="module")
+def figures(bundle):
+    """(spec, its figures at CTX: int2's window, one more bf16 row, all bf16), measured."""
+    spec = CacheSpec.for_model(TINY_MODEL, "auto")
+    return spec, window_figures(bundle, spec, CTX)
+
+
+@pytest.fixture
+def budgeted():
+    yield
+    scratch.set_budget(None)
+
+
+def _fill(bundle, spec, n: int = BATCH) -> list:
+    """`n` sequences of CTX tokens, as the server fills them: CTX - 1 prefilled in the chunks
+    a prefill's scratch budget allows at each position (engine/scratch.py), then a decode
+    step."""
+    w = scratch.model_widths(bundle.model)
+    seqs = []
+    for s in range(n):
+        caches = bundle.caches(spec)
+        toks = (mx.arange(CTX) * (s + 3)) % 2000
+        p = 0
+        while p < CTX:
+            L = 1 if p == CTX - 1 else min(scratch.chunk(w, p, 2048), CTX - 1 - p)
+            out = bundle.model(toks[None, p : p + L], cache=caches)
+            mx.eval(out[:, -1], [c.state for c in caches])
+            del out
+            p += L
+        seqs.append(caches)
+    return seqs
+
+
+def _codes(seqs) -> int:
+    return sum(c.codes_lat.length for caches in seqs for c in latent_caches(caches))
+
+
+def _share(bundle, kv_room: int) -> int:
+    """The share whose room for caches (batch + the prompt cache's sequence) is `kv_room`."""
+    return int((BASELINE + weights_bytes(bundle.model) + kv_room) / (1 - RESERVE)) + 1
+
+
+def test_a_share_that_holds_the_batch_in_bf16_writes_no_code(bundle, figures):
+    spec, (_, _, full) = figures
+    share = _share(bundle, (BATCH + 1) * full)
+    plan = fit_share(bundle, spec, CTX, share, BASELINE, None, BATCH)
+    assert (plan.window, plan.max_batch) == (CTX, BATCH), plan.describe()
+    run = fitted(spec, plan.window)
+    # the calibration's formats, layer by layer, as int2 stores them
+    int2 = CacheSpec.for_model(TINY_MODEL, "int2")
+    assert formats(bundle.caches(run)) == formats(bundle.caches(int2))
+    assert _codes(_fill(bundle, run, 1)) == 0  # every sequence alike: one shows it
+    assert _codes(_fill(bundle, int2, 1)) > 0  # the contrast: int2 at CTX writes codes
+
+
+def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, figures, budgeted):
+    spec, (base, _, full) = figures
+    share = _share(bundle, (BATCH + 1) * (base + full) // 2)  # half way: int2 .. all bf16
+    plan = fit_share(bundle, spec, CTX, share, BASELINE, None, BATCH)
+    assert plan.window is not None and plan.window + 64 < CTX, plan.describe()
+    assert BATCH * full > plan.kv_bytes  # all bf16, the batch would not fit its part
+    scratch.set_budget(plan.scratch_bytes)  # as serve --memory sets it (capacity.hold_to)
+    run = fitted(spec, plan.window)
+    mx.synchronize()
+    before = mx.get_active_memory()  # the weights and whatever else this process holds
+    mx.reset_peak_memory()
+    seqs = _fill(bundle, run)
+    peak = mx.get_peak_memory() - before
+    held = sum(cache_bytes(c) for caches in seqs for c in caches)
+    print(plan.describe(), f"; held {held:,} B, peak {peak:,} B over the weights")
+    assert _codes(seqs) > 0
+    assert held <= plan.kv_bytes  # the batch within its part of the share
+    # MLX's peak within the share less the process and its weights: the batch, the prompt
+    # cache's part (unused here) and the reserve (the prefill's scratch)
+    assert peak <= plan.share_bytes - plan.baseline_bytes - plan.weights_bytes
+    # a prompt cache stored at one window is not another window's (disk_identity.py)
+    assert identity(bundle, run)["cache"] != identity(bundle, fitted(spec, CTX))["cache"]
