@@ -30,8 +30,9 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 
+from ..engine import stored_codes
 from ..engine.rows import TokenRows
-from ..engine.stored_form import stored_keys, to_stored
+from ..engine.stored_form import stored_keys, to_stored, token_rows
 
 
 def _shift(owner: str) -> int:
@@ -59,6 +60,21 @@ def layout(arrays: dict, meta: dict) -> tuple[dict[str, tuple[int, int]], int, i
         own = 0 if tr.cuttable else own
         short = -1 if -1 in (short, own) else max(short, own)
     return rows, min(complete, default=0), short
+
+
+def short_of(caches: list) -> int:
+    """`layout`'s `short` for a snapshot of these caches, from their classes alone (no state
+    is read: PromptCache.keep_on_disk asks before any entry exists)."""
+    out = 0
+    for c in caches:
+        if stored_codes.handles(c):
+            own = stored_codes.short(c.quant)
+        else:
+            own = 0 if token_rows(c).cuttable else -1
+        if own < 0:
+            return -1
+        out = max(out, own)
+    return out
 
 
 def entry_form(tokens, caches: list, mtp, meta: dict, n: int) -> tuple[list[dict], dict, int]:

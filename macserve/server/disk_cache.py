@@ -10,14 +10,17 @@ Each entry is a chain of N-token prefix blocks and a tail (disk_blocks.py): bloc
 only the rows of tokens [iN, (i+1)N) and is named by a hash of every token up to its end, so
 two chats that share a long system prompt share its blocks on disk, and a follow-up turn
 writes only the blocks its predecessor had not. The tail holds the rest (the last partial
-block, the INT2 cache's bf16 window, the metadata). A request loads the longest match: an
-entry's blocks and tail (rolled back as the memory tier would), or, for caches made of rows
-alone (bf16), any prefix of whole blocks; it prefills only the rest. INT2 entries also come
-from whole prefill chunks' ends (PromptCache.keep_on_disk, disk only). N (`BLOCK_TOKENS`) was
-chosen by measurement (docs/server.md, `python3 -m macserve.server.disk_measure`).
+block, the INT2 cache's bf16 window: the entry's one window, the metadata). A request loads
+the longest match: an entry's blocks and tail (rolled back as the memory tier would), or any
+prefix of whole blocks of its prompt, entered at its end for caches made of rows alone
+(bf16) and `recent` tokens before it for the INT2 cache, whose window is rebuilt from the
+codes and those tokens prefilled again (disk_blocks.py, engine/stored_codes.py); it
+prefills only the rest. N (`BLOCK_TOKENS`) was chosen by measurement (docs/server.md,
+`python3 -m macserve.server.disk_measure`).
 
-The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored_form.py):
-INT2 codes, scales and bf16 windows for the latent cache, keys and values for mlx-lm's, plus
+The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored_form.py),
+and for the INT2 latent cache its codes form (engine/stored_codes.py: codes and scales for
+every row past the sink, the bf16 sink, the window apart), keys and values for mlx-lm's, plus
 the MTP layer's cache for entries made by drafting requests (their blocks are their own:
 named with `:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
 format, the identity (disk_identity.py: the model's config and weights' contents, the
@@ -93,10 +96,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.n = block_tokens
         self.salt = f"{self.key}:{block_tokens}"  # blocks of another N are other blocks
-        # Whether a chain may be entered at a block boundary without a tail, and how many
-        # tokens short (disk_blocks.layout's `short`): known from the first entry.
-        self.cuttable: bool | None = None
-        self.short = -1
+        self._short: int | None = None  # disk_blocks.layout's, once known
         self.fresh, self.fresh_mtp = fresh, fresh_mtp
         self.entries: dict[str, DiskEntry] = {}
         self.blocks: dict[str, Block] = {}
@@ -187,6 +187,15 @@ class DiskTier:
                 raise ValueError(
                     f"made for {k} {meta.get(f'id.{k}')!r}; this server runs {self.ident[k]!r}"
                 )
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether a chain of blocks is entered without a tail (disk_blocks.layout), so no
+        snapshot is kept for its window alone (PromptCache.keep_on_disk). On the worker
+        thread: the first call builds the server's fresh caches to ask their classes."""
+        if self._short is None:
+            self._short = disk_blocks.short_of(self.fresh())
+        return self._short >= 0
 
     def stats(self) -> dict:
         with self._lock:
@@ -314,9 +323,8 @@ class DiskTier:
         thread then only reads finished buffers."""
         meta = {"format": FORMAT, "reach": str(reach), "mtp_reach": str(mtp_reach)}
         meta.update({f"id.{k}": v for k, v in self.ident.items()})
-        blocks, tail, self.short = disk_blocks.entry_form(tokens, caches, mtp, meta, self.n)
-        self.cuttable = self.short >= 0
-        meta["short"] = str(self.short)
+        blocks, tail, self._short = disk_blocks.entry_form(tokens, caches, mtp, meta, self.n)
+        meta["short"] = str(self._short)
         meta["n"], meta["chain"] = str(self.n), str(len(blocks))
         mx.eval([list(b.values()) for b in blocks], list(tail.values()))
         return (blocks, tail), meta
