@@ -146,10 +146,13 @@ def bench_serve(
             + (f"; tokens reused {reused}" if reused else "")
         )
     for name, d in res.get("disk_bytes", {}).items():
+        if "tokens" not in d:
+            continue
         formula = f" (formula {d['formula_bytes']:,} B)" if "formula_bytes" in d else ""
         click.echo(
             f"{name} on disk: {d['bytes_per_token']:,.1f} bytes per token, a "
-            f"{d['tokens']}-token prefix in {d['files']} files, {d['bytes']:,} B{formula}"
+            f"{d['tokens']}-token prefix in {d['files']} files, {d['bytes']:,} B{formula}; the "
+            f"folder {d['folder_entries']} entries, {d['folder_bytes']:,} B"
         )
     if p := res.get("disk_projection"):
         click.echo(

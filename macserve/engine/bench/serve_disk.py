@@ -85,21 +85,33 @@ def _widths(model: Path) -> tuple[int, int, int]:
 
 def measure(folder: Path, model: Path, int2: bool) -> dict:
     """The disk tier's files in `folder` (one server's `--prompt-cache-dir`, after it
-    stopped): bytes, files, and the tokens of its longest stored entry (a tail's token
-    ids); with `int2`, the formula's bytes at the model's width for as many tokens."""
+    stopped), and of them its longest stored entry's: its tail and the blocks of its chain
+    (a block i whose token ids are the tail's [iN, (i+1)N): its chain's, as two prefixes that
+    differ earlier do not share tokens at one place here); bytes per token of that entry and,
+    with `int2`, the formula's bytes at the model's width for as many tokens."""
     files = sorted(Path(folder).rglob("*.safetensors"))
-    tails = [f for f in files if f.name.startswith("t-")]
-    tokens = max((mx.load(str(t))["tokens"].size for t in tails), default=0)
-    nbytes = sum(f.stat().st_size for f in files)
+    tails = {t: mx.load(str(t))["tokens"] for t in files if t.name.startswith("t-")}
     out = {
-        "bytes": nbytes,
-        "files": len(files),
-        "entries": len(tails),
-        "tokens": tokens,
-        "bytes_per_token": round(nbytes / tokens, 1) if tokens else None,
+        "folder_bytes": sum(f.stat().st_size for f in files),
+        "folder_files": len(files),
+        "folder_entries": len(tails),
     }
-    if int2 and len(tails) == 1:
+    if not tails:
+        return out
+    tail, ids = max(tails.items(), key=lambda kv: kv[1].size)
+    ids = ids.tolist()
+    mine = [tail]
+    for f in files:
+        if f.name.startswith("b-"):
+            arrays, meta = mx.load(str(f), return_metadata=True)
+            i, n = int(meta["block"]), int(meta["n"])
+            if arrays["tokens"].tolist() == ids[i * n : (i + 1) * n]:
+                mine.append(f)
+    nbytes = sum(f.stat().st_size for f in mine)
+    out.update(tokens=len(ids), bytes=nbytes, files=len(mine))
+    out["bytes_per_token"] = round(nbytes / len(ids), 1)
+    if int2:
         r, d, layers = _widths(model)
         plan = read_plan(model / "latent-rotation.safetensors")
-        out["formula_bytes"] = stored_bytes(plan.quants(INT2)[:layers], r, d, tokens)
+        out["formula_bytes"] = stored_bytes(plan.quants(INT2)[:layers], r, d, len(ids))
     return out
