@@ -2,9 +2,10 @@
 demo model: a prefix prefilled in several chunks is written as codes for every token past the
 sink and one bf16 window per stored snapshot (none at the chunks' ends), bytes counted from
 the layout; a chat that shares only a system prompt with it starts, after a restart, from its
-blocks `recent` tokens back and decodes greedily as a cold run does; a snapshot's tail
-restores its state byte for byte, over blocks another snapshot of the prefix wrote (the codes
-it quantized from its own window are the ones the cache made later)."""
+blocks `recent` tokens back and decodes greedily as a cold run does, its logits closer to a
+cold INT2 prefill's than INT2's own are to the bf16 cache's; a snapshot's tail restores its
+state byte for byte, over blocks another snapshot of the prefix wrote (the codes it
+quantized from its own window are the ones the cache made later)."""
 
 from dataclasses import dataclass, field
 
@@ -140,3 +141,37 @@ def test_a_tail_restores_its_snapshot_byte_for_byte_over_another_snapshots_block
     hit = PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(ids + ids[:3])
     assert hit is not None and hit.cached == len(ids)
     assert all(_equal_states(h.state, c.state) for h, c in zip(hit.caches, cs))
+
+
+def _forced(bundle, caches, ids, cont) -> mx.array:
+    """Logits after `ids`, then after each token of `cont` fed in turn (teacher-forced)."""
+    out = [bundle.model(mx.array([ids]), cache=caches)[0, -1]]
+    for t in cont[:-1]:
+        out.append(bundle.model(mx.array([[t]]), cache=caches)[0, -1])
+    return mx.stack(out).astype(mx.float32)
+
+
+def test_a_run_of_blocks_restores_within_int2s_own_error(bundle, tmp_path):
+    """What a run of blocks entered without its window keeps: the request's logits, token by
+    token over the same continuation, stay closer to a cold INT2 prefill's than INT2's own
+    are to the bf16 cache's (the error a user of INT2 already takes)."""
+    spec = CacheSpec.for_model(TINY_MODEL, "int2")
+    first = prompt_ids(bundle, "VIOLA.\nWhat country, friends, is this? ", 900)
+    follow = first[:800] + prompt_ids(bundle, "CAPTAIN.\nThis is Illyria, lady. ", 40)
+    pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
+    cs = bundle.caches(spec)
+    bundle.model(mx.array([first]), cache=cs)
+    pc.insert(first, cs)
+    assert pc.disk.flush()
+    hit = PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(follow)
+    assert hit.cached == 768 - spec.quant.recent  # blocks 0..11, the window 512 back
+    # A cold INT2 run's greedy tokens and its logits, then the others fed the same tokens.
+    caches, y, cont, logits = bundle.caches(spec), mx.array([follow]), [], []
+    for _ in range(8):
+        logits.append(bundle.model(y, cache=caches)[0, -1])
+        cont.append(int(mx.argmax(logits[-1]).item()))
+        y = mx.array([cont[-1:]])
+    cold = mx.stack(logits).astype(mx.float32)
+    warm = _forced(bundle, hit.caches, follow[hit.cached :], cont)
+    bf16 = _forced(bundle, bundle.caches(CacheSpec.for_model(TINY_MODEL, "bf16")), follow, cont)
+    assert float(mx.abs(warm - cold).max()) < float(mx.abs(cold - bf16).max())

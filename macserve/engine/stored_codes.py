@@ -26,9 +26,10 @@ block could be shared past a window. Here, built on the cache's public protocol 
   `recent` tokens are prefilled again: every query of the request's own tokens finds in its
   window rows a prefill computed, never a code's dequantized value; only those recomputed
   tokens saw a window made of codes. Not the engine's state bit for bit (no file holds the
-  bf16 rows it had): the codes before `at` - recent are exact, the rest is a prefill's.
-  Measured as equal where it matters: greedy continuations identical to a cold prefill's on
-  the demo (tests/test_disk_codes.py).
+  bf16 rows it had): the codes are exact, the rest is a prefill's over a window of codes.
+  What is kept: the request's logits stay closer to a cold INT2 prefill's than INT2's own
+  are to the bf16 cache's (tests/test_disk_codes.py); greedy answers are a cold prefill's
+  in the tests' chats, though a near-tie can flip where an exact state would not.
 """
 
 from __future__ import annotations
