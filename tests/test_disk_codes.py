@@ -147,6 +147,7 @@ def _forced(bundle, caches, ids, cont) -> mx.array:
     """Logits after `ids`, then after each token of `cont` fed in turn (teacher-forced)."""
     out = [bundle.model(mx.array([ids]), cache=caches)[0, -1]]
     for t in cont[:-1]:
+        mx.eval(out[-1])
         out.append(bundle.model(mx.array([[t]]), cache=caches)[0, -1])
     return mx.stack(out).astype(mx.float32)
 
