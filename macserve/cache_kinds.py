@@ -2,9 +2,9 @@
 
 A kind is what `--kv` names (`serve`, `generate`, a macserve profile's KV). Each one knows:
 the row `inspect` counts it under (sizing/kv_layout.py), whether it needs a calibration
-(`--rotation`), the latent format it stores by default (int2_format.LatentQuant: bytes per
-token, windows), and what the prompt cache's disk tier can do with it (whether a prefix of
-whole blocks is a cache state on its own: disk_blocks.py).
+(`--rotation`) and the latent format it stores by default (int2_format.LatentQuant: bytes per
+token, windows). What the prompt cache's disk tier can do with a cache is the cache class's
+own (`stored_codes.py`, disk_blocks.py's `short`).
 
 No mlx here: sizing/ and cli/ read it too. What each cache *class* stores (its arrays, its
 rows of tokens) is the class's own: `state` / `from_state` on mlx-lm's cache protocol
@@ -32,7 +32,6 @@ class KindFacts:
     inspect_key: str  # the cache row `inspect` counts it under
     calibrated: bool  # needs a calibration file (--rotation, or a model folder's own)
     quant: LatentQuant | None  # the latent format it stores by default; None: mlx-lm's caches
-    disk_cuttable: bool  # the disk tier may end a chain at a block boundary (rows alone)
     summary: str  # one line for help and errors
 
 
@@ -100,23 +99,18 @@ FACTS = {
         inspect_key="mlx/bf16",
         calibrated=False,
         quant=None,
-        disk_cuttable=True,
         summary="mlx-lm's own caches, bf16",
     ),
     CacheKind.INT2: KindFacts(
         inspect_key="macserve/int2",
         calibrated=True,
         quant=INT2,
-        # Its state after P tokens holds tokens [P - recent, P) in bf16, which a longer
-        # snapshot holds as codes: a chain is entered through a tail only.
-        disk_cuttable=False,
         summary="the rotated INT2 latent cache (a calibration's rotations)",
     ),
     CacheKind.AUTO: KindFacts(
         inspect_key="macserve/int2",  # its smallest form; services/share.py adds the window
         calibrated=True,
         quant=AUTO_QUANT,
-        disk_cuttable=False,  # as int2: once its window is full, rows leave it as codes
         summary="the rotated latent cache, bf16 as far as the memory share holds, then the "
         "calibration's formats (INT2)",
     ),

@@ -56,6 +56,14 @@ def test_bench_serve_runs_all_three_servers_and_reports_ratios(tmp_path):
         assert r["warm_cached_tokens"][0] >= got
         assert r["cold_cached_tokens"][0] <= 8  # the chat template's first tokens at most
 
+    # Bytes on disk per token of the first turn's prefix, measured (INT2 under bf16: codes and
+    # one window; the formula leaves the files' headers out) and projected, labelled so.
+    disk = res["disk_bytes"]
+    assert disk["macserve int2"]["bytes_per_token"] < disk["macserve"]["bytes_per_token"]
+    assert disk["macserve int2"]["formula_bytes"] <= disk["macserve int2"]["bytes"]
+    proj = res["disk_projection"]
+    assert "projection" in proj["what"] and proj["int2_bytes"] < proj["int2_format3_bytes"]
+
     # Capacity: the default (sized from the memory budget) and --max-batch 1, three clients
     cap = res["capacity"]
     assert cap["servers"]["--max-batch 1"]["max_batch"] == 1

@@ -172,4 +172,3 @@ def test_every_kind_is_named_once_with_its_facts():
     assert CacheKind.INT2.bf16_rows(SMALL) == 8 + 16 + 4 and CacheKind.BF16.bf16_rows() == 0
     assert CacheKind.INT2.bytes_per_token(512, 64) == LatentQuant().row_bytes(512, 64)
     assert CacheKind.BF16.bytes_per_token(512, 64) is None
-    assert not CacheKind.INT2.facts.disk_cuttable and CacheKind.BF16.facts.disk_cuttable

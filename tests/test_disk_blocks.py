@@ -6,15 +6,13 @@ corrupt middle block ends the chain there with one log line; the size bound hold
 import logging
 import resource
 import signal
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import pytest
 
-from macserve.engine.caches import CacheSpec, EngineOptions, clone
+from macserve.engine.caches import CacheSpec, clone
 from macserve.engine.mtp_decode import MTPDecoder
 from macserve.int2_format import INT2
-from macserve.server import scheduler
 from macserve.server.disk_cache import DiskTier
 from macserve.server.disk_identity import identity
 from macserve.server.prompt_cache import PromptCache
@@ -25,9 +23,9 @@ from .fixtures import prompt_ids
 pytestmark = pytest.mark.model
 
 N = 64  # small blocks, so a demo-sized prompt makes a chain of several
-# The INT2 cache's blocks hold only its codes: a prompt needs more than the bf16 window
-# (sink 64 + recent 512) before it makes any, so the prompts below run to 760-900 tokens
-# (the demo's context is 1,024).
+# The INT2 cache's blocks hold codes for every token past the sink; a chain of them alone is
+# entered `recent` tokens before its end (its window rebuilt from codes, those tokens
+# prefilled again), so the prompts below run to 760-900 tokens (the demo's context is 1,024).
 W = INT2.recent
 
 
@@ -71,9 +69,9 @@ def test_a_chain_of_blocks_decodes_as_a_cold_prefill(bundle, kind, tmp_path):
     pc.insert(first, [clone(c) for c in cs])
     assert pc.disk.flush()
     st = pc.disk.stats()
-    # Whole blocks of the rows no later token changes: all 900 tokens' for bf16, the codes
-    # (not the last `recent` tokens' bf16 window) for INT2.
-    assert st["blocks"] == (900 // N if kind == "bf16" else (900 - W) // N) >= 6
+    # Whole blocks of the rows no later token changes: all 900 tokens' for bf16, and for
+    # INT2 the sink and codes of every token past it (the window's rows too, as codes).
+    assert st["blocks"] == 900 // N
     assert len(_files(pc.disk, "b")) == st["blocks"] and len(_files(pc.disk, "t")) == 1
     again = PromptCache(2**30, _tier(bundle, spec, tmp_path))  # a new process
     hit = again.fetch(follow)
@@ -113,28 +111,25 @@ def test_prompts_that_share_a_prefix_share_its_blocks(bundle, kind, tmp_path):
         bundle.model(mx.array([ids]), cache=cs)
         pc.insert(ids, cs)
     assert pc.disk.flush()
-    # Each one's whole blocks (INT2: of codes, the last `recent` tokens being its window),
-    # those within the system prompt once: bf16 13 + 13 - 12 = 14 files, INT2 5 + 5 - 5 = 5.
-    window = 0 if kind == "bf16" else W
-    na, nb = (len(a) - window) // N, (len(b) - window) // N
+    # Each one's whole blocks (INT2: its sink and codes, every token past the sink), those
+    # within the system prompt once: 13 + 13 - 12 = 14 files.
+    na, nb = len(a) // N, len(b) // N
     shared = min(na, nb, len(system) // N)
-    assert len(_files(pc.disk, "b")) == na + nb - shared == (14 if kind == "bf16" else 5)
+    assert len(_files(pc.disk, "b")) == na + nb - shared == 14
     # A third chat with the same system prompt, after a restart: bf16, a's entry rolled
-    # back; INT2 keeps the files shared but serves it nothing (as the memory tier would not):
-    # its state at the system prompt's end needs a bf16 window no file has (disk_blocks.py).
+    # back; INT2 from the shared whole blocks, `recent` tokens before their end (its window
+    # rebuilt from codes, those tokens prefilled again: disk_blocks.py).
     c = system + prompt_ids(bundle, "What is a bare bodkin? ", 50)
     hit = PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(c)
-    if kind == "int2":
-        assert hit is None
-        return
-    assert hit.cached == len(system)
+    short = 0 if kind == "bf16" else W
+    assert hit.cached == (len(system) if kind == "bf16" else (len(system) // N) * N - short)
     # With the tails gone (the size bound takes them before their blocks), the shared whole
-    # blocks alone serve it: the bf16 cache is made of rows alone.
+    # blocks alone serve it.
     for f in _files(pc.disk, "t"):
         f.unlink()
     again = PromptCache(2**30, _tier(bundle, spec, tmp_path))
     hit = again.fetch(c)
-    assert hit is not None and hit.cached == (len(system) // N) * N
+    assert hit is not None and hit.cached == (len(system) // N) * N - short
     warm = _greedy(bundle, hit.caches, c[hit.cached :])
     assert warm == _greedy(bundle, bundle.caches(spec), c)
 
@@ -167,8 +162,8 @@ def test_a_corrupt_middle_block_ends_the_chain_with_one_line(bundle, kind, tmp_p
         assert _greedy(bundle, hit.caches, more[hit.cached :]) == _greedy(
             bundle, bundle.caches(spec), more
         )
-    else:  # the INT2 state at a block's end needs the bf16 window only the tail had
-        assert hit is None
+    else:  # blocks 0..2 are fewer tokens than the INT2 window prefilled again: nothing
+        assert 3 * N <= W and hit is None
 
 
 def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
@@ -202,7 +197,8 @@ def test_the_size_bound_holds_over_blocks_and_tails(bundle, tmp_path):
 def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, caplog):
     """A write that meets a full disk (here the file size limit, RLIMIT_FSIZE: the same
     EFBIG a full filesystem's ENOSPC takes) leaves no temp file and no entry, one log line;
-    the memory tier still serves, and after a restart the request simply prefills."""
+    the memory tier still serves, and after a restart the whole blocks written before the
+    failed tail serve as a chain of blocks does (the rest is prefilled)."""
     spec = CacheSpec.for_model(TINY_MODEL, "int2")
     ids = prompt_ids(bundle, "PROSPERO.\nWe are such stuff as dreams are made on. ", 800)
     more = ids + prompt_ids(bundle, "MIRANDA.\nO brave new world! ", 30)
@@ -231,61 +227,6 @@ def test_a_full_disk_is_one_line_and_the_answer_stays_right(bundle, tmp_path, ca
     assert _greedy(bundle, hit.caches, more[hit.cached :]) == cold
     caplog.clear()
     with caplog.at_level(logging.WARNING, "macserve.server"):
-        assert PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(more) is None
+        hit = PromptCache(2**30, _tier(bundle, spec, tmp_path)).fetch(more)
     assert not caplog.records
-
-
-def test_an_int2_chat_starts_from_another_chats_prefill_boundary(bundle, tmp_path, monkeypatch):
-    """The scheduler keeps an INT2 prefill's state at each whole chunk's end on disk (its bf16
-    window exists only there): after a restart, a chat that shares only the system prompt
-    with an earlier one starts from the last such boundary inside it and decodes greedily as
-    a cold run does."""
-    monkeypatch.setattr(scheduler, "PREFILL_CHUNK", 256)  # the demo's 1,024-token context
-    spec = CacheSpec.for_model(TINY_MODEL, "int2")
-    system = prompt_ids(bundle, SYSTEM, 800)  # past the bf16 window: codes from 576 on
-    a = system + prompt_ids(bundle, "Who is Yorick? ", 50)
-    b = system + prompt_ids(bundle, "Where is Elsinore? ", 60)
-
-    def serve(prompt, pc):
-        job = SchedJob(prompt, 16)
-        sched = scheduler.Scheduler(
-            bundle, EngineOptions(cache=spec), pc, lambda j: None, lambda j, o: None
-        )
-        sched.admit(job, lambda: False, alone=False)
-        while sched.prefilling or sched.active:
-            sched.step()
-        return job
-
-    pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
-    assert serve(a, pc).cached_tokens == 0
-    assert pc.disk.flush()
-    # Boundaries at 256, 512 and 768 (a's prompt runs to 850; only the last holds codes);
-    # then its end-of-prompt and end-of-generation snapshots.
-    assert sorted(len(e.tokens) for e in pc.disk.entries.values())[:3] == [256, 512, 768]
-    warm = serve(b, PromptCache(2**30, _tier(bundle, spec, tmp_path)))  # a restart
-    assert warm.cached_tokens == 768
-    cold = serve(b, PromptCache(0))
-    assert cold.cached_tokens == 0 and warm.tokens == cold.tokens and len(cold.tokens) == 16
-
-
-@dataclass
-class SchedJob:
-    """What the scheduler reads of the worker's Job, and what it hands back."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    top_logprobs: int | None = None
-    cached_tokens: int = 0
-    disconnected: bool = False
-    stats: dict | None = None
-    mtp: str | None = None  # the request's own --mtp; None: the server's
-    seeded: bool = False  # the client gave the seed
-    tokens: list = field(default_factory=list)
-
-    def deliver(self, item):
-        if isinstance(item, Exception):
-            raise item
-        self.tokens.append(item.token)
+    assert hit is not None and hit.cached == (len(ids) // N) * N - W

@@ -48,7 +48,7 @@ def _tier(bundle, spec, root, mtp=False, ident=None):
 def test_an_entry_survives_a_restart_and_gives_a_cold_prefills_logits(bundle, kind, tmp_path):
     spec = CacheSpec.for_model(TINY_MODEL, kind)
     # 700 tokens: past the INT2 cache's bf16 rows (sink 64 + recent 512), so it holds codes
-    # (fewer than a 256-token block's: the entry is one file)
+    # (on disk: two 256-token blocks of codes and a tail)
     base = prompt_ids(bundle, "HAMLET.\nTo be, or not to be, that is the question. ", 700)
     more = prompt_ids(bundle, "OPHELIA.\nGood my lord, how does your honour? ", 60)
     pc = PromptCache(2**30, _tier(bundle, spec, tmp_path))
@@ -104,7 +104,7 @@ def test_foreign_and_corrupt_files_are_skipped_with_one_line(bundle, tmp_path, c
     _feed(bundle, cs, ids)
     pc.insert(ids, cs)
     pc.disk.flush()
-    (f,) = pc.disk.dir.glob("*.safetensors")
+    (f,) = pc.disk.dir.glob("t-*.safetensors")  # the tail (its blocks: 512 of 700 tokens)
     data = f.read_bytes()
     # Another calibration: the same folder named, another identity inside (as a file copied
     # from another server's folder would be).

@@ -53,8 +53,9 @@ def _disk(m, name):
     return m.get((name, (("tier", "disk"),)), 0.0)
 
 
-def _files(d):
-    return sorted(d.rglob("*.safetensors"))
+def _files(d, kind="*"):
+    """Its files: blocks (`b`), tails (`t`, one an entry) or all."""
+    return sorted(d.rglob(f"{kind}-*.safetensors" if kind != "*" else "*.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +90,13 @@ def _copy(turn1, tmp_path):
 
 def test_the_turn_after_a_restart_prefills_only_its_new_tokens(turn1, cold, tmp_path):
     d = _copy(turn1, tmp_path)
-    (f,) = _files(d)  # the end-of-prompt snapshot was folded into the end-of-generation one
+    # One entry (the end-of-prompt snapshot was folded into the end-of-generation one): its
+    # tail and its blocks of codes.
+    assert len(_files(d, "t")) == 1 and _files(d, "b")
     with serve(tmp_path, *INT2, "--prompt-cache-dir", str(d)) as s:
         before = _metrics(s)
-        assert _disk(before, "macserve_prompt_cache_bytes") == f.stat().st_size
+        on_disk = sum(f.stat().st_size for f in _files(d))
+        assert _disk(before, "macserve_prompt_cache_bytes") == on_disk
         r = _ask(s, turn1[1])
         m = _metrics(s)
     cached = r.usage.prompt_tokens_details.cached_tokens
@@ -105,7 +109,7 @@ def test_the_turn_after_a_restart_prefills_only_its_new_tokens(turn1, cold, tmp_
 
 def test_a_corrupt_file_is_skipped_with_one_line(turn1, cold, tmp_path):
     d = _copy(turn1, tmp_path)
-    (f,) = _files(d)
+    (f,) = _files(d, "t")  # the tail: its blocks alone give back too little to serve
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -131,10 +135,10 @@ def test_a_file_from_another_calibration_is_skipped_with_one_line(turn1, cold, t
         assert r.usage.prompt_tokens_details.cached_tokens == 0
         assert r.choices[0].message.content == cold
         mine = s.health()["prompt_cache"]["tiers"]["disk"]["dir"]
-    for f in _files(d):  # this folder now holds only turn 1's file, from the other calibration
+    for f in _files(d):  # this folder now holds only turn 1's tail, from the other calibration
         if str(f.parent) == mine:
             f.unlink()
-    for f in _files(d):
+    for f in _files(d, "t"):
         shutil.copy(f, mine)
     with serve(tmp_path, *args) as s:
         r = _ask(s, turn1[1][:3] + [{"role": "user", "content": "Louder!"}])
@@ -155,8 +159,11 @@ def test_a_write_the_disk_cannot_take_costs_the_hit_only(turn1, cold, tmp_path):
     with serve(tmp_path, *INT2, "--prompt-cache-dir", str(d), preexec_fn=_small_files) as s:
         _ask(s, TURN1)
     log1 = s.log.read_text()  # after the exit: the writes are in the background
-    # Nothing written, no temp file left; the weights' hashes (disk_identity.py) are not cache.
-    assert not [p for p in d.rglob("*") if p.is_file() and p.name != STORE]
+    # No entry written (its tail, the window's bf16 rows, is past the limit), no temp file
+    # left; the whole blocks of codes written before it stay (a chain of them is entered
+    # `recent` tokens back: too few here); the weights' hashes (disk_identity.py) are not cache.
+    left = [p for p in d.rglob("*") if p.is_file() and p.name != STORE]
+    assert all(p.name.startswith("b-") for p in left)
     with serve(tmp_path, *INT2, "--prompt-cache-dir", str(d)) as s:
         r = _ask(s, turn1[1])
     assert r.usage.prompt_tokens_details.cached_tokens == 0 and r.choices[0].message.content == cold
@@ -165,8 +172,7 @@ def test_a_write_the_disk_cannot_take_costs_the_hit_only(turn1, cold, tmp_path):
 
 
 def test_the_size_bound_holds(turn1, tmp_path):
-    (f,) = _files(turn1[0])
-    bound = int(2.5 * f.stat().st_size)
+    bound = int(2.5 * sum(f.stat().st_size for f in _files(turn1[0])))
     d = tmp_path / "pc"
     args = (*INT2, "--prompt-cache-dir", str(d), "--prompt-cache-disk", f"{bound}B")
     with serve(tmp_path, *args) as s:
@@ -175,5 +181,4 @@ def test_the_size_bound_holds(turn1, tmp_path):
             _ask(s, msgs)
         m = _metrics(s)
     assert _disk(m, "macserve_prompt_cache_bytes") <= bound
-    files = _files(d)
-    assert 1 <= len(files) <= 2 and sum(x.stat().st_size for x in files) <= bound
+    assert 1 <= len(_files(d, "t")) <= 2 and sum(x.stat().st_size for x in _files(d)) <= bound

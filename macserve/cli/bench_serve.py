@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .fmt import size
 from .lazy import lazy
 
 serve_bench = lazy("macserve.engine.bench.serve")
@@ -143,6 +144,23 @@ def bench_serve(
             f"{r['warm_followup_ttft_s'] * 1000:.0f} ms ({r['warm_followup_ttft_ratio']:.2f}x), "
             f"cold {r['cold_ttft_s'] * 1000:.0f} ms"
             + (f"; tokens reused {reused}" if reused else "")
+        )
+    for name, d in res.get("disk_bytes", {}).items():
+        if "tokens" not in d:
+            continue
+        formula = f" (formula {d['formula_bytes']:,} B)" if "formula_bytes" in d else ""
+        click.echo(
+            f"{name} on disk: {d['bytes_per_token']:,.1f} bytes per token, a "
+            f"{d['tokens']}-token prefix in {d['files']} files, {d['bytes']:,} B{formula}; the "
+            f"folder {d['folder_entries']} entries, {d['folder_bytes']:,} B"
+        )
+    if p := res.get("disk_projection"):
+        click.echo(
+            f"on disk at DeepSeek-V3 width, {p['tokens']:,} tokens (a projection from the "
+            f"per-row formula, not measured): INT2 {size(p['int2_bytes'])} "
+            f"({p['int2_bytes_per_token']:,.1f} B/token), bf16 {size(p['bf16_bytes'])} "
+            f"({p['bf16_bytes_per_token']:,.1f} B/token), {p['bf16_over_int2']:.2f}x; "
+            f"format 3 (a window per 2,048-token chunk) {size(p['int2_format3_bytes'])}"
         )
     if cap := res.get("capacity"):
         for name, s in cap["servers"].items():

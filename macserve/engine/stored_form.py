@@ -11,13 +11,16 @@ built for that layer (it holds the calibration's rotation, which no state does; 
 class other than the fresh one's is refused).
 
 Beside it, for the disk tier, which arrays are rows of tokens (`TokenRows`): the class's
-own `stored_rows()`, or for mlx-lm's classes the table below.
+own `stored_rows()`, or for mlx-lm's classes the table below. The INT2 latent cache is
+stored in a form of its own (stored_codes.py): codes for every row past the sink, its bf16
+window apart, so the window is written once per snapshot rather than once per prefix block.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from . import stored_codes
 from .rows import TokenRows
 
 
@@ -79,7 +82,11 @@ def _get(key: str, arrays: dict, meta: dict):
 
 def to_stored(cache, key: str, arrays: dict, meta: dict) -> None:
     """Add one layer's cache to `arrays` / `meta` under `key`: its class, its state, and
-    which of its arrays are token rows (`key.rows`, for disk_blocks.py)."""
+    which of its arrays are token rows (`key.rows`, for disk_blocks.py). The INT2 latent
+    cache has a form of its own: codes for every row, its window apart (stored_codes.py)."""
+    if stored_codes.handles(cache):
+        stored_codes.put(cache, key, arrays, meta)
+        return
     meta[f"{key}.class"] = type(cache).__name__
     _put(cache.state, f"{key}.s", arrays, meta)
     if ms := getattr(cache, "meta_state", None):  # mlx-lm before 0.32: scalars kept apart
@@ -87,12 +94,15 @@ def to_stored(cache, key: str, arrays: dict, meta: dict) -> None:
     meta[f"{key}.rows"] = token_rows(cache).to_json()
 
 
-def restore(fresh, key: str, arrays: dict, meta: dict):
+def restore(fresh, key: str, arrays: dict, meta: dict, at: int | None = None):
     """`fresh` (a new, empty cache of the layer the server runs) holding what `key` stored;
-    ValueError if the stored class or shape does not fit it."""
+    ValueError if the stored class or shape does not fit it. `at`: a codes form's first `at`
+    tokens, entered without its window (stored_codes.restore)."""
     stored = meta.get(f"{key}.class")
     if stored != type(fresh).__name__:
         raise ValueError(f"{key}: stored {stored}, the model's cache is {type(fresh).__name__}")
+    if meta.get(f"{key}.form") == stored_codes.FORM:
+        return stored_codes.restore(fresh, key, arrays, meta, at)
     try:
         fresh.state = _get(f"{key}.s", arrays, meta)
         if f"{key}.m" in meta:

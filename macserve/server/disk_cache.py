@@ -10,14 +10,17 @@ Each entry is a chain of N-token prefix blocks and a tail (disk_blocks.py): bloc
 only the rows of tokens [iN, (i+1)N) and is named by a hash of every token up to its end, so
 two chats that share a long system prompt share its blocks on disk, and a follow-up turn
 writes only the blocks its predecessor had not. The tail holds the rest (the last partial
-block, the INT2 cache's bf16 window, the metadata). A request loads the longest match: an
-entry's blocks and tail (rolled back as the memory tier would), or, for caches made of rows
-alone (bf16), any prefix of whole blocks; it prefills only the rest. INT2 entries also come
-from whole prefill chunks' ends (PromptCache.keep_on_disk, disk only). N (`BLOCK_TOKENS`) was
-chosen by measurement (docs/server.md, `python3 -m macserve.server.disk_measure`).
+block, the INT2 cache's bf16 window: the entry's one window, the metadata). A request loads
+the longest match: an entry's blocks and tail (rolled back as the memory tier would), or any
+prefix of whole blocks of its prompt, entered at its end for caches made of rows alone
+(bf16) and `recent` tokens before it for the INT2 cache, whose window is rebuilt from the
+codes and those tokens prefilled again (disk_blocks.py, engine/stored_codes.py); it
+prefills only the rest. N (`BLOCK_TOKENS`) was chosen by measurement (docs/server.md,
+`python3 -m macserve.server.disk_measure`).
 
-The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored_form.py):
-INT2 codes, scales and bf16 windows for the latent cache, keys and values for mlx-lm's, plus
+The stored form is each cache's own `state`, on mlx-lm's protocol (engine/stored_form.py),
+and for the INT2 latent cache its codes form (engine/stored_codes.py: codes and scales for
+every row past the sink, the bf16 sink, the window apart), keys and values for mlx-lm's, plus
 the MTP layer's cache for entries made by drafting requests (their blocks are their own:
 named with `:mtp`). Each file is one safetensors file with its tokens, arrays, and in its metadata the
 format, the identity (disk_identity.py: the model's config and weights' contents, the
@@ -93,7 +96,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.n = block_tokens
         self.salt = f"{self.key}:{block_tokens}"  # blocks of another N are other blocks
-        self.cuttable: bool | None = None  # known from the first entry (disk_blocks.layout)
+        self._short: int | None = None  # disk_blocks.layout's, once known
         self.fresh, self.fresh_mtp = fresh, fresh_mtp
         self.entries: dict[str, DiskEntry] = {}
         self.blocks: dict[str, Block] = {}
@@ -141,8 +144,8 @@ class DiskTier:
                 if int(meta["n"]) != self.n:
                     raise ValueError(f"made with {meta['n']}-token blocks, not {self.n}")
                 if p.name.startswith("b-"):
-                    cut = meta.get("cuttable") == "1"
-                    self.blocks[p.stem[2:]] = Block(p, st.st_size, st.st_mtime, cut)
+                    short = int(meta["short"])
+                    self.blocks[p.stem[2:]] = Block(p, st.st_size, st.st_mtime, short)
                 elif p.name.startswith("t-"):
                     tokens = read_tokens(p, meta)
                     mtp_reach = int(meta["mtp_reach"])
@@ -185,6 +188,15 @@ class DiskTier:
                     f"made for {k} {meta.get(f'id.{k}')!r}; this server runs {self.ident[k]!r}"
                 )
 
+    @property
+    def cuttable(self) -> bool:
+        """Whether a chain of blocks is entered without a tail (disk_blocks.layout), so no
+        snapshot is kept for its window alone (PromptCache.keep_on_disk). On the worker
+        thread: the first call builds the server's fresh caches to ask their classes."""
+        if self._short is None:
+            self._short = disk_blocks.short_of(self.fresh())
+        return self._short >= 0
+
     def stats(self) -> dict:
         with self._lock:
             return {
@@ -204,7 +216,8 @@ class DiskTier:
 
     def best(self, ids: np.ndarray, mtp: bool, better_than: int) -> Plan | None:
         """What gives back the longest prefix of `ids` (more than `better_than` tokens), as
-        PromptCache.fetch counts it: an entry, or a chain of cuttable blocks alone."""
+        PromptCache.fetch counts it: an entry, or a chain of blocks alone (entered `short`
+        tokens before its end: disk_blocks.py)."""
         best = None
         with self._lock:
             entries = list(self.entries.values())
@@ -222,11 +235,14 @@ class DiskTier:
         for m in (True,) if mtp else (False, True):
             chain = disk_blocks.chain_keys(ids, self.n, len(ids) // self.n, m, self.salt)
             j = 0
-            while j < len(chain) and chain[j] in blocks and blocks[chain[j]].cuttable:
+            while j < len(chain) and chain[j] in blocks and blocks[chain[j]].short >= 0:
                 j += 1
-            keep = min(j * self.n, len(ids) - 1) - (1 if mtp else 0)
-            if j and keep > better_than:
-                best, better_than = Plan(None, chain[:j], ids[: j * self.n], keep), keep
+            if not j:
+                continue
+            short = max(blocks[k].short for k in chain[:j])
+            at, keep = _entered(min(j * self.n, len(ids) - 1), short, mtp)
+            if keep > better_than:
+                best, better_than = Plan(None, chain[:j], ids[: j * self.n], keep, at), keep
         return best
 
     def _read(self, path: Path) -> tuple[dict, dict]:
@@ -257,23 +273,23 @@ class DiskTier:
             self._drop_files(bad, None if bad else plan.tail)
             # Whole blocks before the bad one that the prompt shares: enough where the cache
             # is made of rows alone.
-            j = min(len(parts), (plan.keep + mtp) // self.n)
-            if (
-                not j
-                or meta is None
-                or meta.get("cuttable") != "1"
-                or j * self.n - mtp <= better_than
-            ):
+            short = -1 if meta is None else int(meta.get("short", -1))
+            # The prefix the plan shares with the prompt, which the blocks kept must not pass.
+            shared = plan.keep + mtp if plan.at is None else plan.at + max(short, 0)
+            j = min(len(parts), shared // self.n)
+            at, keep = _entered(j * self.n, short, mtp)
+            if not j or short < 0 or keep <= better_than:
                 return None
             parts, tail = parts[:j], None
-            plan = Plan(None, plan.chain[:j], plan.tokens[: j * self.n], j * self.n - mtp)
+            plan = Plan(None, plan.chain[:j], plan.tokens[: j * self.n], keep, at)
         try:
             arrays = disk_blocks.join(parts, tail, meta, len(plan.tokens))
             fresh = self.fresh()
-            caches = [restore(c, f"L{i}", arrays, meta) for i, c in enumerate(fresh)]
+            at = plan.at
+            caches = [restore(c, f"L{i}", arrays, meta, at) for i, c in enumerate(fresh)]
             mc = None
             if "mtp.class" in meta and self.fresh_mtp is not None:
-                mc = restore(self.fresh_mtp(), "mtp", arrays, meta)
+                mc = restore(self.fresh_mtp(), "mtp", arrays, meta, None if at is None else at - 1)
             mx.eval([c.state for c in caches], [] if mc is None else mc.state)
         except (ValueError, KeyError, RuntimeError) as err:  # files that do not fit together
             self.skipped += 1
@@ -291,7 +307,8 @@ class DiskTier:
                     self.blocks[k].used = now
             if plan.tail is not None:
                 plan.tail.used = now
-        return Loaded(caches, mc, np.asarray(plan.tokens), plan.keep)
+        tokens = plan.tokens if plan.at is None else plan.tokens[: plan.at]
+        return Loaded(caches, mc, np.asarray(tokens), plan.keep)
 
     def count_hit(self, tokens: int) -> None:
         with self._lock:
@@ -306,8 +323,8 @@ class DiskTier:
         thread then only reads finished buffers."""
         meta = {"format": FORMAT, "reach": str(reach), "mtp_reach": str(mtp_reach)}
         meta.update({f"id.{k}": v for k, v in self.ident.items()})
-        blocks, tail, self.cuttable = disk_blocks.entry_form(tokens, caches, mtp, meta, self.n)
-        meta["cuttable"] = "1" if self.cuttable else "0"
+        blocks, tail, self._short = disk_blocks.entry_form(tokens, caches, mtp, meta, self.n)
+        meta["short"] = str(self._short)
         meta["n"], meta["chain"] = str(self.n), str(len(blocks))
         mx.eval([list(b.values()) for b in blocks], list(tail.values()))
         return (blocks, tail), meta
@@ -408,7 +425,7 @@ class DiskTier:
                 path = self.dir / f"b-{k}{SUFFIX}"
                 n = self._save(path, b, dict(bmeta, block=str(chain.index(k))))
                 with self._lock:
-                    self.blocks[k] = Block(path, n, time.time(), meta["cuttable"] == "1")
+                    self.blocks[k] = Block(path, n, time.time(), int(meta["short"]))
                     self.nbytes += n
             path = self.dir / f"t-{key}{SUFFIX}"
             n = self._save(path, tail, meta)
@@ -443,6 +460,14 @@ class DiskTier:
                     return
                 _, _, block, tail = min(files, key=lambda f: (f[0], f[1]))
             self._drop_files(block, tail)
+
+
+def _entered(end: int, short: int, mtp: bool) -> tuple[int | None, int]:
+    """(tokens the restored caches hold, None: the blocks' `end`; prompt tokens given back)
+    of a chain entered without a tail at `end`, `short` tokens short (disk_blocks.layout)."""
+    if short <= 0:
+        return None, end - mtp
+    return end - short, end - short - mtp
 
 
 def _key(tokens: np.ndarray) -> str:

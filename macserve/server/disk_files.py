@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 
 # Bumped when the stored form changes: a file of another format is skipped with one log line
-# and deleted. 3: each cache's own `state` (engine/stored_form.py), not engine/caches.py's
-# per-class layout of 2.
-FORMAT = "macserve-prompt-cache/3"
+# and deleted (and the identity, disk_identity.py, names it: another folder). 4: the INT2
+# latent cache as codes for every row and its window in the tail alone
+# (engine/stored_codes.py), not its `state` with a window per snapshot as in 3; 3: each
+# cache's own `state` (engine/stored_form.py), not engine/caches.py's per-class layout of 2.
+FORMAT = "macserve-prompt-cache/4"
 SUFFIX = ".safetensors"
 
 
@@ -36,7 +38,7 @@ class Block:
     path: Path
     nbytes: int
     used: float
-    cuttable: bool  # a chain may end here without a tail (disk_blocks.py)
+    short: int  # a chain may end here without a tail, this many tokens short; -1: not
 
 
 @dataclass
@@ -45,8 +47,9 @@ class Plan:
 
     tail: DiskEntry | None
     chain: list[str]
-    tokens: np.ndarray  # the tokens the loaded caches hold
+    tokens: np.ndarray  # the tokens the files hold
     keep: int
+    at: int | None = None  # tokens the restored caches hold, if fewer (disk_blocks.py)
 
 
 @dataclass

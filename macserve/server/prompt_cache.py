@@ -208,10 +208,10 @@ class PromptCache:
             self.nbytes -= old.nbytes
 
     def keep_on_disk(self, tokens: list[int], caches: list) -> None:
-        """A prefill's state at a chunk's end, for the disk tier alone: the INT2 cache's state
-        after P tokens exists only there (its bf16 window of tokens [P - recent, P) is codes
-        later), so a chat that shares only those P tokens (a system prompt) can start from it.
-        Not for caches whose prefix blocks serve any boundary (bf16: disk_blocks.py)."""
+        """A prefill's state at a chunk's end, for the disk tier alone, where a chain of its
+        blocks cannot be entered without a tail (a DSA layer's caches): a chat that shares only
+        those tokens (a system prompt) can start from it. Nothing for caches whose blocks are
+        entered anywhere (bf16, and INT2, whose blocks hold codes: disk_blocks.py)."""
         if self.disk is None or self.max_bytes <= 0 or self.disk.cuttable:
             return
         if any(offset(c) != len(tokens) for c in caches):

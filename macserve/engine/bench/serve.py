@@ -16,7 +16,10 @@ each is measured in turn (the idle ones wait on a socket), with the same message
 - **restart** (serve_restart.py: `macserve serve --kv int2`, the bf16 cache, and mlx_lm.server
   as the baseline): a long chat turn (about `restart_prompt` tokens, near the demo model's
   1,024-token limit), a service restart, the follow-up turn from disk, from memory and cold.
-  `restart_followup_ttft_ratio` (after-restart follow-up / cold) and the tokens reused per tier.
+  `restart_followup_ttft_ratio` (after-restart follow-up / cold) and the tokens reused per tier;
+  `disk_bytes`: the bytes on disk per token that first turn left (serve_disk.py), INT2 and
+  bf16, and `disk_projection`, the same at DeepSeek-V3's width for 128K tokens from the
+  per-row formula (a projection, labelled so).
 - **capacity** (serve_capacity.py): `capacity_clients` clients at once against serve's default
   `--max-batch` and each fixed one; `default_over_best`.
 
@@ -39,6 +42,7 @@ import httpx
 import mlx.core as mx
 
 from ...errors import MacserveError
+from . import serve_disk
 from .serve_capacity import capacity
 from .serve_http import Plan, Target, chat, float32_copy, load, load_summary, running
 from .serve_restart import restarts
@@ -199,6 +203,9 @@ def run(plan: Plan, progress=lambda m: None) -> dict:
         out["restart_followup_ttft_ratio_mlx_lm"] = rs["mlx_lm.server"][
             "restart_followup_ttft_ratio"
         ]
+        # Bytes on disk per token of the first turn's prefix, each cache; and at real width.
+        out["disk_bytes"] = {n: r["disk"] for n, r in rs.items() if r.get("disk")}
+        out["disk_projection"] = serve_disk.projection()
     if plan.capacity_clients:
         with tempfile.TemporaryDirectory(prefix="macserve-bench-serve-") as tmp:
             out["capacity"] = capacity(plan, plan.log_dir or Path(tmp), progress)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from . import serve_disk
 from .serve_http import Plan, Target, cached_tokens, chat, metric, running
 
 
@@ -76,11 +77,13 @@ def restart(plan: Plan, target: Target, log_dir: Path, progress, system: list[st
                 ]
                 r1 = chat(c, url, first, plan.answer_tokens)
             # SIGTERM above (a service restart); the next server reads the same folder.
+            # What it left there: bytes on disk per token of that first turn.
+            disk = serve_disk.measure(Path(pc), plan.model, "int2" in t.argv) if macserve else None
             msgs = first + [{"role": "assistant", "content": r1["text"]}]
             with running(t, plan, log_dir) as url, httpx.Client(timeout=plan.ready_timeout) as c:
                 # The warm-up request of `running` shares only the chat template's first
                 # tokens with this chat: no hit for it.
-                disk = chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
+                after = chat(c, url, msgs + [{"role": "user", "content": "And then?"}], 8)
                 warm = chat(c, url, msgs + [{"role": "user", "content": "What then?"}], 8)
                 again = [dict(m) for m in msgs] + [{"role": "user", "content": "And then?"}]
                 again[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + again[0]["content"]
@@ -93,14 +96,15 @@ def restart(plan: Plan, target: Target, log_dir: Path, progress, system: list[st
         rows.append(
             {
                 "first_turn_prompt_tokens": r1["usage"].get("prompt_tokens"),
-                "followup_prompt_tokens": disk["usage"].get("prompt_tokens"),
+                "followup_prompt_tokens": after["usage"].get("prompt_tokens"),
                 "cold_ttft_s": cold["ttft"],
-                "restart_followup_ttft_s": disk["ttft"],
+                "restart_followup_ttft_s": after["ttft"],
                 "warm_followup_ttft_s": warm["ttft"],
-                "restart_cached_tokens": cached_tokens(disk),
+                "restart_cached_tokens": cached_tokens(after),
                 "warm_cached_tokens": cached_tokens(warm),
                 "cold_cached_tokens": cached_tokens(cold),
                 "tokens_reused": reused,
+                "disk": disk,
             }
         )
     med = statistics.median
@@ -114,5 +118,6 @@ def restart(plan: Plan, target: Target, log_dir: Path, progress, system: list[st
     for k in ("restart_cached_tokens", "warm_cached_tokens", "cold_cached_tokens"):
         out[k] = [r[k] for r in rows]
     out["tokens_reused_per_tier"] = rows[-1]["tokens_reused"]  # one server's counters
+    out["disk"] = rows[0]["disk"]  # the first round's folder (each round's prefix is as long)
     out["rounds"] = rows
     return out
