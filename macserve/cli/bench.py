@@ -255,11 +255,16 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
             f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}"
         )
         a = r["auto"]
-        if a["figures"]:
-            click.echo(
-                f"  --mtp auto: {mtp_auto.describe(a['figures'])} -> drafting "
-                f"{'on' if a['drafting'] else 'off'}; it ran at {a['speedup']:.2f}x plain"
+        click.echo(
+            f"  --mtp auto: {a['speedup']:.2f}x plain, {a['vs_best']:.2f}x the faster of on and "
+            f"off (medians per prompt); drafted in {a['drafted_prompts']}/{r['prompts']} prompts"
+            + (
+                f"; decided drafting {'on' if a['drafting'] else 'off'}, "
+                + mtp_auto.describe(a["figures"])
+                if a["figures"]
+                else ""
             )
+        )
     if llama_url:
         ref = rows[0]["llama_server"]
         click.echo(
