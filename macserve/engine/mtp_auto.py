@@ -8,17 +8,17 @@ step pipelined as mlx-lm's loop), from one token handed to the caller to the nex
 bookkeeping adds, and once said 1.01x where the server delivered 0.75x.
 
 The figures are pairs: SPAN measured tokens of one mode next to SPAN of the other, so both
-see the same load on the machine, and each pair gives one ratio (drafting's tokens/s over
-plain's). The decision reads the median of the last PAIRS_KEPT pairs' ratios: a burst of
-load that slows one span moves one pair, not the median (on this 2-core machine shared by
-eight processes, 200-token runs of the same mode vary 2x from one to the next). A span may
-run over generations: short answers add up (12- to 20-token answers: the third decides, after
-MEASURE pairs). The first step or round after a switch of mode is not counted (it pays the
+see the same load on the machine (on this 2-core machine shared by eight processes, 200-token
+runs of the same mode vary 2x from one to the next; a pair lasts a tenth of a second). The
+decision reads the last PAIRS_KEPT pairs `pooled`: each pair's drafting time in plain steps
+of its own moment, all drafted tokens over all those steps (a span holds a few rounds, whose
+refusals alone would swing its own ratio). A span may run over generations: short answers
+add up (12- to 20-token answers: the fourth decides, after MEASURE pairs). The first step or round after a switch of mode is not counted (it pays the
 switch: the MTP layer catching up on plain steps' rows, a pipelined step built ahead and
 dropped); a measuring generation continues in its current mode while that mode's span is
 short, so a pair costs two switches at most.
 
-The decision, with hysteresis (`decide_on`): the median ratio must reach 1 + MARGIN to turn
+The decision, with hysteresis (`decide_on`): the pooled ratio must reach 1 + MARGIN to turn
 drafting on, and fall below 1 - MARGIN to turn it off, so noise smaller than the margin cannot
 flip it, and where it holds the wrong side it is wrong by less than the margin. Once decided,
 a generation runs the chosen mode alone, at full speed; every `probe_every` tokens
@@ -35,7 +35,6 @@ when it drafted rounds).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ MODES = ("auto", "on", "off")
 SPAN = 6  # measured tokens of one mode in a pair
 MEASURE = 3  # pairs measured before the first decision
 RECHECK_PAIRS = 1  # pairs measured by a re-check
-PAIRS_KEPT = 9  # the decision reads the median of the last this many pairs
+PAIRS_KEPT = 9  # the decision reads the last this many pairs
 MARGIN = 0.05  # drafting turns on at >= 1 + MARGIN x plain, off below 1 - MARGIN
 RECHECK_EVERY = 256  # tokens between re-checks (the figures drift with context and load)
 RECHECK_EVERY_MAX = 4096  # ... doubled after each re-check that confirms, up to this
@@ -70,6 +69,16 @@ def ratio(pair: Sequence[float]) -> float:
     if pn <= 0 or dn <= 0 or ps <= 0 or ds <= 0:
         raise ValueError("a ratio needs tokens and time measured for both modes")
     return (dn / ds) / (pn / ps)
+
+
+def pooled(pairs: Sequence[Sequence[float]]) -> float:
+    """Drafting's tokens per second over plain's from several pairs: each pair's drafting
+    time counted in plain steps of its own moment (so a pair measured under more load weighs
+    as one under less), then all drafted tokens over all those steps (so a span's few rounds,
+    refused or accepted by chance, weigh as the tokens they are, not as a ratio of their own)."""
+    for p in pairs:
+        ratio(p)
+    return sum(p[2] for p in pairs) / sum(p[3] * p[0] / p[1] for p in pairs)
 
 
 def decide_on(r: float, drafting: bool | None, margin: float = MARGIN) -> bool:
@@ -116,12 +125,13 @@ class AutoMTP:
         span[1] += seconds
         (pn, ps), (dn, ds) = self.span[False], self.span[True]
         if pn >= SPAN and dn >= SPAN:
+            self.span = {False: [0, 0.0], True: [0, 0.0]}
             if ps > 0 and ds > 0:
                 self.pairs.append((pn, ps, dn, ds))
-                self.need = max(0, self.need - 1)
-            self.span = {False: [0, 0.0], True: [0, 0.0]}
-            if self.need == 0:
-                self.decide()
+                if self.need > 0:
+                    self.need -= 1
+                    if self.need == 0:
+                        self.decide()
 
     def round(self, accepted: int) -> None:
         self.rounds.append(accepted)
@@ -166,7 +176,7 @@ class AutoMTP:
             return None
         pn, ps, dn, ds = (sum(p[i] for p in self.pairs) for i in range(4))
         return {
-            "speedup": statistics.median(ratio(p) for p in self.pairs),
+            "speedup": pooled(self.pairs),
             "pairs": len(self.pairs),
             "plain_tps": pn / ps,
             "draft_tps": dn / ds,
@@ -260,7 +270,7 @@ class AutoMTP:
 def describe(fig: dict) -> str:
     acc = ", ".join(f"{a:.2f}" for a in fig["acceptance"])
     return (
-        f"measured {fig['speedup']:.2f}x plain (median of {fig['pairs']} pairs; drafting "
+        f"measured {fig['speedup']:.2f}x plain ({fig['pairs']} pairs; drafting "
         f"{fig['draft_tps']:.1f} tok/s, plain {fig['plain_tps']:.1f} tok/s; acceptance {acc} "
         f"over {fig['rounds']} rounds)"
     )

@@ -8,7 +8,8 @@ round's last token handed over to the next's (the caller's own time per token in
 both modes pay it), tokens and seconds per step or round, on `auto.clock`. The first round
 after a switch of mode is not counted: it pays the switch. Plain steps keep their trunk
 hiddens pending (a list, joined once), so the MTP layer catches up on them when drafting
-resumes. MTPDecoder.generate runs this loop when it is given an `auto`.
+resumes. The first step or round of a generation is not counted either (it fills the
+pipeline). MTPDecoder.generate runs this loop when it is given an `auto`.
 """
 
 from __future__ import annotations
@@ -98,11 +99,13 @@ def auto_decode(dec, t, pend_h, pend_tok, caches, mtp_cache, max_tokens, eos, te
     if produced >= max_tokens or t in eos:
         return
     mark = clock()  # when the last step's or round's last token was handed over
+    # The first step or round of a generation fills the pipeline: like the first after a
+    # switch, it is run but not counted (a short answer would weigh it as much as the rest).
     current = None  # the mode of the span before (None: none yet in this generation)
     run = None
     while True:
         drafting, limit, measured = auto.plan(current)
-        switched = current is not None and current != drafting
+        switched = current != drafting
         if run is None or switched:  # the same mode goes on with the same steps in flight
             if run is not None:
                 t, pend, pend_tok = run.leave()
