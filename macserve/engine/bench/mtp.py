@@ -53,7 +53,7 @@ def run(model, mtp, prompts: list[list[int]], k: int, n_tokens: int, make_cache)
     auto = AutoMTP(k)
     adec = MTPDecoder(model, mtp, k=k, auto=auto)
     proposed, accepted = [0] * k, [0] * k
-    t_plain = t_mtp = 0.0
+    t_plain = t_mtp = t_auto = 0.0
     identical = identical_auto = 0
     on_off, auto_off, auto_best, auto_drafted = [], [], [], []
     for i, ids in enumerate(prompts):
@@ -70,6 +70,7 @@ def run(model, mtp, prompts: list[list[int]], k: int, n_tokens: int, make_cache)
         identical_auto += out_a == ref
         t_plain += (len(ref) - 1) / tps_p
         t_mtp += (len(out) - 1) / tps_m
+        t_auto += (len(out_a) - 1) / tps_a
         on_off.append(tps_m / tps_p)
         auto_off.append(tps_a / tps_p)
         auto_best.append(tps_a / max(tps_p, tps_m))
@@ -93,6 +94,7 @@ def run(model, mtp, prompts: list[list[int]], k: int, n_tokens: int, make_cache)
         "auto": {
             "drafting": auto.drafting,
             "figures": auto.last,  # what it decided on (its "speedup" is its own measure)
+            "tokens_per_s": toks / t_auto,  # over all the prompts, as the two above
             "speedup": statistics.median(auto_off),  # what it got, against plain decoding
             "vs_best": statistics.median(auto_best),  # ... against the faster of on and off
             "drafted_prompts": sum(auto_drafted),
