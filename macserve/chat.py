@@ -88,11 +88,11 @@ class TurnStats:
 def mtp_text(st: dict) -> str:
     """`MTP on|off (why[: figures])` from a macserve serve's `timings.mtp`."""
     out = f"MTP {'on' if st.get('drafting') else 'off'} ({st.get('why', '?')}"
-    if "speedup" in st:
+    if "draft_tps" in st:
         acc = ", ".join(f"{a:.2f}" for a in st.get("acceptance") or [])
         out += (
-            f": acceptance {acc}, draft {st['draft_ms']:.1f} ms, verify {st['verify_ms']:.1f} "
-            f"ms, plain step {st['plain_ms']:.1f} ms"
+            f": drafting {st['draft_tps']:.1f} tok/s, plain {st['plain_tps']:.1f} tok/s, "
+            f"acceptance {acc}"
         )
     return out + ")"
 

@@ -182,4 +182,4 @@ def test_auto_measures_on_a_cold_prompt_but_keeps_a_cached_prefix_plain(bundle):
     cold = Job(prompts[2], 30)
     _run(sched, [cold])
     assert cold.tokens == alone[1] and cold.steps[-1].stats["draft_tokens"] > 0
-    assert sched.auto.decisions == 1 and cold.steps[-1].stats["mtp"]["mode"] == "auto"
+    assert sched.auto.pairs and cold.steps[-1].stats["mtp"]["mode"] == "auto"  # it measured

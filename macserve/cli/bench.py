@@ -251,15 +251,24 @@ def bench_mtp(model, ks, prompts, prompt_tokens, tokens, kv, rotation, llama_url
         acc = ", ".join("n/a" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
         click.echo(
             f"k={r['k']}: acceptance per position [{acc}], plain {r['tokens_per_s_plain']:.1f} "
-            f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x, "
+            f"tok/s, MTP {r['tokens_per_s_mtp']:.1f} tok/s, speedup {r['speedup']:.2f}x (median "
+            f"per prompt), "
             f"greedy identical {r['greedy_identical_prompts']}/{r['prompts']}"
         )
         a = r["auto"]
-        if a["figures"]:
-            click.echo(
-                f"  --mtp auto: {mtp_auto.describe(a['figures'])} -> drafting "
-                f"{'on' if a['drafting'] else 'off'}; it ran at {a['speedup']:.2f}x plain"
+        best = max(r["tokens_per_s_plain"], r["tokens_per_s_mtp"])
+        click.echo(
+            f"  --mtp auto: {a['tokens_per_s']:.1f} tok/s, {a['tokens_per_s'] / best:.2f}x the "
+            f"faster of on and off over all prompts; medians per prompt: {a['speedup']:.2f}x "
+            f"plain, {a['vs_best']:.2f}x the faster; drafted in {a['drafted_prompts']}/"
+            f"{r['prompts']} prompts"
+            + (
+                f"; decided drafting {'on' if a['drafting'] else 'off'}, "
+                + mtp_auto.describe(a["figures"])
+                if a["figures"]
+                else ""
             )
+        )
     if llama_url:
         ref = rows[0]["llama_server"]
         click.echo(

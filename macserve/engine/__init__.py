@@ -13,8 +13,9 @@ services/ or dev/.
     mtp_decode.py    MTP speculative decoding: MTPDecoder (a round, the prefill, generate)
     mtp_accept.py    what a round keeps: acceptance rules, draft statistics, exact rollback
     mtp_pipelined.py greedy k = 1 with the next round built before this one is read
-    mtp_auto_decode.py  `--mtp auto`'s loop: plain steps or rounds as AutoMTP decides
-    mtp_auto.py      `--mtp auto`'s rule: the measured speedup and the figures it reads
+    mtp_auto_decode.py  `--mtp auto`'s loop: spans of plain steps or rounds, timed
+    mtp_auto.py      `--mtp auto`'s rule: paired tokens/s of both modes, margin, re-checks
+    mtp_auto_store.py   `--mtp auto`'s figures kept beside the prompt cache across restarts
     generate.py      the streaming decode loop the server and CLI use
     pipeline.py      uneven pipeline splits under mlx.launch
     bench/           `macserve bench kv|mtp|dsa`

@@ -134,7 +134,7 @@ def _mtp_tokens(
         counters.draft_tokens = dec.stats.draft_tokens
         counters.accepted_tokens = dec.stats.accepted_tokens
         if auto is not None:
-            counters.mtp = auto.status()
+            counters.mtp = dec.auto_status()
         yield token
 
 

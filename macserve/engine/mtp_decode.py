@@ -15,8 +15,8 @@ One round, with t the last emitted token (at position n) and the MTP cache fille
 
 Drafting switches itself off for the rest of a generation when, after `probe_rounds`, the
 accepted drafts per round fall below `min_accept_per_round` (break-even; see docs). With an
-`auto` (mtp_auto.AutoMTP, `--mtp auto`) it is instead on or off as the measured speedup says,
-re-measured every few hundred tokens, across generations.
+`auto` (mtp_auto.AutoMTP, `--mtp auto`) it is instead on or off as drafting's measured
+tokens per second over plain decoding's say, measured across generations and re-checked.
 
 The prompt is prefilled in chunks (PREFILL_STEP tokens, as mlx-lm's generate_step does), the
 trunk and the MTP layer chunk by chunk, each chunk evaluated before the next, with the
@@ -72,6 +72,12 @@ class MTPDecoder:
         self.min_accept, self.probe_rounds = min_accept_per_round, probe_rounds
         self.pipeline = True  # greedy k = 1: build the next round before reading this one
         self.auto = auto
+        self.auto_measured = False  # the last generation ran --mtp auto's measuring spans
+
+    def auto_status(self) -> dict:
+        """--mtp auto's status for the current generation: drafting exactly when it drafted."""
+        stats = getattr(self, "stats", None)
+        return self.auto.generation_status(stats.rounds if stats else 0, self.auto_measured)
 
     def trunk(self, tokens: list[int], cache):
         h = self.model.model(mx.array([tokens]), cache)
@@ -83,11 +89,9 @@ class MTPDecoder:
         tokens = tokens if isinstance(tokens, mx.array) else mx.array([tokens])
         return self.mtp(h, tokens, mask, cache)
 
-    def draft_round(self, t, pend_h, pend_tok, caches, mtp_cache, temperature, rng, timed=None):
+    def draft_round(self, t, pend_h, pend_tok, caches, mtp_cache, temperature, rng):
         """One draft round from last token t: (drafts accepted, drafts, the trunk's token,
-        trunk hiddens of [t, drafts]). The caches are not trimmed here. `timed`, an AutoMTP:
-        the drafting and the verification are evaluated and timed apart (a probe)."""
-        t0 = time.perf_counter()
+        trunk hiddens of [t, drafts]). The caches are not trimmed here."""
         drafts, q_rows = [], []
         m_logits, z = self.mtp_forward(pend_h, pend_tok, mtp_cache)
         m_logits, z = m_logits[:, -1:], z[:, -1:]
@@ -99,9 +103,6 @@ class MTPDecoder:
                 d_arr.append(mx.argmax(m_logits[0, -1:], axis=-1))
                 if j + 1 < self.k:
                     m_logits, z = self.mtp_forward(z, d_arr[-1][None], mtp_cache)
-            if timed is not None:
-                mx.eval(d_arr)
-                t1 = time.perf_counter()
             seq = mx.concatenate([mx.array([t])] + d_arr)[None]
             h = self.model.model(seq, caches)
             logits = self.model.lm_head(h)
@@ -120,15 +121,9 @@ class MTPDecoder:
                 drafts.append(d)
                 if j + 1 < self.k:
                     m_logits, z = self.mtp_forward(z, [d], mtp_cache)
-            t1 = time.perf_counter()
             h, logits = self.trunk([t] + drafts, caches)
             p_all = probs(logits[0], temperature)
             a, bonus = verify_sampled(list(p_all[: self.k]), q_rows, drafts, p_all[self.k], rng)
-        if timed is not None:
-            # A first round after plain steps catches up on their rows: not a draft's cost.
-            if pend_h.shape[1] <= self.k + 1:
-                timed.draft((t1 - t0) / self.k)
-            timed.verify(time.perf_counter() - t1)
         return a, drafts, bonus, h
 
     def settle(self, a, drafts, bonus, h, caches, mtp_cache):

@@ -56,6 +56,7 @@ from ..engine.batch import SequenceBatch
 from ..engine.caches import EngineOptions, cache_bytes, clone
 from ..engine.generate import Step, cut_text
 from ..engine.mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
+from ..engine.mtp_auto_store import AutoStore
 from ..engine.mtp_decode import MTPDecoder
 from .prompt_cache import PromptCache, offset
 
@@ -109,7 +110,7 @@ class Seq:
             "generation_seconds": gen_s,
             "draft_tokens": st.draft_tokens if st else 0,
             "accepted_tokens": st.accepted_tokens if st else 0,
-            "mtp": self.dec.auto.status() if self.dec and self.dec.auto else self.mtp,
+            "mtp": self.dec.auto_status() if self.dec and self.dec.auto else self.mtp,
         }
 
 
@@ -131,10 +132,12 @@ class Scheduler:
         prompt_cache: PromptCache,
         processors: Callable[[Any], list | None],
         on_done: Callable[[Any, str], None],
+        mtp_store: AutoStore | None = None,
     ):
         """`processors(job)`: the job's logits processors (a fresh set per sequence);
         `on_done(job, outcome)`: outcome is served | disconnected | failed; it is called
-        after the job's last Step (or its Exception)."""
+        after the job's last Step (or its Exception). `mtp_store`: where --mtp auto's
+        figures are kept across restarts (beside the prompt cache)."""
         self.bundle = bundle
         self.options = options
         self.pc = prompt_cache
@@ -146,7 +149,7 @@ class Scheduler:
         self.drafter: Seq | None = None
         self.mode = drafting_mode(bundle, options)  # (on | auto | off, why)
         # Kept for --mtp auto, and for requests that ask for auto on an --mtp on server.
-        self.auto = AutoMTP(options.mtp_k) if self.mode[0] != "off" else None
+        self.auto = AutoMTP(options.mtp_k, store=mtp_store) if self.mode[0] != "off" else None
         self.widths = scratch.model_widths(bundle.model)  # what a prefill chunk's scratch takes
 
     # -- admission ---------------------------------------------------------------------------

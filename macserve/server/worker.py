@@ -37,6 +37,7 @@ from ..engine import generate
 from ..engine.caches import EngineOptions, model_dtype
 from ..engine.model import load
 from ..engine.mtp_auto import load_note
+from ..engine.mtp_auto_store import AutoStore, store_key
 from . import grammar, ranks
 from .capacity import (
     Capacity,
@@ -279,6 +280,13 @@ class Worker(threading.Thread):
         if note is not None:
             log.warning("%s", note)
 
+    def _mtp_store(self) -> AutoStore | None:
+        """--mtp auto's figures live beside the prompt cache's disk tier, when there is one."""
+        if not self.disk_dir or not self.mtp_usable(self.bundle):
+            return None
+        key = store_key(self.bundle.path, self.options.cache.kind, self.options.mtp_k)
+        return AutoStore(self.disk_dir, key)
+
     def mtp_status(self) -> dict | None:
         """--mtp auto's current decision and figures (None: not auto, or no scheduler)."""
         sched = self.scheduler
@@ -339,6 +347,7 @@ class Worker(threading.Thread):
             self.prompt_cache,
             lambda job: ranks.processors(job.constraint, job.top_k, self.vocab),
             self._done,
+            self._mtp_store(),
         )
         self.scheduler = sched
         kv_at = 0.0
