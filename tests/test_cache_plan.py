@@ -219,9 +219,10 @@ def test_serve_logs_and_reports_each_layers_format(demo, tmp_path):
 
 @pytest.mark.model
 def test_bench_kv_gate_rows_on_the_hard_case(hard):
-    """Uniform INT2 far over the gate's target on the full-rank layers, the plan near it (the
+    """Uniform INT2 far over the gate's target on the full-rank layers, the plan within it (the
     gate measured it on calibration text; this is held-out text), at fewer bytes than INT4
-    everywhere. Bounds with margin: measured 0.47 / 0.018 against 0.02 (docs/int2-latent-cache.md)."""
+    everywhere. The plan is held to the target itself, not a multiple of it: measured 0.54 /
+    0.0176 against 0.02 with the fixture's calibration (2 windows of 512 tokens)."""
     args = ["bench", "kv", str(hard), "--variants", "gate", "--windows", "1"]
     args += ["--gen-tokens", "4", "--contexts", "512", "--json"]
     args += ["--gen-prompts", "1", "--gen-prompt-tokens", "64", "--gen-max-tokens", "4"]
@@ -236,7 +237,8 @@ def test_bench_kv_gate_rows_on_the_hard_case(hard):
     assert target == plan.target
     int2, gated = rows["int2"], rows["gated"]
     assert int2["within_target"] is False and int2["max_layer_error"] > 3 * target
-    assert gated["max_layer_error"] < 2 * target < int2["max_layer_error"] / 5
+    assert gated["within_target"] is True and gated["max_layer_error"] <= target
+    assert int2["max_layer_error"] > 10 * target  # the full-rank layers: 0.48 and 0.54
     assert len(gated["layer_errors"]) == 4 and min(gated["layer_errors"]) > 0
     want = sum(q.row_bytes(128, 32) for q in plan.quants()) / 4
     assert gated["bytes_per_token_per_layer"] == want

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from macserve.cli import main
 from macserve.engine import mla_attention
 from macserve.engine.bench import setup as bench_setup
+from macserve.engine.bench.kv import GATED
 from macserve.engine.calibration import METHODS, Calibration
 from macserve.engine.mtp_auto import decide_on
 
@@ -74,9 +75,10 @@ def test_bench_kv_json_rows(tmp_path):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout[r.stdout.index("[") :])
     assert all(set(row) >= KV_KEYS for row in rows)
-    assert [row["variant"] for row in rows if row["default"]] == ["int2 upproj"]
+    # the demo ships the gate's plan: that is what --kv int2 serves, the default row
+    assert [row["variant"] for row in rows if row["default"]] == [GATED]
     # free generation: bf16 and the default row only in the full set (it is long)
-    assert [row["variant"] for row in rows if "gen_length" in row] == ["bf16 latent", "int2 upproj"]
+    assert [row["variant"] for row in rows if "gen_length" in row] == ["bf16 latent", GATED]
     assert {row["windows"] for row in rows} == {True, False}
     bf16 = rows[0]
     assert bf16["variant"] == "bf16 latent" and bf16["kl"] == 0.0
