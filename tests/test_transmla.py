@@ -1,0 +1,106 @@
+"""`macserve dev transmla` (GQA -> DeepSeek-V3 MLA, dev/transmla.py), the engine's
+`qk_latent_layernorm: false`, and the bound on what the shipped INT2 cache costs on the
+converted real model (SmolLM2-135M-Instruct; docs/real-latent.md)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import deepseek_v3
+
+from macserve.dev.transmla import convert_attention
+from macserve.engine.model import skip_latent_norm
+
+D, NQ, NKV, HID, T, BASE = 8, 6, 2, 48, 7, 100.0
+
+
+def _rope(v, pos, interleaved):
+    """RoPE of v (..., D) at positions pos: rotary halves (Llama) or adjacent pairs (DeepSeek)."""
+    f = BASE ** (-np.arange(D // 2) * 2 / D)
+    a = pos[..., None] * f
+    re, im = (v[..., 0::2], v[..., 1::2]) if interleaved else (v[..., : D // 2], v[..., D // 2 :])
+    r, i = re * np.cos(a) - im * np.sin(a), re * np.sin(a) + im * np.cos(a)
+    if not interleaved:
+        return np.concatenate([r, i], -1)
+    out = np.empty_like(v)
+    out[..., 0::2], out[..., 1::2] = r, i
+    return out
+
+
+def _case(seed=0):
+    rng = np.random.default_rng(seed)
+    w = [rng.normal(size=(n * D, HID)) for n in (NQ, NKV, NKV)]
+    a = rng.normal(size=(HID, HID))
+    return (*w, a @ a.T / HID, rng.normal(size=(T, HID)))
+
+
+def _mla_scores(c, x, rope_nope, rank):
+    """The converted layer's scores (heads, T, T); rope_nope: rotate the no-RoPE part too."""
+    pos = np.arange(T)[:, None]
+    q = (x @ c["q"].T).reshape(T, NQ, 2 * D)
+    qn, qp = q[..., :D], q[..., D:]
+    kv = x @ c["kv_a"].T
+    lat, kpe = kv[:, :rank], kv[:, rank:]
+    kn = np.einsum("hdr,tr->thd", c["kv_b"].reshape(NQ, 2 * D, rank)[:, :D], lat)
+    if rope_nope:
+        qn, kn = _rope(qn, pos, False), _rope(kn, pos, False)
+    pe = np.einsum("thd,sd->hts", _rope(qp, pos, True), _rope(kpe, np.arange(T), True))
+    return (np.einsum("thd,shd->hts", qn, kn) + pe) / np.sqrt(2 * D)
+
+
+@pytest.mark.parametrize("query_weighted", [True, False])
+def test_full_rank_conversion_is_the_original_but_for_the_rope_it_drops(query_weighted):
+    wq, wk, wv, sigma, x = _case()
+    rank = 2 * NKV * D - D  # K + V less the shared rotary key: exact
+    c = convert_attention(wq, wk, wv, sigma, rank, NKV, query_weighted=query_weighted)
+    pos = np.arange(T)[:, None]
+    q = _rope((x @ wq.T).reshape(T, NQ, D), pos, False)
+    k = _rope((x @ wk.T).reshape(T, NKV, D), pos, False)[:, np.arange(NQ) // (NQ // NKV)]
+    orig = np.einsum("thd,shd->hts", q, k) / np.sqrt(D)
+    # the one approximation is the rotation the no-RoPE part no longer gets: give it back and
+    # the scores are the original's; the values are exact
+    exact = _mla_scores(c, x, rope_nope=True, rank=rank)
+    assert np.abs(exact - orig).max() < 1e-9 * np.abs(orig).max()
+    v = (x @ wv.T).reshape(T, NKV, D)[:, np.arange(NQ) // (NQ // NKV)]
+    kvb = c["kv_b"].reshape(NQ, 2 * D, rank)[:, D:]
+    got = np.einsum("hdr,tr->thd", kvb, (x @ c["kv_a"].T)[:, :rank])
+    assert np.abs(got - v).max() < 1e-9 * np.abs(v).max()
+    assert c["kept"] > 1 - 1e-12
+    # and that approximation is not nothing: as converted, the scores differ
+    assert np.abs(_mla_scores(c, x, rope_nope=False, rank=rank) - orig).max() > 1e-3
+
+
+def test_a_compressed_latent_keeps_its_share_and_no_more():
+    wq, wk, wv, sigma, _ = _case(1)
+    kept = [convert_attention(wq, wk, wv, sigma, r, NKV)["kept"] for r in (4, 8, 16)]
+    assert 0 < kept[0] < kept[1] < kept[2] < 1
+
+
+@pytest.mark.model
+def test_the_engine_skips_the_latent_norm_only_where_the_config_says():
+    args = deepseek_v3.ModelArgs(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=2,
+    )
+    ids = mx.array([[1, 2, 3, 4]])
+    model = deepseek_v3.Model(args)
+    before = model(ids)
+    assert skip_latent_norm(model, {}) == 0
+    assert skip_latent_norm(model, {"qk_latent_layernorm": True}) == 0
+    assert mx.array_equal(model(ids), before)
+    assert skip_latent_norm(model, {"qk_latent_layernorm": False}) == 2
+    after = model(ids)
+    assert not mx.allclose(after, before)
+    for layer in model.model.layers:
+        a = layer.self_attn
+        x = mx.random.normal((1, 3, 16))
+        assert mx.array_equal(a.kv_a_layernorm(x), x)
