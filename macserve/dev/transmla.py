@@ -248,7 +248,8 @@ def convert(
         raise MacserveError(f"--rank must be in 1..{full} (K+V less the rotary key)")
     model, tok = mlx_load(str(src_dir))
     model.set_dtype(mx.float32)
-    wins = windows(tok, calibration_text(), cal_windows, seq_len)
+    # one play per window (each play is ~30K tokens): tokenizing more would be spent for nothing
+    wins = windows(tok, calibration_text(cal_windows), cal_windows, seq_len)
     sigmas = collect_input_covariance(model, wins)
     sample = None
     weights: dict[str, np.ndarray] = {}

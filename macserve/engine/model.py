@@ -204,8 +204,21 @@ def skip_latent_norm(model, config: dict) -> int:
         return 0
     attns = [a for a in mla_attention.mla_attentions(model) if hasattr(a, "kv_a_layernorm")]
     for a in attns:
-        a.kv_a_layernorm = nn.Identity()
+        a.kv_a_layernorm = LatentAsProjected(a.kv_a_layernorm.weight)
     return len(attns)
+
+
+class LatentAsProjected(nn.Module):
+    """kv_a_layernorm's stand-in under `qk_latent_layernorm: false`: the latent passes through.
+    It keeps the norm's weight (unused) because the engine reads the model's compute dtype
+    from it (caches.model_dtype, scratch)."""
+
+    def __init__(self, weight: mx.array):
+        super().__init__()
+        self.weight = weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
 
 
 TURN_MARKER = "macserve-turn-end-probe"
