@@ -677,3 +677,17 @@ def smollm_twin(smollm_gguf, tmp_path_factory):
     from macserve.dev.gguf_twin import convert, default_dtype  # imports mlx: only when asked
 
     return convert(smollm_gguf, tmp_path_factory.mktemp("smollm") / "twin", default_dtype())
+
+
+@pytest.fixture(scope="session")
+def transmla_smollm(smollm_twin, tmp_path_factory):
+    """(folder, report): the real chat model converted to DeepSeek-V3-format MLA (`macserve dev
+    transmla`, latent 128: half its K+V cache per token), with a gated calibration of its own
+    (`macserve calibrate`, as `_calibrate` runs it), made once per run. Cheap: the conversion
+    is fitted on one window of 256 tokens (docs/real-latent.md: what that costs against 4 x
+    512). Read-only."""
+    from macserve.dev.transmla import convert  # imports mlx: only when asked
+
+    folder = tmp_path_factory.mktemp("transmla") / "smollm-mla"
+    convert(smollm_twin, folder, 128, cal_windows=1, seq_len=256)
+    return folder, _calibrate(folder)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.models import deepseek_v3
 
-from macserve.dev.transmla import convert_attention
-from macserve.engine.model import skip_latent_norm
+from macserve.dev.transmla import convert_attention, held_out_text
+from macserve.engine.caches import CacheSpec
+from macserve.engine.model import load, skip_latent_norm
 
 D, NQ, NKV, HID, T, BASE = 8, 6, 2, 48, 7, 100.0
 
@@ -104,3 +105,45 @@ def test_the_engine_skips_the_latent_norm_only_where_the_config_says():
         a = layer.self_attn
         x = mx.random.normal((1, 3, 16))
         assert mx.array_equal(a.kv_a_layernorm(x), x)
+        assert a.kv_a_layernorm.weight.dtype == mx.float32  # the engine reads its dtype
+
+
+# What the shipped INT2 default (the calibration's gate plan, sink 64 + recent 512) may cost on
+# the converted real model (latent 128), against its bf16 latent, on held-out plays: measured
+# at KL_MEASURED / DPPL_MEASURED (docs/real-latent.md, "The bound"); the bounds leave twice
+# that. Scored on the positions whose attention reads codes (past PREFIX), where it shows.
+KL_MEASURED, DPPL_MEASURED = 0.0, 0.0
+KL_BOUND, DPPL_BOUND = 2 * KL_MEASURED, 2 * DPPL_MEASURED
+PREFIX, SCORED = 640, 128  # codes hold the tokens past sink 64 + recent 512 (+16 of slack)
+
+
+def _logprobs(model, caches, ids):
+    out = []
+    for s in range(0, len(ids), 64):
+        lp = model(mx.array(ids[None, s : s + 64]), cache=caches)[0].astype(mx.float32)
+        out.append(lp - mx.logsumexp(lp, axis=-1, keepdims=True))
+    return np.array(mx.concatenate(out), dtype=np.float64)
+
+
+@pytest.mark.model
+def test_the_default_int2_cache_on_the_converted_real_model_stays_within_its_bound(
+    transmla_smollm,
+):
+    folder, report = transmla_smollm
+    b = load(folder)
+    text = held_out_text()
+    ids = np.array(b.tokenizer.encode(text, add_special_tokens=False)[: PREFIX + SCORED + 1])
+    x, y = ids[:-1], ids[1:]
+    ref = _logprobs(b.model, b.caches(CacheSpec.for_model(folder, "bf16")), x)
+    spec = CacheSpec.for_model(folder, "int2")  # what --kv int2 serves: the gate's plan
+    assert b.kv_plan(spec)["summary"].endswith(f"(gated at {report['target']:g})")
+    got = _logprobs(b.model, b.caches(spec), x)
+    sl = slice(PREFIX, PREFIX + SCORED)
+    kl = float((np.exp(ref[sl]) * (ref[sl] - got[sl])).sum(-1).mean())
+    nll = [-float(lp[sl][np.arange(SCORED), y[sl]].mean()) for lp in (ref, got)]
+    dppl = 100 * (np.exp(nll[1] - nll[0]) - 1)
+    print(
+        f"converted SmolLM2 latent 128, default INT2 past {PREFIX}: KL {kl:.4f} dPPL {dppl:+.2f}%"
+    )
+    assert kl < KL_BOUND, kl
+    assert dppl < DPPL_BOUND, dppl

@@ -125,10 +125,12 @@ def transmla_kv_cmd(
         rows = transmla_kv.measure(b, cal, ws, prompts, gen_max_tokens, progress_bar("evaluating"))
     except gen_bench.TooLong as e:
         raise MacserveError(f"--gen-prompt-tokens/--gen-max-tokens: {e}") from None
+    layers = transmla_kv.gate_rows(cal)
     if as_json:
         click.echo(
             json.dumps(
                 dict(
+                    layers=layers,
                     windows=windows,
                     seq_len=seq_len,
                     plan=b.kv_plan(caches.CacheSpec.for_model(model, "int2"))["summary"],
@@ -140,6 +142,17 @@ def transmla_kv_cmd(
             )
         )
         return
+    target = cal.meta["gate"]["target"]
+    rots = " ".join(f"{r:>8.8}" for r in transmla_kv.ROTATIONS)
+    click.echo(
+        f"per layer functional error (engine/gate.py, target {target:g}), INT2 g64 by rotation:"
+    )
+    click.echo(f"{'layer':>5} {'top10':>6} {rots} {'int4 best':>9} {'bf16':>8}  choice")
+    for r in layers:
+        e2 = " ".join(f"{x:>8.4f}" for x in r["int2"])
+        click.echo(
+            f"{r['layer']:>5} {r['top10']:>6.3f} {e2} {r['int4']:>9.4f} {r['bf16']:>8.1e}  {r['choice']}"
+        )
     click.echo(
         f"{windows} held-out windows of {seq_len} tokens; bf16 latent PPL {rows[0]['ppl']:.2f}"
     )

@@ -73,3 +73,27 @@ def measure(bundle, cal, windows, prompts, max_tokens: int, progress=None) -> li
             )
         )
     return rows
+
+
+ROTATIONS = ("plain", "hadamard", "upproj", "eigen-hadamard")
+
+
+def gate_rows(cal) -> list[dict]:
+    """Per layer, from the calibration's gate report: the latent's spectrum (top-10 share),
+    INT2 g64's functional error under each rotation, INT4 g64's and bf16's best, the choice."""
+    out = []
+    for row in cal.meta["gate"]["layers"]:
+        e = row["errors"]
+        int4 = min(e["int4-g64"].items(), key=lambda kv: kv[1])
+        out.append(
+            dict(
+                layer=row["layer"],
+                top10=row["spectrum"]["top10"],
+                int2=[e["int2-g64"].get(r) for r in ROTATIONS],
+                int4=int4[1],
+                int4_rotation=int4[0],
+                bf16=min(e["bf16"].values()),
+                choice=f"{row['choice']} {row['rotation']}",
+            )
+        )
+    return out
