@@ -236,7 +236,10 @@ def convert(
     src_dir, out = Path(src_dir), Path(out)
     if norm not in NORMS:
         raise MacserveError(f"--norm must be one of {', '.join(NORMS)}")
-    src = json.loads((src_dir / "config.json").read_text())
+    try:
+        src = json.loads((src_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise MacserveError(f"{src_dir}: no readable config.json ({e})") from None
     if src.get("model_type") != "llama":
         raise MacserveError(
             f"{src_dir}: a Llama checkpoint is needed (model_type {src.get('model_type')!r})"
