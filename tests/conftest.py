@@ -30,6 +30,7 @@ from .fixtures import (  # noqa: F401  (constants other files import from here; 
     smollm_twin,
     tiny_gguf,
     tiny_mlx_f32,
+    transmla_smollm,
 )
 
 

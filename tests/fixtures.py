@@ -688,3 +688,27 @@ def smollm_twin(smollm_gguf, tmp_path_factory):
     from macserve.dev.gguf_twin import convert, default_dtype  # imports mlx: only when asked
 
     return convert(smollm_gguf, tmp_path_factory.mktemp("smollm") / "twin", default_dtype())
+
+
+@pytest.fixture(scope="session")
+def transmla_smollm(smollm_twin, tmp_path_factory):
+    """(folder, report): the real chat model converted to DeepSeek-V3-format MLA (`macserve dev
+    transmla`, latent 128: half its K+V cache per token), with a gated calibration of its own
+    (`macserve calibrate --windows 1 --seq-len 256`), made once per run. Cheap: conversion and
+    calibration each fit on one window of 256 tokens (docs/real-latent.md's figures: 4 x 512).
+    Read-only."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+    from macserve.dev.transmla import convert  # imports mlx: only when asked
+    from macserve.int2_format import SHIPPED_ROTATION
+
+    folder = tmp_path_factory.mktemp("transmla") / "smollm-mla"
+    # bf16 weights: half the bytes to write and load (the engine computes in float32 on the CPU)
+    convert(smollm_twin, folder, 128, cal_windows=1, seq_len=256, dtype="bfloat16")
+    # one window of 256 tokens: the gate's cost grows with its sample, and 30 layers x 5
+    # formats x 5 rotations is most of this fixture's time
+    args = ["calibrate", str(folder), "--out", str(folder / SHIPPED_ROTATION), "--windows", "1"]
+    r = CliRunner().invoke(main, [*args, "--seq-len", "256", "--json"])
+    assert r.exit_code == 0, r.output
+    return folder, json.loads(r.output.strip().splitlines()[-1])

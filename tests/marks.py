@@ -49,6 +49,7 @@ MODEL_FIXTURES = frozenset(
         "ggufs",
         "hub",
         "smollm_twin",  # converts the GGUF with MLX (dev/gguf_twin.py) inside the fixture
+        "transmla_smollm",  # converts the twin to MLA (dev/transmla.py) and calibrates it
     }
 )
 

@@ -77,6 +77,6 @@ def bench_group():
     """Benchmarks to run on your own Mac (ratios against a baseline in the same run)."""
 
 
-@main.group("dev", cls=Families, families=_families("dev", "dev_docs"))
+@main.group("dev", cls=Families, families=_families("dev", "dev_docs", "dev_transmla"))
 def dev_group():
     """Developer commands: train the demo model, export GGUF twins, render launchd/."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import sharded_load
@@ -187,10 +188,37 @@ def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
     if mx.default_device().type == mx.DeviceType.cpu:
         # MLX's CPU gather_mm (the MoE experts) only runs in float32.
         model.set_dtype(mx.float32)
+    skip_latent_norm(model, config)
     mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
     for token in turn_end_tokens(tokenizer):
         tokenizer.add_eos_token(str(token))
     return Bundle(model, tokenizer, config, path)
+
+
+def skip_latent_norm(model, config: dict) -> int:
+    """`qk_latent_layernorm: false` in config.json (TransMLA's converted models carry it):
+    the MLA latent is used as projected, without DeepSeek's kv_a_layernorm, which a latent
+    converted from a GQA model never had (`macserve dev transmla`). mlx-lm's own code always
+    applies the norm. Returns how many layers skip it."""
+    if config.get("qk_latent_layernorm", True) is not False:
+        return 0
+    attns = [a for a in mla_attention.mla_attentions(model) if hasattr(a, "kv_a_layernorm")]
+    for a in attns:
+        a.kv_a_layernorm = LatentAsProjected(a.kv_a_layernorm.weight)
+    return len(attns)
+
+
+class LatentAsProjected(nn.Module):
+    """kv_a_layernorm's stand-in under `qk_latent_layernorm: false`: the latent passes through.
+    It keeps the norm's weight (unused) because the engine reads the model's compute dtype
+    from it (caches.model_dtype, scratch)."""
+
+    def __init__(self, weight: mx.array):
+        super().__init__()
+        self.weight = weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
 
 
 TURN_MARKER = "macserve-turn-end-probe"
