@@ -13,7 +13,9 @@ in `AGENTS`) and their docs:
   in), ANTHROPIC_MODEL and the ANTHROPIC_DEFAULT_{OPUS,SONNET,HAIKU}_MODEL its aliases and
   background tasks use (else they ask for a Claude model the router has not got),
   CLAUDE_CODE_AUTO_COMPACT_WINDOW (the window its auto-compaction counts from: unset, an
-  unknown model is taken to have 200K), CLAUDE_CODE_MAX_OUTPUT_TOKENS (its default `max_tokens`
+  unknown model is taken to have 200K; it refuses less than 100K, so a smaller context is
+  given as CLAUDE_CODE_MAX_CONTEXT_TOKENS, which it reads only with DISABLE_COMPACT: no
+  compaction, the server's context-exceeded error at the end), CLAUDE_CODE_MAX_OUTPUT_TOKENS (its default `max_tokens`
   of 32,000 is the whole of a 32K context), CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC (no
   telemetry, error reports or update checks leave the machine).
 - Codex: `-c` overrides of config.toml: a `model_providers.macserve` entry (base_url ending in
@@ -42,6 +44,7 @@ KEY_VAR = env.API_KEY  # the variable the agents read the router's key from
 PLACEHOLDER_KEY = "macserve"  # Claude Code wants some credential even where none is checked
 PROVIDER_ID = "macserve"  # the provider's name in Codex's and opencode's configs
 MAX_OUTPUT = 32_000  # Claude Code's own default max_tokens
+CLAUDE_MIN_COMPACT_WINDOW = 100_000  # Claude Code's floor for CLAUDE_CODE_AUTO_COMPACT_WINDOW
 COMPACT_AT = 0.9  # of the context: where Codex compacts (its own default ratio for known models)
 
 
@@ -115,8 +118,14 @@ def _claude(t: Target, args: tuple[str, ...], exe: str) -> Launch:
     }
     out = output_tokens(t.ctx)
     if t.ctx and out:
-        values["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.ctx)
         values["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(out)
+        if t.ctx >= CLAUDE_MIN_COMPACT_WINDOW:
+            values["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.ctx)
+        else:
+            # Claude Code raises a smaller compaction window to 100K (and says so), so it
+            # would compact too late; it takes a model's real window only with compaction off
+            values["DISABLE_COMPACT"] = "1"
+            values["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(t.ctx)
     return Launch(
         (exe, *args),
         values,
