@@ -75,7 +75,15 @@ def memory_value(ctx, param, value: str | None):
     default=10.0,
     show_default=True,
     help="Seconds a streaming request waits for a starting model before it gets its 200 and "
-    "an SSE comment this often until the model is up; 0 holds it.",
+    "a keep-alive this often until the model is up (Anthropic's ping events, SSE comments, "
+    "a loading note in chat completions); 0 holds it.",
+)
+@click.option(
+    "--loading-note/--no-loading-note",
+    default=True,
+    show_default=True,
+    help="Chat completions' keep-alives carry a visible note (reasoning_content: loading "
+    "NAME, 12 s); without it, SSE comments.",
 )
 @click.option(
     "--start-timeout",
@@ -121,6 +129,7 @@ def router(
     ttl,
     memory,
     keep_alive,
+    loading_note,
     start_timeout,
     api_key,
     allow_unauthenticated,
@@ -146,6 +155,8 @@ def router(
         ):
             if given(param):
                 args += [opt, value]
+        if not loading_note:
+            args.append("--no-loading-note")
         if allow_unauthenticated:
             args.append("--allow-unauthenticated")
         if allowed_hosts:
@@ -180,6 +191,7 @@ def router(
             ttl=ttl,
             memory_bytes=memory,
             keep_alive=keep_alive,
+            loading_note=loading_note,
             start_timeout=start_timeout,
             api_key=api_key or None,
             allow_unauthenticated=allow_unauthenticated,

@@ -13,9 +13,12 @@ it (tests/test_architecture.py checks both).
   state.py      a profile's states (stopped, starting, running, stopping, failed), the moves
                 allowed between them, and the one `transition` that makes and logs a move
   model.py      what the router knows of one profile (`Model`), and its `Settings`
-  proxy.py      forwarding: hold a request while its model starts (SSE comments for a
-                stream), pass the answer through untouched (rename.py: the `model` asked
-                for), end a stream whose server died with an error event
+  proxy.py      forwarding: hold a request while its model starts (keepalive.py: each
+                dialect's keep-alive for a stream, a loading note in chat completions), pass
+                the answer through untouched (rename.py: the `model` asked for), end a stream
+                whose server died with an error event
+  responses.py  /v1/responses for a server with only chat completions (mlx_lm.server):
+                the request and its answer translated
   app.py        the routes (starlette + uvicorn): /health, /metrics, /v1/models, /v1/...
                 to the proxy, /ui (ui.py, ui_ops.py, ui_page.py, static/); `run`
   metrics.py    tokens/s and time to first token of what it streams (the page's live figures)

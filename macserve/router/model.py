@@ -28,7 +28,9 @@ class Settings:
     port: int = 8000
     ttl: float | None = DEFAULT_TTL  # None: never (--ttl never)
     memory_bytes: int | None = None  # plan for a Mac with this much RAM (tests); None: this one
-    keep_alive: float = 10.0  # hold a streaming request this long, then SSE comments this often
+    keep_alive: float = 10.0  # hold a streaming request this long, then keep-alives this often
+    # Chat completions' keep-alives carry a visible "loading NAME, 12 s" (keepalive.py).
+    loading_note: bool = True
     start_timeout: float = DEFAULT_START_TIMEOUT
     api_key: str | None = None
     # Bound to loopback: the Host names answered besides the loopback ones (DNS rebinding).

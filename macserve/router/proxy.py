@@ -1,8 +1,11 @@
 """The router's forwarding: one request to the profile it names, and its answer back.
 
-A request for a stopped profile is held while the pool starts it; a streaming request that has
-waited `keep_alive` seconds gets its 200 and an SSE comment every `keep_alive` seconds until the
-server is up (clients ignore comments; proxies and read timeouts see bytes). Then the request
+A request for a stopped profile is held while the pool starts it (or waits for memory); a
+streaming request that has waited `keep_alive` seconds gets its 200 and a keep-alive every
+`keep_alive` seconds until the server is up, in its own dialect (keepalive.py: Anthropic's
+`ping` events, SSE comments elsewhere, and in chat completions a visible "loading" note).
+A /v1/responses request for a server without that API is translated (responses.py). Then the
+request
 goes upstream as it came (its key swapped for the profile's, `model` rewritten only for
 mlx_lm.server) and the answer comes back as the server wrote it: status, headers, bytes (each
 answer's `model` the name asked for: rename.py). A client that goes away closes the upstream
@@ -29,11 +32,13 @@ from ..services import providers
 from ..web import anthropic_api, dialects, jsonbody
 from ..web.body import read_body
 from ..web.errors import HttpError
+from . import keepalive
 from .errors import RouteError
 from .metrics import Meter, Metrics
 from .model import Model, Settings
 from .pool import Lease, Pool
 from .rename import Renamer
+from .responses import Translation
 
 log = logging.getLogger("macserve.router")
 
@@ -104,7 +109,7 @@ class Proxy:
         path = path or request.url.path
         t0 = time.monotonic()  # time to first token counts from here, a start included
         try:
-            body, m, stream = await self._parse(request, path)
+            body, m, stream, tr = await self._parse(request, path)
             self._check_keyed(m)
         except RouteError as e:
             return dialects.error_response(e, path)
@@ -116,7 +121,7 @@ class Proxy:
                 await _until(request, asyncio.wait({waiting}, timeout=self.settings.keep_alive))
                 if not waiting.done():
                     handed_over = True
-                    gen = self._kept_alive(waiting, m, request, body, path, t0)
+                    gen = self._kept_alive(waiting, m, request, body, path, t0, tr)
                     return _Leased(
                         gen,
                         lease,
@@ -126,10 +131,10 @@ class Proxy:
                     )
             await _until(request, waiting)
             # Until the headers: a plain answer sends them only once it is whole.
-            resp = await _until(request, self._open(m, request, body, path))
+            resp = await _until(request, self._open(m, request, body, tr.path if tr else path))
             if _is_stream(resp):
                 handed_over = True
-                gen = self._pipe(resp, m, path, t0, request.state.asked)
+                gen = self._pipe(resp, m, path, t0, request.state.asked, tr)
                 return _Leased(
                     gen,
                     lease,
@@ -144,6 +149,8 @@ class Proxy:
             finally:
                 await resp.aclose()
             content = Renamer(request.state.asked).whole(content)
+            if tr is not None:
+                content = tr.whole(content, resp.status_code)
             return Response(content, resp.status_code, headers=_headers(resp))
         except RouteError as e:
             return dialects.error_response(e, path)
@@ -154,7 +161,9 @@ class Proxy:
                 waiting.cancel()
                 lease.release()
 
-    async def _parse(self, request: Request, path: str) -> tuple[bytes, Model, bool]:
+    async def _parse(
+        self, request: Request, path: str
+    ) -> tuple[bytes, Model, bool, Translation | None]:
         try:
             body = await read_body(request, READ_TIMEOUT)
             data = jsonbody.parse_object(body)
@@ -183,7 +192,13 @@ class Proxy:
         if prov.upstream_model and data.get("model") != prov.upstream_model:
             data["model"] = prov.upstream_model
             body = json.dumps(data).encode()
-        return body, m, bool(data.get("stream"))
+        tr = None
+        if path == "/v1/responses" and not prov.responses_api:
+            # A server without the Responses API: asked in chat completions, answered back in
+            # the Responses API's shapes (responses.py).
+            tr = Translation(data, name)
+            body = tr.chat
+        return body, m, bool(data.get("stream")), tr
 
     async def _open(self, m: Model, request: Request, body: bytes, path: str) -> httpx.Response:
         """Send the request upstream; a connection that fails before any answer (the server
@@ -207,21 +222,38 @@ class Proxy:
                 await _until(request, self.pool.ready(m))
         raise AssertionError("unreachable")
 
-    async def _pipe(self, resp: httpx.Response, m: Model, path: str, t0: float, asked=None):
-        """The upstream stream as it comes (each event's `model` the name asked for); if the
-        server goes away mid-stream, an error event (after a blank line if it was cut
-        mid-event) instead of a silent end."""
+    async def _pipe(
+        self,
+        resp: httpx.Response,
+        m: Model,
+        path: str,
+        t0: float,
+        asked=None,
+        tr: Translation | None = None,
+    ):
+        """The upstream stream as it comes (each event's `model` the name asked for; for a
+        translated request, its chat chunks as Responses events); if the server goes away
+        mid-stream, an error event (after a blank line if it was cut mid-event) instead of a
+        silent end."""
         tail = b"\n\n"
         meter = Meter(m.name, t0)
         names = Renamer(asked)
+        if tr is not None:
+            yield tr.start()
         try:
             async for chunk in resp.aiter_raw():
                 if chunk:
                     tail = (tail + chunk)[-2:]
                     meter.feed(chunk)
-                    if out := names.feed(chunk):
+                    out = names.feed(chunk)
+                    if tr is not None:
+                        out = tr.feed(out)
+                    if out:
                         yield out
-            if out := names.rest():
+            out = names.rest()
+            if tr is not None:
+                out = tr.feed(out + b"\n\n")
+            if out:
                 yield out
         except httpx.HTTPError as e:
             m.ready_pid = None
@@ -232,17 +264,28 @@ class Proxy:
             self.metrics.add(meter.sample())  # also for a client gone mid-answer
 
     async def _kept_alive(
-        self, waiting: asyncio.Future, m: Model, request, body, path: str, t0: float
+        self,
+        waiting: asyncio.Future,
+        m: Model,
+        request,
+        body,
+        path: str,
+        t0: float,
+        tr: Translation | None = None,
     ):
-        """SSE comments while the model starts, then its stream (or the reason it failed)."""
+        """Keep-alives while the model starts (keepalive.py: each dialect's, and a visible
+        note where the dialect has a place for one), then its stream (or the reason it
+        failed)."""
         resp = None
+        asked = request.state.asked
         try:
             while not waiting.done():
-                yield f": macserve router: starting {m.name} ({time.monotonic() - t0:.0f}s)\n\n".encode()
+                waited = time.monotonic() - t0
+                yield keepalive.event(path, asked, m.name, waited, self.settings.loading_note)
                 await asyncio.wait({waiting}, timeout=self.settings.keep_alive)
             try:
                 waiting.result()
-                resp = await self._open(m, request, body, path)
+                resp = await self._open(m, request, body, tr.path if tr else path)
             except RouteError as e:
                 yield dialects.error_event(e, path)
                 return
@@ -253,7 +296,7 @@ class Proxy:
                 err = RouteError(resp.status_code, _message(text))
                 yield dialects.error_event(err, path)
                 return
-            async for b in self._pipe(resp, m, path, t0, request.state.asked):
+            async for b in self._pipe(resp, m, path, t0, asked, tr):
                 yield b
         finally:
             waiting.cancel()

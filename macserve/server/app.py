@@ -2,7 +2,8 @@
 we bind (draining the engine on SIGTERM).
 
 A generating route hands its request to serving.generate with its endpoint's dialect:
-openai/ (/v1/chat/completions, /v1/completions) or anthropic/ (/v1/messages). Each dialect
+openai/ (/v1/chat/completions, /v1/completions), anthropic/ (/v1/messages) or responses/
+(/v1/responses). Each dialect
 folder parses its bodies into the neutral GenerationRequest (request.py) and renders the
 job's events (events.py) in its own shapes; serving.py runs the request through the engine
 between them. Errors outside a route (an unknown path, a wrong method) take the shape of the
@@ -34,6 +35,7 @@ from .anthropic.render import models_entry
 from .metrics import CONTENT_TYPE, CountRequests
 from .openai import serving as openai
 from .ranks import Ranks, follow
+from .responses import serving as responses
 from .serving import Engine, generate
 from .settings import Settings
 
@@ -50,6 +52,10 @@ async def completions(request: Request) -> Response:
 
 async def messages(request: Request) -> Response:
     return await generate(request, anthropic.MESSAGES)
+
+
+async def create_response(request: Request) -> Response:
+    return await generate(request, responses.RESPONSES)
 
 
 def _model_entry(eng: Engine) -> dict:
@@ -161,6 +167,7 @@ def create_app(settings: Settings, on_load_failed=lambda why: None):
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,

@@ -18,6 +18,8 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
             raise HttpError(400, "this model has no chat template; use /v1/completions")
         fmt = tools.tool_format(tok)
         msgs, extra = tools.render(list(req.messages), req.tools if req.uses_tools else (), fmt)
+        if req.thinking is not None and thinking_honoured(bundle):
+            extra = {**extra, "enable_thinking": req.thinking}
         try:
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         except Exception as e:  # noqa: BLE001 - templates raise anything (jinja, role order rules)
@@ -37,6 +39,14 @@ def prompt_ids(bundle, req: GenerationRequest) -> list[int]:
     return tok.encode(req.prompt, add_special_tokens=bos is None or not req.prompt.startswith(bos))
 
 
+def thinking_honoured(bundle) -> bool:
+    """Whether the model's chat template has a thinking switch (`enable_thinking`, as Qwen's
+    and DeepSeek's templates do): a request's thinking setting is passed to it there and
+    accepted and ignored elsewhere."""
+    template = getattr(bundle.tokenizer, "chat_template", None) or ""
+    return "enable_thinking" in str(template)
+
+
 def _n(k: int) -> str:
     return f"{k} token" + ("" if k == 1 else "s")
 
@@ -53,6 +63,8 @@ def token_budget(req: GenerationRequest, n_prompt: int, ctx: int, default: int) 
         )
     if req.max_tokens is None:
         return min(default, ctx - n_prompt)
+    if req.clamp_max_tokens:
+        return min(req.max_tokens, ctx - n_prompt)
     if n_prompt + req.max_tokens > ctx:
         raise HttpError(
             400,

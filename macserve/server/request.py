@@ -54,6 +54,12 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     mtp: str | None = None  # ours: auto | on | off for this request (None: the server's --mtp)
+    # Thinking asked for (True), refused (False) or left to the chat template (None): passed as
+    # the template's `enable_thinking` where it has one (prepare.thinking_honoured says which).
+    thinking: bool | None = None
+    # A max_tokens past what the context leaves is cut to fit rather than refused (agents send
+    # their own model's output limit, e.g. Claude Code's 32000, whatever the context).
+    clamp_max_tokens: bool = False
 
     @property
     def uses_tools(self) -> bool:

@@ -24,7 +24,7 @@ from ..web.errors import HttpError
 from ..web.jsonbody import parse_object
 from . import tools
 from .grammar import ConstraintSpec
-from .prepare import constraint, prompt_ids, token_budget
+from .prepare import constraint, prompt_ids, thinking_honoured, token_budget
 from .request import GenerationRequest
 from .settings import Settings
 from .worker import Job, Worker
@@ -59,8 +59,9 @@ class Prepared:
 class _SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, content):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content, headers: dict[str, str]):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
+        super().__init__(content, headers=headers)
 
 
 class Engine:
@@ -175,6 +176,16 @@ def _job(eng: Engine, p: Prepared, arrived: float) -> Job:
     )
 
 
+def _notes(eng: Engine, req: GenerationRequest) -> dict[str, str]:
+    """Headers saying what a request asked that the model could not do: thinking on a model
+    whose chat template has no thinking switch is accepted and ignored, and said so here."""
+    if req.thinking is None:
+        return {}
+    if thinking_honoured(eng.worker.bundle):
+        return {"x-macserve-thinking": "on" if req.thinking else "off"}
+    return {"x-macserve-thinking": "ignored: this model's chat template has no thinking mode"}
+
+
 async def generate(request: Request, api: Dialect) -> Response:
     """One request to a generating endpoint, answered in `api`'s shapes."""
     eng: Engine = request.app.state.engine
@@ -202,14 +213,15 @@ async def generate(request: Request, api: Dialect) -> Response:
             vocab, model = eng.worker.vocab, eng.settings.model_id
             fmt = tools.tool_format(eng.worker.bundle.tokenizer)
             args = (job, p.req, api.new_id(), model, vocab, fmt, len(p.ids))
+            notes = _notes(eng, p.req)
             if not p.req.stream:
                 try:
-                    return JSONResponse(await api.whole(*args))
+                    return JSONResponse(await api.whole(*args), headers=notes)
                 finally:
                     job.cancel()  # done, or a stop string matched: either way the worker may stop
         finally:
             watcher.cancel()
-        return _SSEResponse(api.stream(*args))
+        return _SSEResponse(api.stream(*args), notes)
     except HttpError as e:
         if job is not None:
             job.cancel()

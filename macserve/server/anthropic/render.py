@@ -15,9 +15,12 @@ def new_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
-def stop_reason(finish: str, calls: int) -> str:
+def stop_reason(finish: str, calls: int, window: bool = False) -> str:
+    """`window`: a length finish came from the context's end (max_tokens was cut to fit)."""
     if calls and finish in ("stop", "tool_calls"):
         return "tool_use"
+    if finish == "length" and window:
+        return "model_context_window_exceeded"
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(finish, "end_turn")
 
 
@@ -40,6 +43,7 @@ def message(
     finish: str,
     stop_seq: str | None,
     stats: dict,
+    window: bool = False,
 ) -> dict:
     content: list[dict] = []
     if text or not calls:
@@ -51,7 +55,7 @@ def message(
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(finish, len(calls)),
+        "stop_reason": stop_reason(finish, len(calls), window),
         "stop_sequence": stop_seq,
         "usage": usage(stats),
     }
@@ -123,7 +127,9 @@ class Stream:
         }
         return out + [event("content_block_delta", delta)] + self._close()
 
-    def finish(self, finish: str, stop_seq: str | None, stats: dict) -> list[bytes]:
+    def finish(
+        self, finish: str, stop_seq: str | None, stats: dict, window: bool = False
+    ) -> list[bytes]:
         out = (
             self._close()
             if self.index >= 0
@@ -131,7 +137,10 @@ class Stream:
         )
         delta = {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(finish, self.calls), "stop_sequence": stop_seq},
+            "delta": {
+                "stop_reason": stop_reason(finish, self.calls, window),
+                "stop_sequence": stop_seq,
+            },
             "usage": usage(stats),
         }
         return out + [

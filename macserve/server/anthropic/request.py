@@ -6,14 +6,53 @@ join into the content, `tool_use` blocks become an assistant's tool_calls, `tool
 blocks become "tool" messages. Thinking blocks from earlier turns are dropped (the model
 writes none); images and documents get a 400. Errors (529 for overloaded included) are
 rendered by web/anthropic_api.py, as the router's are.
+
+What coding agents send is taken as Claude Code sends it (issue 44): `system` messages inside
+`messages` (its environment block) are system turns, rendered where they stand by the chat
+template; `thinking` (`adaptive`, `enabled`, `disabled`) becomes the template's
+`enable_thinking` where it has one, else is accepted and ignored (the answer's
+`x-macserve-thinking` header says which); `output_config.format` (a JSON schema) constrains
+the answer; `metadata`, `context_management`, `output_config.effort`, `service_tier` and any
+field this server does not know are accepted and ignored (unknown ones with a log line), as
+are tools of Anthropic's server-side types (web search, code execution: nothing here can run
+them). `max_tokens` is cut to what the context leaves after the prompt rather than refused
+(Claude Code asks for 32000 whatever the model), and an answer that ends there says
+`model_context_window_exceeded`, as Anthropic's API does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from ...web.errors import HttpError
 from ..request import GenerationRequest, Tool, is_int, opt, sampling, schema_of, stop_list
+
+log = logging.getLogger("macserve.server")
+# The Messages API's fields: every other field is ignored with a log line. Those after
+# `tool_choice` are accepted and mean nothing here (or are read below: thinking, output_config).
+KNOWN = {
+    "model",
+    "messages",
+    "system",
+    "max_tokens",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "output_config",
+    "metadata",
+    "context_management",
+    "service_tier",
+    "container",
+    "mcp_servers",
+    "seed",
+    "mtp",
+}
 
 
 def _blocks(content, where: str) -> list[dict]:
@@ -47,10 +86,13 @@ def _messages(system, msgs) -> list[dict]:
         raise HttpError(400, "messages must be a non-empty list", "messages")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise HttpError(400, f"{where}.role must be user or assistant", f"{where}.role")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise HttpError(400, f"{where}.role must be user, assistant or system", f"{where}.role")
         if "content" not in m:
             raise HttpError(400, f"{where}.content is required", f"{where}.content")
+        if m["role"] == "system":  # Claude Code's environment block: a system turn where it is
+            out.append({"role": "system", "content": _result_text(m["content"], where)})
+            continue
         texts, calls = [], []
         for j, b in enumerate(_blocks(m["content"], f"{where}.content")):
             kind, bw = b.get("type"), f"{where}.content[{j}]"
@@ -102,13 +144,14 @@ def _tools(v) -> tuple[Tool, ...]:
     out, names = [], set()
     for i, t in enumerate(v):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise HttpError(
-                400,
-                f"{where}: only custom tools are supported (got type {json.dumps(kind)})",
-                where,
+        if not isinstance(t, dict):
+            raise HttpError(400, f"{where} must be an object", where)
+        if t.get("type", "custom") != "custom":
+            # Anthropic's server tools (web_search_..., code_execution_...) run on its side.
+            log.info(
+                "messages: %s of type %s ignored (only custom tools run here)", where, t["type"]
             )
+            continue
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise HttpError(400, f"{where}.name is required", where)
         if t["name"] in names:
@@ -140,7 +183,39 @@ def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
     return {"auto": "auto", "any": "required", "none": "none"}[kind], None, parallel
 
 
+def _thinking(v) -> bool | None:
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in ("adaptive", "enabled", "disabled"):
+        raise HttpError(
+            400, 'thinking must be {"type": "adaptive" | "enabled" | "disabled"}', "thinking.type"
+        )
+    return kind != "disabled"
+
+
+def _output_format(v) -> dict | None:
+    """output_config.format: {"type": "json_schema", "schema": {...}} (structured outputs)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise HttpError(400, "output_config must be an object", "output_config")
+    fmt = v.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise HttpError(
+            400,
+            'output_config.format must be {"type": "json_schema", "schema": {...}}',
+            "output_config.format",
+        )
+    return schema_of(fmt.get("schema"), "output_config.format.schema")
+
+
 def parse(body: dict) -> GenerationRequest:
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        log.info("messages: fields ignored: %s", ", ".join(unknown))
     mt = body.get("max_tokens")
     if mt is None:
         raise HttpError(400, "max_tokens is required", "max_tokens")
@@ -151,6 +226,11 @@ def parse(body: dict) -> GenerationRequest:
     opt(body, "model", lambda v: isinstance(v, str), "a string")
     tools = _tools(body.get("tools"))
     choice, name, parallel = _tool_choice(body.get("tool_choice"), tools)
+    schema = _output_format(body.get("output_config"))
+    if schema is not None and choice in ("required", "function"):
+        raise HttpError(
+            400, "output_config.format cannot be combined with a forced tool call", "tool_choice"
+        )
     return GenerationRequest(
         kind="chat",
         messages=tuple(_messages(body.get("system"), body.get("messages"))),
@@ -160,6 +240,9 @@ def parse(body: dict) -> GenerationRequest:
         tool_choice=choice,
         tool_name=name,
         parallel_tool_calls=parallel,
+        json_schema=schema,
+        thinking=_thinking(body.get("thinking")),
+        clamp_max_tokens=True,
         **sampling(body, temperature_max=1),
     )
 

@@ -20,6 +20,13 @@ from . import render
 from .request import count_tokens_request, parse
 
 
+def _window(job, req: GenerationRequest, stats: dict) -> bool:
+    """The answer ran to the context's end: its max_tokens was cut to fit (request.py) and
+    it wrote all the cut budget allowed."""
+    asked = req.max_tokens or 0
+    return job.max_tokens < asked and stats.get("completion_tokens", 0) >= job.max_tokens
+
+
 class Anthropic:
     call_prefix = "toolu_"
     kind = "chat"
@@ -42,8 +49,9 @@ class Anthropic:
                 case Finish():
                     log_done(req, ev.reason, ev.stats)
                     text = "".join(parts)
+                    window = _window(job, req, ev.stats)
                     return render.message(
-                        rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats
+                        rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats, window
                     )
         raise HttpError(500, "generation ended without a result")
 
@@ -62,7 +70,8 @@ class Anthropic:
                     case ToolCall():
                         out = s.call(ev)
                     case Finish():
-                        out = s.finish(ev.reason, ev.stop_sequence, ev.stats)
+                        window = _window(job, req, ev.stats)
+                        out = s.finish(ev.reason, ev.stop_sequence, ev.stats, window)
                         log_done(req, ev.reason, ev.stats)
                 for b in out:
                     yield b

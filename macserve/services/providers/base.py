@@ -109,6 +109,9 @@ class BaseProvider:
     # The router: whether the server answers Anthropic's Messages API (/v1/messages), and the
     # `model` to send it in place of the client's (None: the client's, which it ignores).
     anthropic_api = True
+    # The router: whether it answers OpenAI's Responses API (/v1/responses); without it the
+    # router translates such requests to chat completions.
+    responses_api = True
     upstream_model: str | None = None
     # It is a router: it sends requests on to the other profiles (`macserve chat` finds the key
     # of the one on a port).

@@ -77,6 +77,7 @@ class MlxLm(BaseProvider):
     # mlx_lm.server has no /v1/messages, and it loads whatever `model` a request names (from the
     # hub, if it is not the one it serves): its own name for --model is "default_model".
     anthropic_api = False
+    responses_api = False  # nor /v1/responses: the router asks it in chat completions
     upstream_model = "default_model"
 
     def command(self) -> list[str]:
