@@ -11,7 +11,9 @@ their first requests are 15-20K tokens (Claude Code 48-77 KB of JSON, Codex 39 K
 agents.md). Claude Code gets `--system-prompt` and `--tools ""`, Codex a
 `model_instructions_file` and its optional tools' features disabled, opencode a project
 `opencode.json` whose build agent has a one-line prompt and no tools: about 300, 750 and 110
-prompt tokens. The profile caps answers at 48 tokens (llama-server's `-n`). No tool round trip
+prompt tokens. Answers are as long as the model makes them (the agents ask for up to an eighth
+of the context, launch's rule, and llama-server's `-n` does not cap a request's max_tokens):
+SmolLM2 stops after 15-220 tokens. No tool round trip
 here: SmolLM2's chat template renders no tools (tests/test_real_model.py), so llama-server
 leaves them out; the Responses API's tool calls are tests/test_router_agents.py's.
 
@@ -68,7 +70,7 @@ def router(home, seen, smollm_gguf, tmp_path_factory):
     (home / "profiles").mkdir(exist_ok=True)
     (home / "profiles" / "smol.env").write_text(
         f"PROVIDER=llama.cpp\nMODEL={smollm_gguf}\nHOST=127.0.0.1\nPORT={free_port()}\n"
-        f"CTX={CTX}\nEXTRA_ARGS='-t 1 -n 48 {YARN}'\n"
+        f"CTX={CTX}\nEXTRA_ARGS='-t 1 {YARN}'\n"
     )
     port = free_port()
     work = tmp_path_factory.mktemp("agent-work")

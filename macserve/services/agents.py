@@ -132,6 +132,7 @@ def _claude(t: Target, args: tuple[str, ...], exe: str) -> Launch:
         # a real Anthropic key (x-api-key) would go to the router beside ours; Bedrock, Vertex,
         # Foundry or another base URL would take the requests elsewhere
         unset=(
+            KEY_VAR,  # not read by Claude Code: no other server's key for its tools to see
             "ANTHROPIC_API_KEY",
             "CLAUDE_CODE_API_BASE_URL",
             "CLAUDE_CODE_USE_BEDROCK",
