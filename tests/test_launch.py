@@ -5,6 +5,7 @@ and router (`--print` through click's runner, which starts nothing)."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -150,3 +151,11 @@ def test_print_names_the_profile_by_alias_and_masks_the_key(macserve_home, insta
     assert r.exit_code == 2 and "several profiles (other, smol): name one" in r.output
     r = CliRunner().invoke(main, ["launch", "claude", "nope", "--print"])
     assert r.exit_code == 2 and "no profile or alias 'nope'" in r.output
+
+
+def test_install_sh_pins_the_versions_the_rules_name():
+    """scripts/install.sh installs what services/agents.py says the tests run."""
+    text = (Path(__file__).resolve().parent.parent / "scripts" / "install.sh").read_text()
+    line = next(x for x in text.splitlines() if x.strip().startswith("specs="))
+    pinned = line.split("=", 1)[1].strip().strip('"').split()
+    assert pinned == [f"{a.package}@{a.version}" for a in agents.AGENTS.values()]
