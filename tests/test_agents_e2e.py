@@ -95,6 +95,9 @@ def launch(router, home, agent: str, *args: str) -> subprocess.CompletedProcess:
         MACSERVE_SERVICE_BACKEND="supervisor",
         HOME=str(user),
         PWD=str(router.work),  # opencode takes its project from PWD, not the process's cwd
+        # opencode's model catalogue (models.dev) is not needed for a provider of our own, and
+        # its fetch waits for the network (6 s here, where there is none)
+        OPENCODE_DISABLE_MODELS_FETCH="1",
         PATH=f"{agents.installed_bin()}{os.pathsep}{os.environ['PATH']}",
     )
     for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "CODEX_HOME"):
