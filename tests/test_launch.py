@@ -15,6 +15,7 @@ from macserve.cli import main
 from macserve.cli import router as cli_router
 from macserve.errors import MacserveError
 from macserve.services import agents
+from macserve.services.health import store
 
 KEY = "sk-secret-1234"
 URL = "http://127.0.0.1:8000"
@@ -159,3 +160,16 @@ def test_install_sh_pins_the_versions_the_rules_name():
     line = next(x for x in text.splitlines() if x.strip().startswith("specs="))
     pinned = line.split("=", 1)[1].strip().strip('"').split()
     assert pinned == [f"{a.package}@{a.version}" for a in agents.AGENTS.values()]
+
+
+def test_print_uses_the_router_profile_and_its_key(macserve_home, installed):
+    """A stopped router profile is the one launch would start; its own API_KEY is the key."""
+    _profile(macserve_home, "smol", 8101)
+    (macserve_home / "profiles" / "gate.env").write_text(
+        "PROVIDER=router\nHOST=127.0.0.1\nPORT=8123\nEXTRA_ARGS=''\n"
+    )
+    store().save_secrets("gate", {"API_KEY": KEY})
+    r = CliRunner().invoke(main, ["launch", "claude", "--print"])
+    assert r.exit_code == 0, r.output
+    assert "through the router (stopped: launch starts it) at http://127.0.0.1:8123" in r.output
+    assert "ANTHROPIC_AUTH_TOKEN=****" in r.output and KEY not in r.output
