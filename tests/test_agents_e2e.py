@@ -8,12 +8,17 @@ messages, the Responses API, chat completions).
 The agents' own prompts are shrunk with their own settings, or the tests would take minutes:
 their first requests are 15-20K tokens (Claude Code 48-77 KB of JSON, Codex 39 KB, opencode
 31 KB) and llama-server prefills SmolLM2 at 50-250 tokens/s on this 2-core machine (docs/
-agents.md). Claude Code gets `--system-prompt` and `--tools ""`, Codex a
+agents.md). Claude Code gets `--bare` (no hooks, CLAUDE.md or attribution reminders:
+without it greedy SmolLM2 rambles past any limit on the reminders), `--system-prompt` and
+`--tools ""`, Codex a
 `model_instructions_file` and its optional tools' features disabled, opencode a project
 `opencode.json` whose build agent has a one-line prompt and no tools: about 300, 750 and 110
-prompt tokens. Answers are as long as the model makes them (the agents ask for up to an eighth
-of the context, launch's rule, and llama-server's `-n` does not cap a request's max_tokens):
-SmolLM2 stops after 15-220 tokens. No tool round trip
+prompt tokens. Answers are greedy and bounded: none of the agents sends a temperature, and
+SmolLM2 at llama-server's default (0.8) once rambled to Claude Code's whole budget (4,096
+tokens, 7 minutes here), so the profile says `--temp 0`; Claude Code and opencode ask for 256
+tokens (`launch --max-output`; Claude Code fails an answer cut at its limit, so the limit is
+well above the greedy answer) and llama-server's `-n 256` caps Codex, which asks for no limit
+(`-n` does not cap a request's own max_tokens). No tool round trip
 here: SmolLM2's chat template renders no tools (tests/test_real_model.py), so llama-server
 leaves them out; the Responses API's tool calls are tests/test_router_agents.py's.
 
@@ -35,10 +40,11 @@ from .fixtures import REPO, free_port, need_llama_server, router_process
 pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a helpful assistant."
-PROMPT = "Say hello."
+PROMPT = "What is the capital of France?"
 # llama-server's YaRN: the model's 8,192 trained positions stretched 4x
 YARN = "--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 8192"
 CTX = 32768
+ANSWER = 256  # tokens: asked by Claude Code and opencode (launch --max-output), Codex's by -n
 
 
 @pytest.fixture
@@ -70,7 +76,7 @@ def router(home, seen, smollm_gguf, tmp_path_factory):
     (home / "profiles").mkdir(exist_ok=True)
     (home / "profiles" / "smol.env").write_text(
         f"PROVIDER=llama.cpp\nMODEL={smollm_gguf}\nHOST=127.0.0.1\nPORT={free_port()}\n"
-        f"CTX={CTX}\nEXTRA_ARGS='-t 1 {YARN}'\n"
+        f"CTX={CTX}\nEXTRA_ARGS='-t 1 --temp 0 -n {ANSWER} {YARN}'\n"
     )
     port = free_port()
     work = tmp_path_factory.mktemp("agent-work")
@@ -82,10 +88,9 @@ def router(home, seen, smollm_gguf, tmp_path_factory):
             seen.append(st.pid)
 
 
-def launch(router, home, agent: str, *args: str) -> subprocess.CompletedProcess:
+def launch(router, home, agent: str, *args: str) -> subprocess.Popen:
     """`macserve launch AGENT smol -- ARGS` as a user runs it, in the module's home, with the
-    pinned agent first on PATH and HOME a folder of its own."""
-    need_agent(agent)
+    pinned agent first on PATH and HOME a folder of its own; started, not waited for."""
     user = router.work / f"home-{agent}"
     user.mkdir(exist_ok=True)
     env = dict(
@@ -102,38 +107,30 @@ def launch(router, home, agent: str, *args: str) -> subprocess.CompletedProcess:
     )
     for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "CODEX_HOME"):
         env.pop(k, None)
-    return subprocess.run(
-        [sys.executable, "-m", "macserve", "launch", agent, "smol", "--", *args],
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "macserve",
+            "launch",
+            agent,
+            "smol",
+            "--max-output",
+            str(ANSWER),
+            "--",
+            *args,
+        ],  # fmt: skip
         cwd=router.work,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         stdin=subprocess.DEVNULL,
     )
 
 
-def answered(r: subprocess.CompletedProcess, router, route: str) -> None:
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert any(c.isalpha() for c in r.stdout), (r.stdout, r.stderr[-2000:])
-    assert f'"POST {route} HTTP/1.1" 200' in router.log.read_text(), route
-
-
-def test_opencode_runs_through_the_router(router, home):
-    (router.work / "opencode.json").write_text(
-        json.dumps({"agent": {"build": {"prompt": SYSTEM, "tools": {"*": False}}}})
-    )
-    r = launch(router, home, "opencode", "run", "--title", "hello", PROMPT)
-    answered(r, router, "/v1/chat/completions")
-
-
-def test_claude_code_runs_through_the_router(router, home):
-    r = launch(router, home, "claude", "-p", PROMPT, "--system-prompt", SYSTEM, "--tools", "")
-    answered(r, router, "/v1/messages?beta=true")
-
-
-def test_codex_runs_through_the_router(router, home):
-    instructions = router.work / "instructions.md"
+def codex_lean(work) -> list[str]:
+    instructions = work / "instructions.md"
     instructions.write_text(SYSTEM + "\n")
     lean = [
         "-c", f"model_instructions_file={json.dumps(str(instructions))}",
@@ -142,5 +139,60 @@ def test_codex_runs_through_the_router(router, home):
     for feature in ("goals", "multi_agent", "view_image", "apps", "plugins", "skill_search",
                     "shell_tool", "unified_exec", "default_mode_request_user_input"):  # fmt: skip
         lean += ["--disable", feature]
-    r = launch(router, home, "codex", *lean, "exec", "--skip-git-repo-check", PROMPT)
-    answered(r, router, "/v1/responses")
+    return lean
+
+
+@pytest.fixture(scope="module")
+def runs(router, home) -> dict[str, tuple[int, str, str]]:
+    """The three agents started at once, each waited for: their own start-ups (seconds each)
+    overlap, the model serves their requests one after another (the router holds the first
+    ones while it starts the model)."""
+    for name in agents.AGENTS:
+        need_agent(name)
+    (router.work / "opencode.json").write_text(
+        json.dumps({"agent": {"build": {"prompt": SYSTEM, "tools": {"*": False}}}})
+    )
+    procs = {
+        "opencode": launch(router, home, "opencode", "run", "--title", "hello", PROMPT),
+        "claude": launch(
+            router, home, "claude", "--bare", "-p", PROMPT, "--system-prompt", SYSTEM, "--tools", ""
+        ),
+        "codex": launch(
+            router,
+            home,
+            "codex",
+            *codex_lean(router.work),
+            "exec",
+            "--skip-git-repo-check",
+            PROMPT,
+        ),  # fmt: skip
+    }
+    out = {}
+    for name, p in procs.items():
+        try:
+            so, se = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            se += "\n(killed after 300 s)"
+        out[name] = (p.returncode, so, se)
+    return out
+
+
+def answered(runs, router, agent: str, route: str) -> None:
+    code, out, err = runs[agent]
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert any(c.isalpha() for c in out), (out, err[-2000:])
+    assert f'"POST {route} HTTP/1.1" 200' in router.log.read_text(), route
+
+
+def test_opencode_runs_through_the_router(runs, router):
+    answered(runs, router, "opencode", "/v1/chat/completions")
+
+
+def test_claude_code_runs_through_the_router(runs, router):
+    answered(runs, router, "claude", "/v1/messages?beta=true")
+
+
+def test_codex_runs_through_the_router(runs, router):
+    answered(runs, router, "codex", "/v1/responses")

@@ -59,6 +59,10 @@ def test_claude_code_is_told_the_url_the_model_and_the_context():
     big = agents.plan("claude", target(ctx=131072)).env
     assert big["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "131072"
     assert "DISABLE_COMPACT" not in big and "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in big
+    asked = agents.Target(url=URL, model="smol", ctx=32768, key=None, output=48)
+    assert agents.plan("claude", asked).env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "48"
+    c = json.loads(agents.plan("opencode", asked).env["OPENCODE_CONFIG_CONTENT"])
+    assert c["provider"]["macserve"]["models"]["smol"]["limit"]["output"] == 48
     none = agents.plan("claude", target(ctx=None)).env
     assert not {"CLAUDE_CODE_AUTO_COMPACT_WINDOW", "CLAUDE_CODE_MAX_OUTPUT_TOKENS"} & set(none)
 

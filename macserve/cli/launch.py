@@ -117,8 +117,14 @@ def router_endpoint(st, name: str, start=True) -> tuple[str, str | None, str]:
     is_flag=True,
     help="Print what would be set and run (the key masked) instead of running it.",
 )
+@click.option(
+    "--max-output",
+    type=click.IntRange(1),
+    help="Tokens an answer may take, asked by Claude Code and opencode [default: an eighth of "
+    "the profile's CTX, 1,024 to 32,000]; Codex asks for none (the server's default caps it).",
+)
 @click.pass_context
-def launch(ctx, agent, target, show):
+def launch(ctx, agent, target, show, max_output):
     """Run a coding agent (claude, codex or opencode) against a model served here, through the
     router: the agent's base URL, model name, context window and key are set for that run
     only (environment and `-c` overrides; the key never in argv, nothing written), the router
@@ -129,7 +135,7 @@ def launch(ctx, agent, target, show):
     st = health.store()
     profile = pick_profile(st, target)
     url, key, how = router_endpoint(st, profile.name, start=not show)
-    t = agents.Target(url=url, model=profile.name, ctx=profile.ctx, key=key)
+    t = agents.Target(url=url, model=profile.name, ctx=profile.ctx, key=key, output=max_output)
     plan = agents.plan(agent, t, args, exe)
     if show:  # starts nothing: says where the router is, or would be
         router = {"running": "the router", "stopped": "the router (stopped: launch starts it)",

@@ -66,12 +66,15 @@ AGENTS: dict[str, Agent] = {
 class Target:
     """Where the agent's requests go: a router's base URL (no /v1), the model name it routes
     by (a profile or an alias), that profile's context (tokens per sequence; None when the
-    profile sets none) and the key the router wants (None: it wants none)."""
+    profile sets none), the key the router wants (None: it wants none) and the answer budget
+    the agent asks for (`launch --max-output`; Codex has no such setting: the server's own
+    default, llama-server's `-n`, caps it)."""
 
     url: str
     model: str
     ctx: int | None
     key: str | None
+    output: int | None = None  # the answer budget asked for (None: `output_tokens(ctx)`)
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,12 @@ class Launch:
         return [*lines, shlex.join(self.argv)]
 
 
-def output_tokens(ctx: int | None) -> int | None:
-    """The answer budget an agent asks for: an eighth of the context (a 32K context keeps
-    28K for the prompt, which is what the agents' first requests take), at least 1,024 and at
-    most Claude Code's own 32,000."""
+def output_tokens(ctx: int | None, asked: int | None = None) -> int | None:
+    """The answer budget an agent asks for: `asked`, else an eighth of the context (a 32K
+    context keeps 28K for the prompt, which is what the agents' first requests take), at least
+    1,024 and at most Claude Code's own 32,000."""
+    if asked:
+        return asked
     if not ctx:
         return None
     return max(1024, min(MAX_OUTPUT, ctx // 8))
@@ -116,9 +121,10 @@ def _claude(t: Target, args: tuple[str, ...], exe: str) -> Launch:
         "CLAUDE_CODE_SUBAGENT_MODEL": t.model,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    out = output_tokens(t.ctx)
-    if t.ctx and out:
+    out = output_tokens(t.ctx, t.output)
+    if out:
         values["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(out)
+    if t.ctx:
         if t.ctx >= CLAUDE_MIN_COMPACT_WINDOW:
             values["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(t.ctx)
         else:
@@ -176,8 +182,9 @@ def _codex(t: Target, args: tuple[str, ...], exe: str) -> Launch:
 def opencode_config(t: Target) -> dict:
     """opencode's config for the target (OPENCODE_CONFIG_CONTENT)."""
     model: dict = {"name": t.model}
-    if t.ctx:
-        model["limit"] = {"context": t.ctx, "output": output_tokens(t.ctx)}
+    out = output_tokens(t.ctx, t.output)
+    if t.ctx and out:
+        model["limit"] = {"context": t.ctx, "output": out}
     options = {"baseURL": t.url + "/v1"}
     if t.key:
         options["apiKey"] = "{env:" + KEY_VAR + "}"  # opencode substitutes it when it loads
