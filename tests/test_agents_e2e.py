@@ -12,7 +12,7 @@ agents.md). Claude Code gets `--bare` (no hooks, CLAUDE.md or attribution remind
 without it greedy SmolLM2 rambles past any limit on the reminders), `--system-prompt` and
 `--tools ""`, Codex a
 `model_instructions_file` and its optional tools' features disabled, opencode a project
-`opencode.json` whose build agent has a one-line prompt and no tools: about 300, 750 and 110
+`opencode.json` whose build agent has a one-line prompt and no tools: about 75, 760 and 115
 prompt tokens. Answers are greedy and bounded: none of the agents sends a temperature, and
 SmolLM2 at llama-server's default (0.8) once rambled to Claude Code's whole budget (4,096
 tokens, 7 minutes here), so the profile says `--temp 0`; Claude Code and opencode ask for 256
