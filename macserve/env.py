@@ -27,6 +27,9 @@ temporary folder with monkeypatch and the next call sees it.
     MACSERVE_IGNORE_WIRED_LIMIT plan as if iogpu.wired_limit_mb were 0 (the default rule)
     MACSERVE_API_KEY            `serve --api-key` / `router --api-key` / `chat --api-key` (keeps
                                 the key out of argv)
+    MACSERVE_AGENTS             where scripts/install.sh installs the coding agents' CLIs from
+                                npm (`launch` looks in its node_modules/.bin after PATH;
+                                default $XDG_CACHE_HOME/macserve/agents, ~/.cache/macserve/agents)
     HF_ENDPOINT, HF_HUB_OFFLINE Hugging Face's own: the hub address, offline mode
     HF_HOME, HF_HUB_CACHE       Hugging Face's own: where `pull` downloads (its cache)
     HF_TOKEN                    Hugging Face's own: read by `pull`; `new` keeps it for the
@@ -89,6 +92,14 @@ def bin_dir() -> Path:
     """Where set-up links the llama-server (and rpc-server) it built, so any later shell finds
     them without MACSERVE_LLAMA_SERVER (scripts/build-llama-server.sh writes the links)."""
     return home() / "bin"
+
+
+def agents_dir() -> Path:
+    """The npm prefix scripts/install.sh installs claude, codex and opencode into (pinned
+    versions, not a global install); `macserve launch` finds them in its node_modules/.bin."""
+    xdg = _get("XDG_CACHE_HOME")
+    cache = Path(xdg) if xdg else Path.home() / ".cache"
+    return Path(_get("MACSERVE_AGENTS") or cache / "macserve" / "agents")
 
 
 def log_dir() -> Path:

@@ -31,3 +31,28 @@ if [ -z "${MACSERVE_LLAMA_SERVER:-}" ] && ! command -v llama-server >/dev/null; 
   MACSERVE_LLAMA_SERVER="$(bash "$here/scripts/build-llama-server.sh")"
   export MACSERVE_LLAMA_SERVER
 fi
+# The coding agents' CLIs, which tests/test_agents_e2e.py runs through `macserve launch`: pinned
+# (services/agents.py's AGENTS; tests/test_launch.py checks they agree), in an npm prefix of their
+# own outside the repo, not a global install (about 1.1 GB, mostly Claude Code's and opencode's
+# native binaries). Only the tests need them; `macserve launch` finds them there after PATH.
+if [ -n "${MACSERVE_TEST_DEPS:-}" ]; then
+  agents="${MACSERVE_AGENTS:-${XDG_CACHE_HOME:-$HOME/.cache}/macserve/agents}"
+  specs="@anthropic-ai/claude-code@2.1.328 @openai/codex@0.169.0 opencode-ai@1.18.33"
+  if [ "$(cat "$agents/installed" 2>/dev/null)" != "$specs" ]; then
+    if ! command -v npm >/dev/null; then
+      if [ "$(uname)" = "Linux" ]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+      else
+        echo "the agent tests need npm: brew install node" >&2
+      fi
+    fi
+    if command -v npm >/dev/null; then
+      mkdir -p "$agents"
+      # shellcheck disable=SC2086  # one word per package
+      npm install --prefix "$agents" --no-audit --no-fund --loglevel=error $specs >&2
+      echo "$specs" > "$agents/installed"
+    fi
+  fi
+  export MACSERVE_AGENTS="$agents"
+fi

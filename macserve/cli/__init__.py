@@ -54,6 +54,7 @@ def _families(*names: str) -> tuple[str, ...]:
         "chat",
         "inspect",
         "router",
+        "launch",
         "ui",
         "preflight",
         "serve",
