@@ -1,8 +1,9 @@
 """How many sequences the server decodes together when `--max-batch` is not given: as many
 whole-context KV caches as fit in the memory budget beside the weights and the prompt cache.
 
-A fixed 8 left a large Mac idle under load (32 clients: 330-554 tok/s at 8 against 831 at 32,
-measured on a DeepSeek-class model) and, on a small Mac, could promise caches it cannot hold.
+A fixed 8 left the server idle under load (32 clients: 330-554 tok/s at 8 against 831 at 32,
+measured with `bench serve`'s capacity scenario on the 4-layer demo model on a 2-core Linux
+CPU: docs/server.md) and, on a small Mac, could promise caches it cannot hold.
 So the footprint is measured on the loaded model, with the cache kind the server runs: one
 sequence's caches after a prefill, then after PROBE_TOKENS more; the growth between the two is
 the steady bytes per token, and a whole-context sequence is the first measurement plus that
