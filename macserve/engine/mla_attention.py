@@ -51,6 +51,10 @@ BLOCK_BYTES = DEFAULT_BLOCK_BYTES = 256 * 2**20
 # DSA decode scores only the selected rows of the codes (False: all rows, masked; the bench
 # flips it to measure the difference, tests check both give the same attention).
 SPARSE_DECODE = True
+# A decode step (one query, no DSA selection) reads its segments with one softmax
+# (`decode_read`); False: as a prefill chunk's blocks are read, merged by online softmax (the
+# bench flips it to measure what that saves; tests check both give the same attention).
+DECODE_READ = True
 # How codes are read: None picks by device (quantized_matmul on a GPU, dequantize + BLAS on
 # the CPU); "qmm" or "dequantize" forces one (the engine bench builds the GPU graph on a CPU
 # to count its conversions; tests check both paths agree).
@@ -284,7 +288,7 @@ def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, in
         out = _expanded(attn, cache, q_nope * attn.scale, q_pe, blks)
     else:
         q_lat = cache.rotate(attn.embed_q(q_nope) * attn.scale)
-        if L == 1 and chosen is None:
+        if L == 1 and chosen is None and DECODE_READ:
             out = decode_read(cache, q_lat, q_pe)
         else:
             blks = blocks(

@@ -13,28 +13,46 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from .. import latent_cache, mla_attention, rows
 from ..caches import latent_caches
 from ..latent_cache import RotatedLatentCache
 
 
-def decode_rate(model, caches: list, prompt: list[int], tokens: int) -> float:
-    """Decode tokens/s of one greedy generation of `tokens` tokens after `prompt`."""
-    t0, n = None, 0
+def decode_rate(model, caches: list, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """Decode tokens/s of one greedy generation of `tokens` tokens after `prompt`: by the
+    wall clock, and by the process's CPU time (every thread's: MLX's and BLAS's), which a
+    shared machine's other work does not inflate as it does the wall clock."""
+    t0 = c0 = None
+    n = 0
     for _tok, _ in generate_step(
         mx.array(prompt), model, max_tokens=tokens, prompt_cache=caches, sampler=_greedy
     ):
         n += 1
-        if t0 is None:
-            t0 = time.perf_counter()  # the prompt is prefilled: decode starts here
-    return (n - 1) / (time.perf_counter() - t0)
+        if t0 is None:  # the prompt is prefilled: decode starts here
+            t0, c0 = time.perf_counter(), time.process_time()
+    return (n - 1) / (time.perf_counter() - t0), (n - 1) / (time.process_time() - c0)
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
+
+
+@contextmanager
+def previous_read():
+    """The decode step as it was before issue 45 (segments merged by online softmax, codes
+    dequantized by unfused ops, each step quantizing the row that leaves the window), to
+    measure the change in the same process."""
+    old = mla_attention.DECODE_READ, rows.FUSED_DEQUANTIZE, latent_cache.STAGE
+    mla_attention.DECODE_READ, rows.FUSED_DEQUANTIZE, latent_cache.STAGE = False, False, 0
+    try:
+        yield
+    finally:
+        mla_attention.DECODE_READ, rows.FUSED_DEQUANTIZE, latent_cache.STAGE = old
 
 
 def code_rows(caches: list) -> int | None:
@@ -50,26 +68,39 @@ def run(
     prompt: list[int],
     tokens: int = 128,
     rounds: int = 5,
+    modes: dict | None = None,
 ) -> dict:
-    """{cache: {tok_s, runs, ratio, code_rows}}; `ratio` is against the first cache of
-    `makers` (the baseline), the median of the rounds' ratios."""
+    """{cache: {tok_s, ratio, cpu_tok_s, cpu_ratio, runs, code_rows}}: `ratio` is against the
+    first cache of `makers` (the baseline), the median of the rounds' ratios; cpu_*: the same
+    by CPU time. `modes`: a cache's run inside
+    that context (e.g. `previous_read`)."""
+    modes = modes or {}
     runs: dict[str, list[float]] = {name: [] for name in makers}
+    cpu: dict[str, list[float]] = {name: [] for name in makers}
     codes: dict[str, int | None] = {}
     base = next(iter(makers))
     decode_rate(model, makers[base](), prompt, 4)  # warm-up (first-call costs)
     for _ in range(rounds):
         for name, make in makers.items():
             cs = make()
-            runs[name].append(decode_rate(model, cs, prompt, tokens))
+            with modes.get(name, nullcontext)():
+                wall, by_cpu = decode_rate(model, cs, prompt, tokens)
+            runs[name].append(wall)
+            cpu[name].append(by_cpu)
             codes[name] = code_rows(cs)
             del cs
-    out = {}
-    for name, v in runs.items():
-        ratios = [a / b for a, b in zip(v, runs[base])]
-        out[name] = {
-            "tok_s": statistics.median(v),
-            "runs": [round(x, 1) for x in v],
-            "ratio": statistics.median(ratios),
+
+    def ratio(v, b):
+        return statistics.median(x / y for x, y in zip(v, b))
+
+    return {
+        name: {
+            "tok_s": statistics.median(runs[name]),
+            "ratio": ratio(runs[name], runs[base]),
+            "cpu_tok_s": statistics.median(cpu[name]),
+            "cpu_ratio": ratio(cpu[name], cpu[base]),
+            "runs": [round(x, 1) for x in runs[name]],
             "code_rows": codes[name],
         }
-    return out
+        for name in makers
+    }
