@@ -230,7 +230,8 @@ def _print_e2e(e2e: dict) -> None:
     click.echo(
         f"end to end: decode tok/s of {e2e['tokens']} greedy tokens after a "
         f"{e2e['prompt_tokens']}-token held-out prompt, median of {e2e['rounds']} interleaved "
-        "rounds (ratio: median of each round's ratio to mlx-lm's bf16 cache)"
+        "rounds (ratio: median of each round's ratio to mlx-lm's bf16 cache); by CPU time: "
+        "a step's, 20th percentile of all rounds' steps (steadier on a shared machine)"
     )
     for name, r in e2e["caches"].items():
         codes = "" if r["code_rows"] is None else f"  code rows {r['code_rows']}"
