@@ -198,13 +198,6 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
     qp = q_pe.reshape(B, 1, H, -1)
     gpu = _read_with_qmm()
     segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
-    dense = [(lat[0], pe[0]) for kind, lat, pe in segs if kind != "codes"]
-    if not gpu and len(dense) > 1:
-        # The sink and the window as one operand: on the CPU their bf16 rows are converted
-        # for BLAS anyway (a copy), so joining them first costs no more and saves a segment's
-        # three products. (Key order does not matter to attention.)
-        joined = tuple(mx.concatenate(x, axis=2) for x in zip(*dense))
-        segs = [s for s in segs if s[0] == "codes"] + [("window", (joined[0],), (joined[1],))]
     scores, values = [], []
     for kind, lat, pe in segs:
         if kind == "codes" and gpu:
