@@ -298,6 +298,14 @@ def _print_decode(r: dict) -> None:
             for n, v in r["decode_tok_s"].items()
         )
     )
+    click.echo(
+        "by a step's CPU time (20th percentile): "
+        + ", ".join(
+            f"{int(n):,}: int2 vs bf16-latent {v['cpu_int2_vs_bf16_latent']:.2f}x, before "
+            f"{v['cpu_int2_previous_vs_bf16_latent']:.2f}x"
+            for n, v in r["decode_tok_s"].items()
+        )
+    )
 
 
 def _demo_acceptance() -> float:

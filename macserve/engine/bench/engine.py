@@ -228,6 +228,7 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     for w in HELD:
         fill(cs[w], ctx, s)
     runs = {w: [] for w in names}
+    cpu = {w: [] for w in names}  # each step's CPU time (every thread's)
     tok = mx.array([[1]])
     for _ in range(rounds):
         for w in names:
@@ -236,7 +237,9 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
                 mx.eval(s.model(tok, cache=c))  # warm-up
                 t = time.perf_counter()
                 for _ in range(steps):
+                    c0 = time.process_time()
                     mx.eval(s.model(tok, cache=c))
+                    cpu[w].append(time.process_time() - c0)
                 runs[w].append(steps / (time.perf_counter() - t))
             for x in c:
                 x.trim(steps + 1)
@@ -244,10 +247,16 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     def ratio(a, b):
         return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
 
+    def low(w):  # a step's CPU time when nothing else got in its way: 20th percentile
+        return sorted(cpu[w])[len(cpu[w]) // 5]
+
     out = {w: statistics.median(v) for w, v in runs.items()}
     out["int2_vs_bf16_latent"] = ratio("int2", "bf16_latent")
     out["int2_vs_mlx_lm"] = ratio("int2", "bf16")
     out["int2_previous_vs_bf16_latent"] = ratio("int2_previous", "bf16_latent")
+    out["cpu_tok_s"] = {w: 1 / low(w) for w in names}
+    out["cpu_int2_vs_bf16_latent"] = low("bf16_latent") / low("int2")
+    out["cpu_int2_previous_vs_bf16_latent"] = low("bf16_latent") / low("int2_previous")
     out["rounds"] = rounds
     return out
 
