@@ -203,8 +203,9 @@ def test_bench_engine_json_small_contexts(monkeypatch):
         diffs = d[key]
         assert all(0 <= diffs[w] < 0.1 for w in ("int2", "bf16", "bf16_latent")), diffs
     for v in d["decode_tok_s"].values():
-        assert v["int2_vs_bf16_latent"] == v["int2"] / v["bf16_latent"] > 0
-        assert v["int2_vs_mlx_lm"] == v["int2"] / v["bf16"] > 0
+        # medians of the rounds, and of the rounds' ratios (not the ratio of the medians)
+        assert v["rounds"] >= 1 and min(v[w] for w in ("int2", "int2_previous", "bf16")) > 0
+        assert v["int2_vs_bf16_latent"] > 0 and v["int2_vs_mlx_lm"] > 0
     assert set(d["attention_parts"]["ms"]) == {
         "mlx_lm_sdpa", "mlx_lm_folded", "bf16_latent", "int2", "int2_unpack"
     }  # fmt: skip

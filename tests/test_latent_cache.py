@@ -249,6 +249,35 @@ def test_trim_is_exact_at_every_boundary_or_refuses(steps):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("trims", [[3, 5, 2], [20, 1], [2] * 6])
+def test_codes_made_ahead_stay_exact_through_trims(trims):
+    """Decode steps quantize rows ahead (latent_cache.STAGE); after trims (rejected drafts)
+    and more steps, the next query reads exactly what a cache fed only the kept tokens in
+    single steps reads."""
+    key = mx.random.key(3)
+    lat, pe = mx.random.normal((1, 1, 400, 128), key=key), mx.random.normal((1, 1, 400, 32))
+    c, kept = RotatedLatentCache(SMALL), []
+    pos = 0  # next row of lat/pe to feed; drafts use rows past every kept one
+    for n in trims:
+        for _ in range(45):
+            c.append(lat[..., pos : pos + 1, :], pe[..., pos : pos + 1, :])
+            kept.append(pos)
+            pos += 1
+        drafts = list(range(300 + pos, 300 + pos + n))
+        for d in drafts:
+            c.append(lat[..., d - 250 : d - 249, :] * 2, pe[..., :1, :] * 2)
+        mx.eval(c.arrays())
+        assert c.trim(n) == n
+    ref = RotatedLatentCache(SMALL)
+    for p in kept:
+        ref.append(lat[..., p : p + 1, :], pe[..., p : p + 1, :])
+    mx.eval(ref.arrays())
+    assert c.offset == ref.offset and c.codes_lat.length == ref.codes_lat.length > 0
+    for x, y in zip(visible_rows(c), visible_rows(ref), strict=True):
+        assert mx.array_equal(x, y)
+
+
+@pytest.mark.model
 def test_trim_restores_exact_state(model, calibration):
     m, tok = model
     ids = prompt(tok, 140)

@@ -24,6 +24,7 @@ gate = lazy("macserve.engine.gate")
 int2_format = lazy("macserve.int2_format")
 gen_bench = lazy("macserve.engine.bench.generation")
 kv_bench = lazy("macserve.engine.bench.kv")
+e2e_bench = lazy("macserve.engine.bench.decode_e2e")
 mla_attention = lazy("macserve.engine.mla_attention")
 mtp_auto = lazy("macserve.engine.mtp_auto")
 mtp_bench = lazy("macserve.engine.bench.mtp")
@@ -68,6 +69,22 @@ KV_SETS = ("all", "gate", "windows")  # engine/bench/kv.py's SETS, not imported:
 )
 @click.option("--gen-prompt-tokens", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--gen-max-tokens", type=click.IntRange(1), default=700, show_default=True)
+@click.option(
+    "--e2e-prompt-tokens",
+    type=click.IntRange(1),
+    default=700,
+    show_default=True,
+    help="end-to-end decode: the held-out prompt's length (past sink 64 + recent 512, so "
+    "the INT2 cache decodes over codes)",
+)
+@click.option("--e2e-tokens", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--e2e-rounds", type=click.IntRange(1), default=5, show_default=True)
+@click.option(
+    "--e2e",
+    is_flag=True,
+    help="only this: end-to-end decode tok/s of mlx-lm's bf16 cache, the bf16 latent cache "
+    "and INT2 after a held-out prompt, interleaved rounds (no quality rows)",
+)
 @click.option("--json", "as_json", is_flag=True)
 def bench_kv(
     model,
@@ -81,9 +98,14 @@ def bench_kv(
     gen_prompts,
     gen_prompt_tokens,
     gen_max_tokens,
+    e2e_prompt_tokens,
+    e2e_tokens,
+    e2e_rounds,
+    e2e,
     as_json,
 ):
-    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache."""
+    """Quality and decode speed of every latent-cache variant vs the bf16 latent cache, and
+    end-to-end decode tokens/s of mlx-lm's bf16 cache, the bf16 latent cache and INT2."""
     b = load_mla(model)
     m, tok = b.model, b.tokenizer
     rotation = rotation or caches.shipped_rotation(model)
@@ -103,6 +125,13 @@ def bench_kv(
         if which == "gate":
             rope = mla_attention.mla_attentions(m)[0].qk_rope_head_dim
             gate.attach(cal, gate.gate(stats, rope), gate.DEFAULT_TARGET)
+    if e2e:
+        res = _end_to_end(b, cal, e2e_prompt_tokens, e2e_tokens, e2e_rounds)
+        if as_json:
+            click.echo(json.dumps(res, indent=1))
+        else:
+            _print_e2e(res)
+        return
     ws = text_windows(tok, data, windows, seq_len + 1, held_out=data is None)
     try:
         ctxs = [int(c) for c in contexts.split(",")]
@@ -175,6 +204,45 @@ def bench_kv(
         "bf16 latent decode tok/s: "
         + ", ".join(f"{c}: {bf[c]:.1f}" for c in ctxs)
         + "; * = default"
+    )
+
+
+def _end_to_end(b, cal, prompt_tokens: int, tokens: int, rounds: int) -> dict:
+    """Decode tokens/s of a greedy generation after a held-out prompt, per cache, as
+    `macserve generate` runs it (engine/bench/decode_e2e.py)."""
+    m = b.model
+    room = (b.max_context or prompt_tokens + tokens) - tokens
+    if prompt_tokens > room:
+        raise MacserveError(f"--e2e-prompt-tokens: at most {room} for this model's context")
+    makers = {
+        "bf16 (mlx-lm)": lambda: b.caches(),
+        "bf16 latent": lambda: calibration.caches_for(m, int2_format.BF16_LATENT),
+        "int2": lambda: calibration.caches_for(m, int2_format.INT2, cal, cal.default_method),
+    }
+    makers["int2, previous read"] = makers["int2"]
+    prompt = held_out_prompts(b.tokenizer, 1, prompt_tokens)[0]
+    modes = {"int2, previous read": e2e_bench.previous_read}
+    res = e2e_bench.run(m, makers, prompt, tokens, rounds, modes)
+    return {"prompt_tokens": len(prompt), "tokens": tokens, "rounds": rounds, "caches": res}
+
+
+def _print_e2e(e2e: dict) -> None:
+    click.echo(
+        f"end to end: decode tok/s of {e2e['tokens']} greedy tokens after a "
+        f"{e2e['prompt_tokens']}-token held-out prompt, median of {e2e['rounds']} interleaved "
+        "rounds (ratio: median of each round's ratio to mlx-lm's bf16 cache); by CPU time: "
+        "a step's, 20th percentile of all rounds' steps (steadier on a shared machine)"
+    )
+    for name, r in e2e["caches"].items():
+        codes = "" if r["code_rows"] is None else f"  code rows {r['code_rows']}"
+        click.echo(
+            f"  {name:<20} {r['tok_s']:>7.1f} tok/s {r['ratio']:>5.2f}x   by CPU time "
+            f"{r['cpu_tok_s']:>7.1f} tok/s {r['cpu_ratio']:>5.2f}x{codes}"
+        )
+    click.echo(
+        "  int2, previous read: the same cache's decode step as before issue 45 (segments "
+        "merged by online softmax, codes dequantized by unfused ops, a quantization every "
+        "step), in the same rounds"
     )
 
 

@@ -43,6 +43,9 @@ from ..int2_format import LatentQuant, format_name
 from .rows import CODE_STEP, Rows, TokenRows
 
 WINDOW_STEP = 32  # bf16 window rows of headroom for decode steps between compactions
+# Decode steps quantize this many rows ahead in one go (rows still in the recent window, whose
+# codes do not depend on when they are made), so most steps only move the codes' length.
+STAGE = 32
 
 
 class RotatedLatentCache(_BaseCache):
@@ -67,6 +70,9 @@ class RotatedLatentCache(_BaseCache):
         step = WINDOW_STEP if q.bits is not None else CODE_STEP
         self.win_lat, self.win_pe = Rows(*bf, step), Rows(*bf, step)
         self.win_start = 0  # token position of the window's first row
+        # Code rows quantized ahead, past codes_lat.length (not shown, not stored): the next
+        # rows to leave the window (`append`); any trim lets them go.
+        self.staged = 0
         self._dep = mx.array(0)
 
     @property
@@ -103,6 +109,7 @@ class RotatedLatentCache(_BaseCache):
         prompt cache keeps one and hands out clones)."""
         new = RotatedLatentCache(self.quant, self.rotation, self.clip)
         new.offset, new._dims, new.win_start = self.offset, self._dims, self.win_start
+        new.staged = self.staged
         for name in ("sink_lat", "sink_pe", "codes_lat", "codes_pe", "win_lat", "win_pe"):
             setattr(new, name, getattr(self, name).clone())
         return new
@@ -161,11 +168,24 @@ class RotatedLatentCache(_BaseCache):
         self.offset += n
         # Quantize what has left the window: tokens [codes_end, offset - recent).
         leave = self.offset - q.recent - self.codes_end
-        if leave > 0:
-            a = self.codes_end - self.win_start
-            lat, pe = self.win_lat.view(a, a + leave), self.win_pe.view(a, a + leave)
+        if 0 < leave <= self.staged:  # a decode step: its rows' codes were made ahead
+            self.codes_lat.length += leave
+            self.codes_pe.length += leave
+            self.staged -= leave
+        elif leave > 0:
+            # A decode step quantizes the next STAGE rows too (they are in the window, the
+            # oldest of its recent rows): one quantization per STAGE steps instead of one each.
+            ahead = 0 if exact else min(STAGE, q.recent)
+            a = self.codes_end - self.win_start + self.staged
+            n = leave - self.staged + ahead
+            lat, pe = self.win_lat.view(a, a + n), self.win_pe.view(a, a + n)
+            self.codes_lat.length += self.staged
+            self.codes_pe.length += self.staged
             self.codes_lat.append(self._clipped(lat[0]), exact)
             self.codes_pe.append(pe[0], exact)
+            self.codes_lat.length -= ahead
+            self.codes_pe.length -= ahead
+            self.staged = ahead
         if not exact and self.win_lat.length > q.recent + q.slack + WINDOW_STEP:
             self.compact()
 
@@ -278,6 +298,7 @@ class RotatedLatentCache(_BaseCache):
         n = max(0, min(n, self.trimmable()))
         if n == 0:
             return 0
+        staged_end = self.codes_end + self.staged  # token after the last row quantized
         new = self.offset - n
         if not self.quantized:
             self.win_lat.drop_last(n), self.win_pe.drop_last(n)
@@ -288,6 +309,9 @@ class RotatedLatentCache(_BaseCache):
         drop = self.codes_end - codes_end
         if drop > 0:
             self.codes_lat.drop_last(drop), self.codes_pe.drop_last(drop)
+        # Code rows past the length stay quantized ahead while their tokens stay: the rows
+        # dropped and the staged ones, up to the new end.
+        self.staged = max(0, min(staged_end, new) - self.codes_end)
         in_window = self.offset - max(self.win_start, new)
         if in_window > 0:
             self.win_lat.drop_last(min(in_window, self.win_lat.length))
@@ -337,6 +361,7 @@ class RotatedLatentCache(_BaseCache):
         for st, parts in zip(self._stores(), stores):
             st.restore(parts)
         self.offset, self.win_start, self._dims = offset, win_start, (d0, d1)
+        self.staged = 0
 
     @classmethod
     def from_state(cls, state, rotation: mx.array | None = None, clip: mx.array | None = None):

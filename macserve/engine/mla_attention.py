@@ -51,6 +51,10 @@ BLOCK_BYTES = DEFAULT_BLOCK_BYTES = 256 * 2**20
 # DSA decode scores only the selected rows of the codes (False: all rows, masked; the bench
 # flips it to measure the difference, tests check both give the same attention).
 SPARSE_DECODE = True
+# A decode step (one query, no DSA selection) reads its segments with one softmax
+# (`decode_read`); False: as a prefill chunk's blocks are read, merged by online softmax (the
+# bench flips it to measure what that saves; tests check both give the same attention).
+DECODE_READ = True
 # How codes are read: None picks by device (quantized_matmul on a GPU, dequantize + BLAS on
 # the CPU); "qmm" or "dequantize" forces one (the engine bench builds the GPU graph on a CPU
 # to count its conversions; tests check both paths agree).
@@ -181,6 +185,53 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     return merge.result().astype(dtype)
 
 
+def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
+    """`absorbed` for one query per step (L == 1, no DSA selection): its segments (bf16
+    sink, codes, bf16 window) are exactly what the query sees, so there is no mask and no
+    block to merge: each segment's scores, one softmax over all of them, each segment's share
+    of the values. The online softmax's running max, rescaling and merge per segment (a dozen
+    small ops each) and the blocks' Python are what this saves; the products are the same.
+    q_lat (B, H, 1, r) rotated and scaled -> (B, H, 1, r)."""
+    B, H = q_lat.shape[:2]
+    dtype = q_lat.dtype
+    qr = q_lat.reshape(B, 1, H, -1)
+    qp = q_pe.reshape(B, 1, H, -1)
+    gpu = _read_with_qmm()
+    segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
+    scores, values = [], []
+    for kind, lat, pe in segs:
+        if kind == "codes" and gpu:
+            st_l, st_p = cache.codes_lat, cache.codes_pe
+            g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
+            s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
+            if st_p.bits is None:
+                s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
+            else:
+                s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
+
+            def value(p, lat=lat, g=g_l, bits=st_l.bits):
+                return mx.quantized_matmul(p, *lat, transpose=False, group_size=g, bits=bits)
+        else:
+            k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
+            s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
+
+            def value(p, k_lat=k_lat):
+                return p @ k_lat
+
+        scores.append(s)
+        values.append(value)
+    if len(scores) == 1:
+        out = values[0](mx.softmax(scores[0], axis=-1, precise=True))
+    else:
+        p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+        out, a = None, 0
+        for s, value in zip(scores, values):
+            n = s.shape[-1]
+            o = value(p[..., a : a + n])
+            out, a = (o if out is None else out + o), a + n
+    return out.reshape(B, H, 1, -1)
+
+
 def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
     """mlx-lm's L > 1 form, block by block: each block of cached latents (codes dequantized)
     is rotated back and expanded to per-head keys and values. -> (B, H, L, v_head_dim)."""
@@ -230,10 +281,15 @@ def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, in
         out = _expanded(attn, cache, q_nope * attn.scale, q_pe, blks)
     else:
         q_lat = cache.rotate(attn.embed_q(q_nope) * attn.scale)
-        blks = blocks(cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen, row_bytes(attn, L, 4))
-        if top is not None and L == 1 and SPARSE_DECODE:
-            blks = dsa_indexer.gather_selected(cache, blks, top)
-        out = absorbed(cache, q_lat, q_pe, blks, L)
+        if L == 1 and chosen is None and DECODE_READ:
+            out = decode_read(cache, q_lat, q_pe)
+        else:
+            blks = blocks(
+                cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen, row_bytes(attn, L, 4)
+            )
+            if top is not None and L == 1 and SPARSE_DECODE:
+                blks = dsa_indexer.gather_selected(cache, blks, top)
+            out = absorbed(cache, q_lat, q_pe, blks, L)
         if cache.rotation is not None:
             out = out @ cache.rotation.swapaxes(-1, -2)
         out = attn.unembed_out(out)

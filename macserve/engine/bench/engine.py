@@ -21,8 +21,10 @@ docs/int2-latent-cache.md.
     chunk_vs_steps_bf16_model  the same with the model in bf16, on a float32-computing CPU
                                only (--bf16-chunk-tokens; a Mac's run above already is)
     decode_tok_s               decode steps per second with the caches filled to that context,
-                               INT2, bf16-latent and mlx-lm's ("bf16") interleaved, with
-                               int2_vs_bf16_latent and int2_vs_mlx_lm
+                               INT2, INT2 read as before issue 45, bf16-latent and mlx-lm's
+                               ("bf16") interleaved, medians of the rounds, with
+                               int2_vs_bf16_latent and int2_vs_mlx_lm (medians of the
+                               rounds' ratios)
     attention_parts            one layer's attention read at the largest decode context,
                                its parts timed alone (where the ratios come from)
     mac_projection             a projection, not a measurement: decode tokens/s of a 61-layer
@@ -39,8 +41,10 @@ from __future__ import annotations
 
 import gc
 import re
+import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,6 +53,7 @@ from .. import mla_attention
 from ..caches import latent_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
+from .decode_e2e import previous_read
 from .decode_read import attention_parts, mac_projection
 from .setup import (
     CACHES,
@@ -212,27 +217,48 @@ def chunk_vs_steps(s: Setup, n: int = CHUNK, prefix: int = 0) -> dict:
     return out
 
 
-def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 2) -> dict:
-    """Decode tokens/s with the caches filled to ctx, the three caches interleaved in every
-    round, best round each; and the INT2 cache's ratio to its nearest baseline (the same class
-    and kernel, quantization off) and to mlx-lm's cache."""
+def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
+    """Decode tokens/s with the caches filled to ctx: INT2, INT2 read as before issue 45
+    ("int2_previous", decode_e2e.previous_read), the bf16-latent cache and mlx-lm's,
+    interleaved in every round; each the median of its rounds, and INT2's ratios the median
+    of each round's ratio to its nearest baseline (the same class and kernel, quantization
+    off) and to mlx-lm's cache."""
+    names = ("int2", "int2_previous", "bf16_latent", "bf16")
     cs = {w: caches(s, w) for w in HELD}
     for w in HELD:
         fill(cs[w], ctx, s)
-    best = dict.fromkeys(HELD, 0.0)
+    runs = {w: [] for w in names}
+    cpu = {w: [] for w in names}  # each step's CPU time (every thread's)
     tok = mx.array([[1]])
     for _ in range(rounds):
-        for w in HELD:
-            mx.eval(s.model(tok, cache=cs[w]))  # warm-up
-            t = time.perf_counter()
-            for _ in range(steps):
-                mx.eval(s.model(tok, cache=cs[w]))
-            best[w] = max(best[w], steps / (time.perf_counter() - t))
-            for c in cs[w]:
-                c.trim(steps + 1)
-    best["int2_vs_bf16_latent"] = best["int2"] / best["bf16_latent"]
-    best["int2_vs_mlx_lm"] = best["int2"] / best["bf16"]
-    return best
+        for w in names:
+            c = cs["int2" if w == "int2_previous" else w]
+            with previous_read() if w == "int2_previous" else nullcontext():
+                mx.eval(s.model(tok, cache=c))  # warm-up
+                t = time.perf_counter()
+                for _ in range(steps):
+                    c0 = time.process_time()
+                    mx.eval(s.model(tok, cache=c))
+                    cpu[w].append(time.process_time() - c0)
+                runs[w].append(steps / (time.perf_counter() - t))
+            for x in c:
+                x.trim(steps + 1)
+
+    def ratio(a, b):
+        return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
+
+    def low(w):  # a step's CPU time when nothing else got in its way: 20th percentile
+        return sorted(cpu[w])[len(cpu[w]) // 5]
+
+    out = {w: statistics.median(v) for w, v in runs.items()}
+    out["int2_vs_bf16_latent"] = ratio("int2", "bf16_latent")
+    out["int2_vs_mlx_lm"] = ratio("int2", "bf16")
+    out["int2_previous_vs_bf16_latent"] = ratio("int2_previous", "bf16_latent")
+    out["cpu_tok_s"] = {w: 1 / low(w) for w in names}
+    out["cpu_int2_vs_bf16_latent"] = low("bf16_latent") / low("int2")
+    out["cpu_int2_previous_vs_bf16_latent"] = low("bf16_latent") / low("int2_previous")
+    out["rounds"] = rounds
+    return out
 
 
 def mtp_costs(
@@ -304,12 +330,21 @@ def run(
     progress=lambda msg: None,
     bf16_chunk_tokens: int = 0,
     mac: dict | None = None,
+    decode_only: bool = False,
 ) -> dict:
     """The whole report (see the module docstring). `mac`: mac_projection's bandwidth and
-    flops, if not its defaults."""
+    flops, if not its defaults. `decode_only`: only the decode speed."""
     mac = mac or {}
     c = contexts or {"prefill": (8192, 32768), "held": (1024, 4096, 32768), "decode": (4096, 32768)}
     res = {"model": s.name, "layers": s.layers, "dtype_bf16_check": "bfloat16"}
+    if decode_only:
+        to_dtype(s, engine_dtype())
+        res["dtype"] = str(model_dtype(s.model)).rsplit(".", 1)[-1]
+        res["decode_tok_s"] = {}
+        for n in c["decode"]:
+            progress(f"decode speed at {n:,}")
+            res["decode_tok_s"][str(n)] = decode_speed(s, n)
+        return res
     progress("conversions in a decode step (bf16 model)")
     res["upcasts"] = upcasts(s)
     res["upcasts_per_decode_step"] = res["upcasts"]["attention_read"]
