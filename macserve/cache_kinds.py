@@ -93,6 +93,10 @@ AUTO_QUANT = replace(INT2, recent=ALL_ROWS)
 # a fitted window is rounded down to whole blocks of this many rows, so a few bytes more or
 # less in a share do not change it (and its prompt caches' identity: disk_identity.py)
 WINDOW_ALIGN = 64
+# A latent cache window this long (auto's, thousands of rows) grows in LONG_WINDOW_STEP-row
+# blocks, a shorter one (int2's 512) in WINDOW_STEP-row ones (engine/latent_cache.py): a decode
+# step's headroom, held past CTX (sizing/kv_layout.py counts it)
+WINDOW_STEP, LONG_WINDOW, LONG_WINDOW_STEP = 32, 2048, 256
 
 FACTS = {
     CacheKind.BF16: KindFacts(

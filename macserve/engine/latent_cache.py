@@ -39,10 +39,14 @@ from dataclasses import asdict
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from ..cache_kinds import LONG_WINDOW, LONG_WINDOW_STEP, WINDOW_STEP
 from ..int2_format import LatentQuant, format_name
 from .rows import CODE_STEP, Rows, TokenRows
 
-WINDOW_STEP = 32  # bf16 window rows of headroom for decode steps between compactions
+# WINDOW_STEP: bf16 window rows of headroom for decode steps between compactions. A window
+# of LONG_WINDOW rows or more (KV=auto's, sized to a memory share: thousands of rows) grows and
+# is cut back in LONG_WINDOW_STEP blocks: in 32-row ones each growth or compaction would copy
+# the whole window every 32 steps.
 # Decode steps quantize this many rows ahead in one go (rows still in the recent window, whose
 # codes do not depend on when they are made), so most steps only move the codes' length.
 STAGE = 32
@@ -67,7 +71,8 @@ class RotatedLatentCache(_BaseCache):
         self.codes_lat = Rows(q.bits, q.group_size, CODE_STEP)
         self.codes_pe = Rows(q.rope_bits if q.bits is not None else None, q.group_size, CODE_STEP)
         # The bf16 baseline keeps every token in its "window": grow it like the codes.
-        step = WINDOW_STEP if q.bits is not None else CODE_STEP
+        long = q.bits is None or q.recent >= LONG_WINDOW
+        step = LONG_WINDOW_STEP if long else WINDOW_STEP
         self.win_lat, self.win_pe = Rows(*bf, step), Rows(*bf, step)
         self.win_start = 0  # token position of the window's first row
         # Code rows quantized ahead, past codes_lat.length (not shown, not stored): the next
@@ -186,7 +191,7 @@ class RotatedLatentCache(_BaseCache):
             self.codes_lat.length -= ahead
             self.codes_pe.length -= ahead
             self.staged = ahead
-        if not exact and self.win_lat.length > q.recent + q.slack + WINDOW_STEP:
+        if not exact and self.win_lat.length > q.recent + q.slack + self.win_lat.step:
             self.compact()
 
     def compact(self) -> None:
@@ -195,7 +200,7 @@ class RotatedLatentCache(_BaseCache):
         if not self.quantized:
             return
         keep = min(self.win_lat.length, self.quant.recent + self.quant.slack)
-        if keep < self.win_lat.length or self.win_lat.capacity > keep + WINDOW_STEP:
+        if keep < self.win_lat.length or self.win_lat.capacity > keep + self.win_lat.step:
             self.win_start += self.win_lat.length - keep
             self.win_lat.keep_last(keep)
             self.win_pe.keep_last(keep)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
-from ..cache_kinds import CacheKind
+from ..cache_kinds import LONG_WINDOW, LONG_WINDOW_STEP, WINDOW_STEP, CacheKind
 from ..errors import MacserveError
 from ..int2_format import BF16_LATENT, INT2, LatentQuant, format_name
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
@@ -65,9 +65,6 @@ from .mlx_measure import engine_name, mlx_lm_dir, utils_constant
 
 MLX_KEY, INT2_KEY = CacheKind.BF16.inspect_key, CacheKind.INT2.inspect_key  # cache_kinds.py
 LATENT_ROWS, WINDOW_ROWS = "latent + rope", "bf16 sink + recent + slack rows"  # int2's buffers
-# rows a decode step grows the latent cache's bf16 window by (engine/latent_cache.py's
-# WINDOW_STEP): held past CTX by a sequence whose every row is bf16
-WINDOW_HEADROOM = 32
 CACHE_KEYS = (MLX_KEY, "llama.cpp/f16", "llama.cpp/q8_0", "llama.cpp/q4_0", INT2_KEY)
 LLAMA_UBATCH = 512  # llama-server's default -ub
 
@@ -320,12 +317,14 @@ def auto_figures(int2: Layout, ctx: int) -> tuple[int, int, int]:
     base = int2.bytes_at(ctx)
     cells = -(-ctx // int2.pad) * int2.pad if ctx > 0 else 0  # as Layout.bytes_at pads
     row, full = 0, base
+    # rows a decode step grows an all-bf16 window by: held past CTX (engine/latent_cache.py)
+    headroom = LONG_WINDOW_STEP if ctx >= LONG_WINDOW else WINDOW_STEP
     windows = {b.layer: b for b in int2.buffers if b.what == WINDOW_ROWS}
     for b in int2.buffers:
         w = windows.get(b.layer)
         if w is not None and b.what.startswith(LATENT_ROWS):
             row += w.row
-            full += w.row * (cells + WINDOW_HEADROOM - w.rows) - b.row * cells
+            full += w.row * (cells + headroom - w.rows) - b.row * cells
     return base, row, full
 
 
