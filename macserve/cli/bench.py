@@ -11,7 +11,7 @@ import json
 
 import click
 
-from ..cache_kinds import KIND_NAMES
+from ..cache_kinds import AUTO_QUANT, KIND_NAMES
 from ..errors import MacserveError
 from .engine import held_out_chats, held_out_prompts, load_mla, progress_bar, text_windows
 from .lazy import lazy
@@ -218,6 +218,11 @@ def _end_to_end(b, cal, prompt_tokens: int, tokens: int, rounds: int) -> dict:
         "bf16 (mlx-lm)": lambda: b.caches(),
         "bf16 latent": lambda: calibration.caches_for(m, int2_format.BF16_LATENT),
         "int2": lambda: calibration.caches_for(m, int2_format.INT2, cal, cal.default_method),
+        # --kv auto where no share bounds it (generate, a serve with the room): the same
+        # latent cache with every row in its bf16 window, the calibration's formats unused
+        "auto, no share (all bf16)": lambda: calibration.caches_for(
+            m, AUTO_QUANT, cal, cal.default_method
+        ),
     }
     makers["int2, previous read"] = makers["int2"]
     prompt = held_out_prompts(b.tokenizer, 1, prompt_tokens)[0]
@@ -236,7 +241,7 @@ def _print_e2e(e2e: dict) -> None:
     for name, r in e2e["caches"].items():
         codes = "" if r["code_rows"] is None else f"  code rows {r['code_rows']}"
         click.echo(
-            f"  {name:<20} {r['tok_s']:>7.1f} tok/s {r['ratio']:>5.2f}x   by CPU time "
+            f"  {name:<26} {r['tok_s']:>7.1f} tok/s {r['ratio']:>5.2f}x   by CPU time "
             f"{r['cpu_tok_s']:>7.1f} tok/s {r['cpu_ratio']:>5.2f}x{codes}"
         )
     click.echo(
