@@ -154,6 +154,29 @@ def bundle():
     return load(TINY_MODEL)
 
 
+def once_per_run(tmp_path_factory, name: str, make) -> tuple[Path, dict]:
+    """(folder, report) made by `make(folder)` once per test run, whichever pytest-xdist worker
+    asks first: the others wait on a lock and reuse it (two workers each calibrating the same
+    model cost the suite a minute of CPU). In one process, in that run's own temp folder."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, shared by its workers (popen-gw0, popen-gw1)
+    folder = base / "once" / name
+    done = folder.parent / (folder.name + ".json")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder.parent / (folder.name + ".lock"))):
+        if not done.exists():
+            if folder.exists():  # a worker that died mid-way left half of it
+                shutil.rmtree(folder)
+            report = make(folder)
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps(report))
+            tmp.replace(done)
+    return folder, json.loads(done.read_text())
+
+
 def _calibrate(folder: Path) -> dict:
     """`macserve calibrate --json` as a user runs it (2 windows of 512 tokens), its file where
     a model folder ships it; the report."""
@@ -172,12 +195,15 @@ def _calibrate(folder: Path) -> dict:
 def gated_demo(tmp_path_factory):
     """(folder, report): the demo model's files, linked, beside a gated calibration of its
     own; made once per run for the gate's and the cache plan's tests. Read-only."""
-    folder = tmp_path_factory.mktemp("gated-demo") / "tiny-mla"
-    folder.mkdir()
-    for f in TINY_MODEL.iterdir():
-        if f.name != "latent-rotation.safetensors":
-            (folder / f.name).symlink_to(f)
-    return folder, _calibrate(folder)
+
+    def make(folder: Path) -> dict:
+        folder.mkdir(parents=True)
+        for f in TINY_MODEL.iterdir():
+            if f.name != "latent-rotation.safetensors":
+                (folder / f.name).symlink_to(f)
+        return _calibrate(folder)
+
+    return once_per_run(tmp_path_factory, "gated-demo/tiny-mla", make)
 
 
 @pytest.fixture(scope="session")
@@ -188,10 +214,12 @@ def gated_hard(tmp_path_factory):
 
     from macserve.cli import main
 
-    folder = tmp_path_factory.mktemp("gated-hard") / "hard-mla"
-    r = CliRunner().invoke(main, ["dev", "hard-mla", str(folder)])
-    assert r.exit_code == 0, r.output
-    return folder, _calibrate(folder)
+    def make(folder: Path) -> dict:
+        r = CliRunner().invoke(main, ["dev", "hard-mla", str(folder)])
+        assert r.exit_code == 0, r.output
+        return _calibrate(folder)
+
+    return once_per_run(tmp_path_factory, "gated-hard/hard-mla", make)
 
 
 def prompt_ids(bundle, text: str, n: int) -> list[int]:
@@ -687,7 +715,11 @@ def smollm_twin(smollm_gguf, tmp_path_factory):
     converted once per run: float32 weights on MLX's CPU backend, the 4-bit groups on a GPU."""
     from macserve.dev.gguf_twin import convert, default_dtype  # imports mlx: only when asked
 
-    return convert(smollm_gguf, tmp_path_factory.mktemp("smollm") / "twin", default_dtype())
+    def make(folder: Path) -> dict:
+        convert(smollm_gguf, folder, default_dtype())
+        return {}
+
+    return once_per_run(tmp_path_factory, "smollm/twin", make)[0]
 
 
 @pytest.fixture(scope="session")

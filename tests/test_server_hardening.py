@@ -254,11 +254,14 @@ def _sigterm_when_streaming(tmp_path, grace: str, max_tokens: int, late: bool = 
 
 @pytest.mark.e2e
 def test_sigterm_lets_a_running_stream_finish_and_refuses_the_queue(tmp_path):
-    rest, queued, _, late, code = _sigterm_when_streaming(tmp_path, "20", 200, late=True)
+    # 600 tokens: the stream must outlast the poll for "shutting_down" and the late request's
+    # connect (200 did not, once the demo decoded faster: a refused socket, not the 529)
+    n = 600
+    rest, queued, _, late, code = _sigterm_when_streaming(tmp_path, "20", n, late=True)
     assert rest[-1] == "data: [DONE]"
     last = json.loads(rest[-2][5:])
     assert last["choices"][0]["finish_reason"] == "length"
-    assert last["usage"]["completion_tokens"] == 200  # all of it, not a cut stream
+    assert last["usage"]["completion_tokens"] == n  # all of it, not a cut stream
     assert queued.status_code == 503 and queued.headers["retry-after"] == "1"
     assert "shutting down" in queued.json()["error"]["message"]
     # A request arriving during the drain is answered (529 on the Anthropic path, which is
