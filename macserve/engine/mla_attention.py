@@ -152,24 +152,7 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     qp = q_pe.reshape(B, 1, H * L, -1)
     merge = Merge()
     for kind, _, lat, pe, vis in blks:
-        if kind == "codes" and gpu:
-            st_l, st_p = cache.codes_lat, cache.codes_pe
-            g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
-            s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
-            if st_p.bits is None:
-                s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
-            else:
-                s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
-
-            def values(p, lat=lat, g=g_l, bits=st_l.bits):
-                return mx.quantized_matmul(p, *lat, transpose=False, group_size=g, bits=bits)
-        else:
-            k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
-            s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
-
-            def values(p, k_lat=k_lat):
-                return p @ k_lat
-
+        s, values = _segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
         s = s.reshape(B, H, L, -1)
         if L > 1:  # a prefill chunk: softmax statistics in float32 across many blocks
             s = s.astype(mx.float32)
@@ -183,6 +166,28 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
         if L > 1 and tiled(blks):
             merge.settle()
     return merge.result().astype(dtype)
+
+
+def _segment(cache: RotatedLatentCache, kind, lat, pe, qr, qp, dtype, gpu: bool):
+    """One segment's scores against the flat queries qr, qp (B, 1, H*L, d), and a function
+    of its attention weights giving its share of the values: codes read in place by
+    `quantized_matmul` on a GPU; elsewhere dense rows (bf16, or codes dequantized)."""
+    if kind == "codes" and gpu:
+        st_l, st_p = cache.codes_lat, cache.codes_pe
+        g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
+        s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
+        if st_p.bits is None:
+            s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
+        else:
+            s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
+
+        def value(p):
+            return mx.quantized_matmul(p, *lat, transpose=False, group_size=g_l, bits=st_l.bits)
+
+        return s, value
+    k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
+    s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
+    return s, lambda p: p @ k_lat
 
 
 def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
@@ -200,24 +205,7 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
     segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
     scores, values = [], []
     for kind, lat, pe in segs:
-        if kind == "codes" and gpu:
-            st_l, st_p = cache.codes_lat, cache.codes_pe
-            g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
-            s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
-            if st_p.bits is None:
-                s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
-            else:
-                s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
-
-            def value(p, lat=lat, g=g_l, bits=st_l.bits):
-                return mx.quantized_matmul(p, *lat, transpose=False, group_size=g, bits=bits)
-        else:
-            k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
-            s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
-
-            def value(p, k_lat=k_lat):
-                return p @ k_lat
-
+        s, value = _segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
         scores.append(s)
         values.append(value)
     if len(scores) == 1:
