@@ -15,7 +15,8 @@ new one cannot slip past the check. The commands of one block run in order in on
 the repository's root, in a fresh MACSERVE_HOME (a block is one session; blocks share
 nothing). A command's output is compared with the docs' after `normalize`, which masks what
 changes between runs and machines (timings, pids, uptimes, this machine's memory budget),
-never a size or a count.
+never a size or a count. The repository's own path is written as ~/macserve, and the block's
+MACSERVE_HOME as the default one (~/.config/macserve).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ KINDS = ("check", "run", "skip")
 MARKER = re.compile(r"^<!--\s*transcript:\s*(\w+)(.*?)-->\s*$")
 FENCE = re.compile(r"^(```+|~~~+)")
 SEP = "@@macserve-transcript-command@@"
+CHECKOUT = "~/macserve"  # how a transcript writes the repository's path
 STOP = (
     "python3 -c 'import os, pathlib; from macserve.services.supervisors.supervisord import "
     'SupervisorBackend; SupervisorBackend(pathlib.Path(os.environ["MACSERVE_HOME"])).shutdown()\''
@@ -178,7 +180,9 @@ def run(block: Block, root: Path, timeout: float = 900) -> list[tuple[str, list[
             text=True,
             timeout=timeout,
         )
-    parts = r.stdout.split(SEP + "\n")[1:-1]
+    # The checkout's own path reads as a user's clone would (~/macserve), wherever it runs.
+    out = r.stdout.replace(str(root.resolve()), CHECKOUT).replace(home, "~/.config/macserve")
+    parts = out.split(SEP + "\n")[1:-1]
     got = [p.splitlines() for p in parts]
     got += [[] for _ in range(len(block.commands) - len(got))]
     return [(cmd, out) for (cmd, _), out in zip(block.commands, got)]
@@ -209,9 +213,6 @@ def rewrite(block: Block, got: list[tuple[str, list[str]]]) -> None:
         body += [ln.rstrip() for ln in out]
         while body and not body[-1]:
             body.pop()
-        body.append("")
-    while body and not body[-1]:
-        body.pop()
     start = block.line  # 0-based index of the first body line
     new = text[:start] + body + text[start + len(block.lines) :]
     atomic_write(block.path, "\n".join(new) + "\n")

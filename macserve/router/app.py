@@ -201,6 +201,9 @@ def run(settings: Settings) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every request the router makes (health polls, /metrics scrapes, each
+    # forwarded request) at INFO: the router's own lines and uvicorn's access lines say it.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = listen.bind(settings.host, settings.port)
     app = create_app(settings)
     config = uvicorn.Config(
