@@ -218,7 +218,8 @@ def _keyed_router_profiles(model_gguf, tmp_path):
     with open(broken / "model.safetensors", "r+b") as f:
         f.truncate(1000)
     for name, args in (
-        ("tiny", [str(TINY_MODEL), "--provider", "macserve", "--ctx", "256"]),
+        # tiny's context holds the 900-token stream the disconnect test leaves (below)
+        ("tiny", [str(TINY_MODEL), "--provider", "macserve", "--ctx", "1024"]),
         ("bad", [str(broken), "--provider", "macserve", "--ctx", "256"]),
         ("gguf", [str(model_gguf), "--ctx", "512", "--extra-args", "-t 1 -np 1"]),
     ):
@@ -345,7 +346,9 @@ def test_router_starts_once_for_racing_requests_keeps_alive_and_passes_disconnec
         with httpx.stream(
             "POST",
             url + "/v1/completions",
-            json={"model": "tiny", "prompt": "HAMLET.", "max_tokens": 200, "stream": True},
+            # 900 tokens: the stream must outlast the router passing the disconnect on (200
+            # ended first, and counted no disconnect, once the demo decoded faster)
+            json={"model": "tiny", "prompt": "HAMLET.", "max_tokens": 900, "stream": True},
             headers=auth,
             timeout=120,
         ) as resp:
