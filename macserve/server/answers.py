@@ -53,6 +53,34 @@ class StopMatcher:
         return out
 
 
+@dataclasses.dataclass
+class Whole:
+    """A whole (not streamed) answer's events, gathered: what every dialect renders."""
+
+    text: str
+    calls: list
+    logprobs: list
+    finish: Finish
+
+
+async def read_whole(job: Job, req: GenerationRequest, vocab, fmt, id_prefix: str) -> Whole:
+    """`read_steps` to its end: the text joined, the tool calls, every token's logprobs and
+    the Finish (logged as done)."""
+    parts: list[str] = []
+    calls: list = []
+    lps: list = []
+    async for ev in read_steps(job, req, vocab, fmt, id_prefix):
+        if isinstance(ev, Text):
+            parts.append(ev.text)
+            lps += ev.logprobs
+        elif isinstance(ev, Finish):
+            log_done(req, ev.reason, ev.stats)
+            return Whole("".join(parts), calls, lps + list(ev.logprobs), ev)
+        else:
+            calls.append(ev)
+    raise HttpError(500, "generation ended without a result")
+
+
 async def read_steps(
     job: Job, req: GenerationRequest, vocab, fmt, id_prefix: str
 ) -> AsyncIterator[Event]:

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from ...web import anthropic_api, dialects
 from ...web.errors import HttpError
-from ..answers import cancelled_on_disconnect, log_done, read_steps
+from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
 from ..events import Finish, Text, ToolCall
 from ..prepare import prompt_ids
 from ..request import GenerationRequest
@@ -38,22 +38,12 @@ class Anthropic:
         return render.new_id()
 
     async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
-        parts: list[str] = []
-        calls: list[ToolCall] = []
-        async for ev in read_steps(job, req, vocab, fmt, self.call_prefix):
-            match ev:
-                case Text():
-                    parts.append(ev.text)
-                case ToolCall():
-                    calls.append(ev)
-                case Finish():
-                    log_done(req, ev.reason, ev.stats)
-                    text = "".join(parts)
-                    window = _window(job, req, ev.stats)
-                    return render.message(
-                        rid, model, text, calls, ev.reason, ev.stop_sequence, ev.stats, window
-                    )
-        raise HttpError(500, "generation ended without a result")
+        w = await read_whole(job, req, vocab, fmt, self.call_prefix)
+        ev = w.finish
+        window = _window(job, req, ev.stats)
+        return render.message(
+            rid, model, w.text, w.calls, ev.reason, ev.stop_sequence, ev.stats, window
+        )
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
         return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt, n_prompt)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...web import openai_api
 from ...web.errors import HttpError
-from ..answers import cancelled_on_disconnect, log_done, read_steps
+from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
 from ..events import Finish, Text, ToolCall
 from ..request import GenerationRequest
 from . import render as R
@@ -32,22 +32,9 @@ class OpenAI:
         return R.new_id(self.kind)
 
     async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
-        parts: list[str] = []
-        calls: list[ToolCall] = []
-        lps: list = []
-        async for ev in read_steps(job, req, vocab, fmt, self.call_prefix):
-            match ev:
-                case Text():
-                    parts.append(ev.text)
-                    lps += ev.logprobs
-                case ToolCall():
-                    calls.append(ev)
-                case Finish():
-                    log_done(req, ev.reason, ev.stats)
-                    lps += ev.logprobs
-                    text = "".join(parts)
-                    return R.full_response(req, rid, model, text, _finish(ev), ev.stats, calls, lps)
-        raise HttpError(500, "generation ended without a result")
+        w = await read_whole(job, req, vocab, fmt, self.call_prefix)
+        ev = w.finish
+        return R.full_response(req, rid, model, w.text, _finish(ev), ev.stats, w.calls, w.logprobs)
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
         return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...web import responses_api as render
 from ...web.errors import HttpError
-from ..answers import cancelled_on_disconnect, log_done, read_steps
+from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
 from ..events import Finish, Text, ToolCall
 from ..request import GenerationRequest
 from .request import parse
@@ -23,20 +23,8 @@ class Responses:
         return render.new_id()
 
     async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
-        parts: list[str] = []
-        calls: list[ToolCall] = []
-        async for ev in read_steps(job, req, vocab, fmt, self.call_prefix):
-            match ev:
-                case Text():
-                    parts.append(ev.text)
-                case ToolCall():
-                    calls.append(ev)
-                case Finish():
-                    log_done(req, ev.reason, ev.stats)
-                    return render.whole(
-                        rid, model, req.echo, "".join(parts), calls, ev.reason, ev.stats
-                    )
-        raise HttpError(500, "generation ended without a result")
+        w = await read_whole(job, req, vocab, fmt, self.call_prefix)
+        return render.whole(rid, model, req.echo, w.text, w.calls, w.finish.reason, w.finish.stats)
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
         return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt)
