@@ -8,11 +8,13 @@ loaded model); the baseline is 0 here, so the share is MLX's own part of it. The
 are filled as the server fills them: a prefill in chunks, then a decode step."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from macserve.engine import scratch
-from macserve.engine.caches import CacheSpec, cache_bytes, formats, latent_caches
+from macserve.engine.caches import CacheSpec, cache_bytes, clone, formats, latent_caches
 from macserve.server.capacity import RESERVE, fit_share, fitted, weights_bytes, window_figures
+from macserve.server.disk_cache import DiskTier
 from macserve.server.disk_identity import identity
 from macserve.services import providers
 
@@ -103,3 +105,61 @@ def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, fig
     assert peak <= plan.share_bytes - plan.baseline_bytes - plan.weights_bytes
     # a prompt cache stored at one window is not another window's (disk_identity.py)
     assert identity(bundle, run)["cache"] != identity(bundle, fitted(spec, CTX))["cache"]
+
+
+def _prefill(bundle, spec, toks: list[int], chunk: int = 256) -> list:
+    caches = bundle.caches(spec)
+    for p in range(0, len(toks), chunk):
+        bundle.model(mx.array(toks[p : p + chunk])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def _flat(state) -> list:
+    out = []
+    for x in state:
+        if isinstance(x, tuple | list):
+            out += _flat(x)
+        else:
+            out.append(x)
+    return out
+
+
+def _same(a, b) -> bool:
+    fa, fb = _flat(a.state), _flat(b.state)
+    return len(fa) == len(fb) and all(
+        mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y
+        for x, y in zip(fa, fb)
+    )
+
+
+def test_an_all_bf16_prefix_is_stored_as_its_rows_and_restored_exactly(bundle, tmp_path):
+    # the window a share that holds every row bf16 gives (capacity.fitted): one that never ends
+    spec = fitted(CacheSpec.for_model(TINY_MODEL, "auto"), CTX, CTX)
+    assert spec.quant.recent >= CTX
+    toks = ((mx.arange(700) * 7) % 2000).tolist()
+    caches = _prefill(bundle, spec, toks)
+    n = 128
+    tier = DiskTier(tmp_path, 2**30, identity(bundle, spec), lambda: bundle.caches(spec), None, n)
+    parts, meta = tier.stored_form(toks, caches, None, 0, -1)
+    tier.put(np.asarray(toks), parts, meta, None)
+    assert tier.flush()
+    # what the sequence held: bf16 rows in the blocks, no code made of them
+    files = [mx.load(str(p)) for p in tier.dir.glob("*.safetensors")]
+    names = {k for f in files for k in f}
+    assert not any(".s.cl." in k or ".s.cp." in k for k in names), sorted(names)
+    assert any(".s.rl." in k for k in names)
+    # the whole entry: its state byte for byte
+    plan = tier.best(np.asarray(toks + [5]), False, 0)
+    got = tier.load(plan, False, 0)
+    assert got.keep == 700 and all(_same(a, b) for a, b in zip(got.caches, caches))
+    # another prompt sharing 5 blocks: entered at their end, nothing prefilled again, and
+    # exactly the state a sequence of those tokens holds (the same rows)
+    other = toks[:640] + [1, 2, 3]
+    plan = tier.best(np.asarray(other), False, 0)
+    assert plan is not None and plan.tail is None and plan.keep == 640, plan
+    got = tier.load(plan, False, 0)
+    held = [clone(c) for c in caches]
+    assert all(c.trim(60) == 60 for c in held)  # the sequence's own rows at 640 tokens
+    assert all(_same(a, b) for a, b in zip(got.caches, held))
+    tier.close()

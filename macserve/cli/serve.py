@@ -6,6 +6,7 @@ import click
 
 from .. import env
 from ..cache_kinds import KIND_NAMES
+from ..int2_format import INT2
 from .lazy import lazy
 
 budget = lazy("macserve.sizing.budget")
@@ -44,6 +45,13 @@ server_settings = lazy("macserve.server.settings")
     "every row bf16 as far as --memory holds --max-batch sequences at --ctx, older rows in "
     "the calibration's formats past that (without --memory: sized to the machine's budget "
     "the same way; with --max-batch and no --memory: all bf16).",
+)
+@click.option(
+    "--kv-window",
+    type=click.IntRange(INT2.recent),
+    help="--kv auto: the bf16 recent window in tokens, given rather than fitted (a profile's "
+    "memory share fits it and `macserve run` passes it, so the server runs the window inspect "
+    "and ls say); >= --ctx: every row bf16. --memory still refuses a batch that does not fit.",
 )
 @click.option(
     "--rotation",
@@ -160,6 +168,7 @@ def serve(
     api_key,
     ctx,
     kv,
+    kv_window,
     rotation,
     mtp,
     mtp_k,
@@ -184,6 +193,8 @@ def serve(
         layers = tuple(int(x) for x in split.split(",")) if split else None
     except ValueError:
         raise click.BadParameter("layer counts N1,N2,...", param_hint="--split") from None
+    if kv_window is not None and kv != "auto":
+        raise click.BadParameter(f"a window is --kv auto's, not {kv}'s", param_hint="--kv-window")
     cache_bytes = None if prompt_cache_bytes is None else _size(prompt_cache_bytes)
     share = None if memory is None else _size(memory)
     disk_bytes = 0 if prompt_cache_disk.strip() == "0" else budget.parse_size(prompt_cache_disk)
@@ -209,6 +220,7 @@ def serve(
             max_batch=max_batch,
             memory_budget=None if max_batch or share else budget.machine_budget().budget_bytes,
             memory_share=share,
+            kv_window=kv_window,
             prompt_cache_bytes=cache_bytes,
             prompt_cache_dir=disk_dir.expanduser().resolve(),
             prompt_cache_disk=disk_bytes,

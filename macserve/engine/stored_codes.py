@@ -14,6 +14,12 @@ block could be shared past a window. Here, built on the cache's public protocol 
   them is shared by every snapshot of that prefix;
 - the **sink**'s bf16 rows (tokens [0, sink)), and for a layer stored in bf16 (a gate's
   `bf16` format: `quant.bits` None) every row in bf16: rows no later token changes;
+- for a cache whose window never ends (KV=auto in a share that holds every row bf16:
+  `recent` is ALL_ROWS, server/capacity.fitted), its window's bf16 rows as rows of the
+  blocks, as the sequence held them: no code is made of them (`rows_form`). A prefix of
+  whole blocks is then entered at its end with no token prefilled again, and gives back
+  exactly the state a prefill of those tokens leaves (the window of a longer snapshot is
+  the same rows);
 - the **window** (its bf16 rows, `recent` + `slack` tokens): not rows of the prefix blocks,
   so only the snapshot's tail holds it (server/disk_blocks.py).
 
@@ -38,6 +44,7 @@ import json
 
 import mlx.core as mx
 
+from ..cache_kinds import ALL_ROWS
 from ..int2_format import LatentQuant
 from .latent_cache import RotatedLatentCache
 from .rows import TokenRows
@@ -86,10 +93,16 @@ def _cat(a: tuple, b: tuple) -> tuple:
     return tuple(mx.concatenate([x, y], axis=2) for x, y in zip(a, b))
 
 
+def rows_form(q: LatentQuant) -> bool:
+    """Every row this layer holds is bf16 for good (a bf16 format, or a window that never
+    ends): it is stored as its rows, not as codes."""
+    return q.bits is None or q.recent >= ALL_ROWS
+
+
 def short(q: LatentQuant) -> int:
     """Tokens a prefix entered without its window is given back short of its end: the
-    window's `recent`, prefilled again (0 for a layer stored in bf16: its rows are all)."""
-    return q.recent if q.bits is not None else 0
+    window's `recent`, prefilled again (0 where every row is bf16: its rows are all)."""
+    return 0 if rows_form(q) else q.recent
 
 
 def put(cache, key: str, arrays: dict, meta: dict) -> None:
@@ -113,6 +126,9 @@ def put(cache, key: str, arrays: dict, meta: dict) -> None:
 
     if q.bits is None:  # every token a bf16 row in the window, from token 0
         add("rl", wl, 0), add("rp", wp, 0)
+    elif rows_form(q):  # the sink's rows, then the window's from its start: every row bf16
+        add("sl", sl, 0), add("sp", sp, 0)
+        add("rl", wl, win_start), add("rp", wp, win_start)
     else:
         add("sl", sl, 0), add("sp", sp, 0)
         # The window's rows past the codes, quantized as the cache will when they leave it.
@@ -149,14 +165,28 @@ def restore(fresh, key: str, arrays: dict, meta: dict, at: int | None = None):
     offset, win_start = h["offset"], h["win_start"]
     d0, d1 = h["dims"]
     exact = at is None or at == offset and f"{key}.s.wl.0" in arrays
+    sl, sp, cl, cp = (_parts(arrays, key, n) for n in ("sl", "sp", "cl", "cp"))
+    rl, rp = _parts(arrays, key, "rl"), _parts(arrays, key, "rp")
+    if at is None and rows_form(q):
+        # the rows there are (a chain of blocks entered without its tail: to their end)
+        at = sum(p[0].shape[2] for p in (sl, rl) if p)
     at = offset if at is None else at
     if at > offset:
         raise ValueError(f"{key}: {at} tokens asked of a snapshot of {offset}")
-    sl, sp, cl, cp = (_parts(arrays, key, n) for n in ("sl", "sp", "cl", "cp"))
     if q.bits is None:
-        rl, rp = _parts(arrays, key, "rl"), _parts(arrays, key, "rp")
         stores = ((), (), (), (), _rows(rl, 0, at), _rows(rp, 0, at))
         state = (fmt, h["rotated"], at, win_start, d0, d1, *stores)
+    elif rows_form(q):
+        n_sink, first = min(at, q.sink), h["win_start"] if at == offset else q.sink
+        stores = (
+            _rows(sl, 0, n_sink),
+            _rows(sp, 0, n_sink),
+            (),
+            (),
+            _rows(rl, 0, at - first),
+            _rows(rp, 0, at - first),
+        )
+        state = (fmt, h["rotated"], at, first if at > q.sink else win_start, d0, d1, *stores)
     elif exact:
         if at > q.sink and not _parts(arrays, key, "wl") and win_start < at:
             raise ValueError(f"{key}: the snapshot's window is not there")

@@ -25,6 +25,15 @@ is the longest at which the batch and the prompt cache's sequence fit; with none
 is as many all-bf16 sequences as fit (at least one, then at the longest window that fits).
 Without --memory the machine's budget stands in for the share the same way; with neither (a
 --max-batch and no budget) nothing is sized and every row stays bf16.
+
+`--kv-window N` (what a profile's share fitted: services/share.py, passed by `macserve run`)
+gives the window instead: the server runs N and sizes (or refuses) the rest around it, so the
+window `inspect`, `ls` and the page say is the one served. The share's count is the one that
+decides because it is the process tree's once ready and serving, what the memory probe
+(services/worst_case.py) samples at its worst; the process as loaded (loaded_baseline) is
+less by what serving adds (on the demo model 93 MB against 162 MiB).
+A window that covers CTX is auto's unbounded one (`fitted`): no code is ever written, and
+its prompt caches are kept as bf16 rows (engine/stored_codes.py).
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ from mlx.utils import tree_flatten
 
 from ..cache_kinds import ALL_ROWS, CacheKind, auto_window, describe_window, window_bytes
 from ..engine import scratch
-from ..engine.caches import CacheSpec, cache_bytes
+from ..engine.caches import CacheSpec, cache_bytes, latent_caches
+from ..engine.latent_cache import RotatedLatentCache
 from ..errors import MacserveError
 from ..int2_format import INT2
 
@@ -160,10 +170,16 @@ def auto_batch(
 
 
 def size_batch(
-    bundle, spec: CacheSpec, ctx: int, budget_bytes: int, prompt_cache_bytes: int
+    bundle,
+    spec: CacheSpec,
+    ctx: int,
+    budget_bytes: int,
+    prompt_cache_bytes: int,
+    window: int | None = None,
 ) -> Capacity:
+    """`window`: --kv auto's, given (--kv-window); None: fitted in the budget."""
     if spec.kind == CacheKind.AUTO:
-        return _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes)
+        return _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes, window)
     per_seq, per_token = sequence_bytes(bundle, spec, ctx)
     per_seq = max(1, per_seq)
     w = weights_bytes(bundle.model)
@@ -172,13 +188,16 @@ def size_batch(
     return Capacity(n, per_token, per_seq, w, budget_bytes, max(0, room))
 
 
-def _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes) -> Capacity:
+def _size_auto_batch(bundle, spec, ctx, budget_bytes, prompt_cache_bytes, given) -> Capacity:
     figures = window_figures(bundle, spec, ctx)
     w = weights_bytes(bundle.model)
     room = int(budget_bytes * (1 - RESERVE)) - w
     n, window = auto_batch(room, figures, ctx, prompt_cache_bytes, None)
+    window = given or window
     per_seq = window_bytes(ctx, window, *figures)
     room -= prompt_cache_bytes
+    if given:
+        n = max(1, min(MAX_AUTO_BATCH, room // per_seq))
     return Capacity(n, per_seq / ctx, per_seq, w, budget_bytes, max(0, room), window, ctx)
 
 
@@ -308,20 +327,24 @@ def fit_share(
     prompt_cache,
     max_batch,
     loaded: int | None = None,
+    window: int | None = None,
 ) -> SharePlan:
     """`plan_share` on the loaded model: its weights and one whole-context sequence measured
     (sequence_bytes). `prompt_cache` None: the default bound, one whole-context sequence.
     --kv auto: the window too (auto_batch), in `window` ("the sequence" at that window),
     fitted beside `loaded` (loaded_baseline) where that is more than `baseline`: a window
-    must not take the share's unused bytes that the process's own growth at load holds."""
+    must not take the share's unused bytes that the process's own growth at load holds.
+    `window` given (--kv-window, a profile's share's): that one, its sequences measured at
+    it, and refused with the figures when they do not fit."""
     w = weights_bytes(bundle.model)
-    window = None
     if spec.kind == CacheKind.AUTO:
         figures = window_figures(bundle, spec, ctx)
-        room = share - int(share * RESERVE) - max(baseline, loaded or 0) - w
-        _, window = auto_batch(room, figures, ctx, prompt_cache, max_batch)
+        if window is None:
+            room = share - int(share * RESERVE) - max(baseline, loaded or 0) - w
+            _, window = auto_batch(room, figures, ctx, prompt_cache, max_batch)
         per_seq = window_bytes(ctx, window, *figures)
     else:
+        window = None
         per_seq, _ = sequence_bytes(bundle, spec, ctx)
     pc = per_seq if prompt_cache is None else prompt_cache
     plan = plan_share(share, baseline, w, per_seq, pc, max_batch)
@@ -337,9 +360,26 @@ def loaded_baseline(bundle) -> int:
     return psutil.Process().memory_info().rss - weights_bytes(bundle.model)
 
 
-def fitted(spec: CacheSpec, window: int | None) -> CacheSpec:
-    """The spec a server runs once sized: --kv auto's with the window fitted (if any)."""
-    return spec if window is None or spec.kind != CacheKind.AUTO else spec.with_window(window)
+def fitted(spec: CacheSpec, window: int | None, ctx: int | None = None) -> CacheSpec:
+    """The spec a server runs once sized: --kv auto's with the window fitted (if any). A
+    window that covers `ctx` (every row bf16) is auto's unbounded one, ALL_ROWS: a sequence
+    never writes a code, whatever its length, and its prompt caches are stored as bf16 rows
+    under one identity whatever the CTX (engine/stored_codes.py); it is what window_figures
+    measures as "every row bf16"."""
+    if window is None or spec.kind != CacheKind.AUTO:
+        return spec
+    if ctx is not None and window + spec.quant.sink >= ctx:
+        window = ALL_ROWS
+    return spec.with_window(window)
+
+
+def code_rows(caches) -> int:
+    """Rows a sequence's latent caches hold as codes (0: every row bf16), over its layers."""
+    return sum(
+        c.codes_end - c.quant.sink
+        for c in latent_caches(caches)
+        if isinstance(c, RotatedLatentCache) and c.quantized
+    )
 
 
 def hold_to(plan: SharePlan) -> None:

@@ -107,6 +107,13 @@ class _EngineState:
             "Cache bytes held by the sequences in flight (as allocated)",
             w.kv_bytes_in_use(),
         )
+        sched = w.scheduler
+        yield CounterMetricFamily(
+            "macserve_kv_code_rows",
+            "Code rows (INT2/INT4: the calibration's formats) finished sequences' caches held, "
+            "over their layers; --kv auto in a share that holds the batch in bf16: none",
+            sched.code_rows if sched is not None else 0,
+        )
         yield from _memory(w)
         st = w.prompt_cache.stats()
         hits = CounterMetricFamily(

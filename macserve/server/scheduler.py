@@ -58,6 +58,7 @@ from ..engine.generate import Step, cut_text
 from ..engine.mtp_auto import AutoMTP, drafting_mode, may_draft_with, mtp_status
 from ..engine.mtp_auto_store import AutoStore
 from ..engine.mtp_decode import MTPDecoder
+from .capacity import code_rows
 from .prompt_cache import PromptCache, offset
 
 log = logging.getLogger("macserve.server")
@@ -151,6 +152,7 @@ class Scheduler:
         # Kept for --mtp auto, and for requests that ask for auto on an --mtp on server.
         self.auto = AutoMTP(options.mtp_k, store=mtp_store) if self.mode[0] != "off" else None
         self.widths = scratch.model_widths(bundle.model)  # what a prefill chunk's scratch takes
+        self.code_rows = 0  # code rows finished sequences held (/metrics; --kv auto's tests)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -417,6 +419,7 @@ class Scheduler:
 
     def _end(self, s: Seq) -> None:
         """A sequence that ran to its end or was stopped: its caches become an entry."""
+        self.code_rows += code_rows(s.caches or [])
         if s.caches is not None and offset(s.caches[0]) <= len(s.tokens):
             try:
                 self.pc.insert(s.tokens[: offset(s.caches[0])], s.caches)

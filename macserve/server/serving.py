@@ -79,6 +79,7 @@ class Engine:
             disk_dir=settings.prompt_cache_dir,
             disk_bytes=settings.prompt_cache_disk,
             memory_share=settings.memory_share,
+            kv_window=settings.kv_window,
         )
 
     @property

@@ -30,6 +30,7 @@ class Settings:
     prompt_cache_bytes: int | None = 4 * 2**30  # the prompt cache's bound; 0: off; None: the
     # default (4 GB, or with memory_share one whole-context sequence's KV)
     memory_share: int | None = None  # `--memory`: every byte the process may hold (capacity.py)
+    kv_window: int | None = None  # `--kv-window`: --kv auto's window, given (a profile's share)
     prompt_cache_dir: Path | None = None  # the disk tier's folder; None: no disk tier
     prompt_cache_disk: int = 0  # the disk tier's bound in bytes; 0: off
 

@@ -129,12 +129,14 @@ class Worker(threading.Thread):
         disk_dir: Path | None = None,
         disk_bytes: int = 0,
         memory_share: int | None = None,
+        kv_window: int | None = None,
     ):
         """`max_batch` None: sized once the model is loaded (capacity.py) from `memory_budget`
         (bytes for weights and caches) and `ctx` (a request's most tokens; None: the model's).
         `memory_share`: every byte this process may hold (`serve --memory`); then the batch,
         the prompt cache (`prompt_cache_bytes` its bound), a prefill chunk's scratch and MLX's
-        own limits are all sized inside it (capacity.plan_share), or the load fails."""
+        own limits are all sized inside it (capacity.plan_share), or the load fails.
+        `kv_window`: --kv auto's window, given (a profile's share fitted it): not fitted here."""
         super().__init__(name="macserve-engine", daemon=True)
         self.model = model
         self.options = options
@@ -162,6 +164,7 @@ class Worker(threading.Thread):
         self.ctx = ctx
         self.capacity: Capacity | None = None
         self.memory_share = memory_share
+        self.kv_window = kv_window
         self.share: SharePlan | None = None  # the share's parts, once sized
         self.baseline_bytes = 0  # the process's resident memory before the weights
         self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
@@ -238,10 +241,12 @@ class Worker(threading.Thread):
             if self.memory_share is not None and self.ranks.distributed:
                 # Every rank must prefill in the same chunks; only rank 0 would know the share.
                 log.warning("--memory is not applied under mlx.launch: ranks size alike")
-            elif self.memory_share is not None:
+            if self.memory_share is not None and not self.ranks.distributed:
                 self._fit_share(bundle)
             elif self._size_batch:
                 self._set_max_batch(bundle)
+            else:  # nothing to size against: a window given (every rank alike) or none
+                self._fitted(self.kv_window, self._ctx(bundle))
             self._open_disk_tier(bundle)
             self.bundle = bundle  # last: `ready` is read from other threads
             log.info("model loaded; ready")
@@ -297,14 +302,20 @@ class Worker(threading.Thread):
     def _set_max_batch(self, bundle) -> None:
         if self.memory_budget is None:
             self.max_batch = DEFAULT_MAX_BATCH
+            self._fitted(self.kv_window, self._ctx(bundle))
             log.info("--max-batch %d (no memory budget given)", self.max_batch)
             return
-        ctx = self.ctx or bundle.max_context or 4096
+        ctx = self._ctx(bundle)
         self.capacity = size_batch(
-            bundle, self.options.cache, ctx, self.memory_budget, self.prompt_cache.max_bytes
+            bundle,
+            self.options.cache,
+            ctx,
+            self.memory_budget,
+            self.prompt_cache.max_bytes,
+            self.kv_window,
         )
         self.max_batch = self.capacity.max_batch
-        self._fitted(self.capacity.window)
+        self._fitted(self.capacity.window, ctx)
         log.info("%s", self.capacity.describe())
         log.info(
             "sized against this whole machine's memory budget, not a share of it: "
@@ -314,7 +325,7 @@ class Worker(threading.Thread):
     def _fit_share(self, bundle) -> None:
         """Everything inside --memory: the plan (or ShareTooSmall), then MLX's own limits."""
         asked = self.prompt_cache.max_bytes if self.prompt_cache_asked else None
-        ctx = self.ctx or bundle.max_context or 4096
+        ctx = self._ctx(bundle)
         max_batch = None if self._size_batch else self.max_batch
         plan = fit_share(
             bundle,
@@ -325,16 +336,20 @@ class Worker(threading.Thread):
             asked,
             max_batch,
             loaded_baseline(bundle),
+            self.kv_window,
         )
         self.share, self.max_batch = plan, plan.max_batch
         self.prompt_cache.max_bytes = plan.prompt_cache_bytes
-        self._fitted(plan.window)
+        self._fitted(plan.window, ctx)
         hold_to(plan)
         log.info("%s", plan.describe())
 
-    def _fitted(self, window: int | None) -> None:
+    def _ctx(self, bundle) -> int:
+        return self.ctx or bundle.max_context or 4096
+
+    def _fitted(self, window: int | None, ctx: int) -> None:
         """--kv auto: every cache from here on (and the disk tier's identity) at its window."""
-        self.options = replace(self.options, cache=fitted(self.options.cache, window))
+        self.options = replace(self.options, cache=fitted(self.options.cache, window, ctx))
         if window is not None and self.kv_plan is not None:
             self.kv_plan["window"] = window  # /health says what auto does
 

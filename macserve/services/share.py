@@ -139,6 +139,7 @@ class Share:
             prefill_step=self.prefill_step,
             baseline_bytes=self.baseline_bytes,
             why_unknown=self.error or (None if self.share_bytes else "its share is unknown"),
+            window=self.window,
         )
 
 

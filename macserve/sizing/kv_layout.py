@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
-from ..cache_kinds import LONG_WINDOW, LONG_WINDOW_STEP, WINDOW_STEP, CacheKind
+from ..cache_kinds import LONG_WINDOW_STEP, CacheKind
 from ..errors import MacserveError
 from ..int2_format import BF16_LATENT, INT2, LatentQuant, format_name
 from .arch import MLA, Compressed, Full, Linear, ModelShape, NoCache, Sliding
@@ -317,8 +317,10 @@ def auto_figures(int2: Layout, ctx: int) -> tuple[int, int, int]:
     base = int2.bytes_at(ctx)
     cells = -(-ctx // int2.pad) * int2.pad if ctx > 0 else 0  # as Layout.bytes_at pads
     row, full = 0, base
-    # rows a decode step grows an all-bf16 window by: held past CTX (engine/latent_cache.py)
-    headroom = LONG_WINDOW_STEP if ctx >= LONG_WINDOW else WINDOW_STEP
+    # rows a decode step grows an all-bf16 window by, held past CTX: the server runs every row
+    # bf16 as auto's unbounded window (server/capacity.fitted), which grows in long steps
+    # (engine/latent_cache.py) whatever the CTX
+    headroom = LONG_WINDOW_STEP
     windows = {b.layer: b for b in int2.buffers if b.what == WINDOW_ROWS}
     for b in int2.buffers:
         w = windows.get(b.layer)

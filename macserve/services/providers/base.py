@@ -72,6 +72,7 @@ class Limits:
     prefill_step: int = 2048  # prompt tokens per prefill chunk whose scratch fits the reserve
     baseline_bytes: int = 0  # the process itself (runtime, buffers): outside MLX's allocator
     why_unknown: str | None = None
+    window: int | None = None  # KV=auto: the bf16 recent window the share fitted (tokens)
 
     @property
     def known(self) -> bool:

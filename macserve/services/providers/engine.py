@@ -50,7 +50,9 @@ class Engine(BaseProvider):
     par_flags = ("--max-batch",)
     # The share, which `serve --memory` sizes and enforces everything within (its batch, its
     # prompt cache, MLX's own limits): without it serve would size its batch to the machine.
-    limit_flags = {"--memory": "MEMORY", "--prompt-cache-bytes": "MEMORY"}
+    # KV=auto: the window the share fitted (`serve --kv-window`), so the server runs the
+    # window inspect and ls say rather than fit its own on other figures (server/capacity.py).
+    limit_flags = {"--memory": "MEMORY", "--prompt-cache-bytes": "MEMORY", "--kv-window": "MEMORY"}
     api_key_env = env.API_KEY  # `serve --api-key` reads MACSERVE_API_KEY
     secret_flags = {"--api-key": "API_KEY"}
     prompt_cache_disk = True
@@ -110,7 +112,7 @@ class Engine(BaseProvider):
             str(limits.parallel),
             "--prompt-cache-bytes",
             f"{limits.prompt_cache_bytes}B" if limits.prompt_cache_bytes else "0",
-        ]
+        ] + (["--kv-window", str(limits.window)] if limits.window is not None else [])
 
     def env(self, profile: Profile) -> dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}  # log lines reach the service log as they happen
