@@ -226,8 +226,10 @@ def drive(
     load: Load,
     log: Path,
     progress: Callable[[str], None] = lambda m: None,
+    before_stop: Callable[[str], None] | None = None,
 ) -> Result:
-    """Run the profile's server, drive it (the module docstring), and say what it held."""
+    """Run the profile's server, drive it (the module docstring), and say what it held.
+    `before_stop(base URL)`: once driven, while the server still runs (what it reports)."""
     share = share_of(profile)
     res = Result(profile.name, profile.provider, share)
     progress(f"{profile.name}: starting {profile.provider}")
@@ -256,6 +258,8 @@ def drive(
                     seed += load.clients
                 res.phase_peaks[phase] = sampler.peak_bytes
                 res.seconds[phase] = round(time.monotonic() - t, 1)
+        if before_stop is not None:
+            before_stop(providers.base_url(profile))
         res.peak_bytes = max(res.phase_peaks.values())
         res.hwm_bytes = sampler.hwm_bytes
         res.samples = sampler.samples
