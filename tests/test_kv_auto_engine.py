@@ -1,6 +1,7 @@
 """KV=auto on the demo model in process (issue 45's done-when): a share that holds the batch
-at CTX in bf16 gets a window covering the context and its caches never hold a code row; a
-share too small for that gets a shorter window, its caches hold codes in the calibration's
+at CTX in bf16 gets a window covering the context, run as one that never ends (no code row,
+ever; served end to end by tests/test_kv_auto_serve.py), a window given (`serve --kv-window`)
+is the one run; a share too small for that gets a shorter window, its caches hold codes in the calibration's
 formats, and MLX's allocator stays within the share's part for them while they fill.
 
 The share is cut as `serve --memory` cuts it (capacity.fit_share, the figures measured on the
@@ -11,9 +12,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from macserve.cache_kinds import ALL_ROWS, window_bytes
 from macserve.engine import scratch
 from macserve.engine.caches import CacheSpec, cache_bytes, clone, formats, latent_caches
-from macserve.server.capacity import RESERVE, fit_share, fitted, weights_bytes, window_figures
+from macserve.server.capacity import (
+    RESERVE,
+    fit_share,
+    fitted,
+    weights_bytes,
+    window_figures,
+)
 from macserve.server.disk_cache import DiskTier
 from macserve.server.disk_identity import identity
 from macserve.services import providers
@@ -70,17 +78,23 @@ def _share(bundle, kv_room: int) -> int:
     return int((BASELINE + weights_bytes(bundle.model) + kv_room) / (1 - RESERVE)) + 1
 
 
-def test_a_share_that_holds_the_batch_in_bf16_writes_no_code(bundle, figures):
-    spec, (_, _, full) = figures
+def test_a_share_that_holds_the_batch_in_bf16_runs_a_window_that_never_ends(bundle, figures):
+    spec, (base, row, full) = figures
     share = _share(bundle, (BATCH + 1) * full)
     plan = fit_share(bundle, spec, CTX, share, BASELINE, None, BATCH)
     assert (plan.window, plan.max_batch) == (CTX, BATCH), plan.describe()
-    run = fitted(spec, plan.window)
+    run = fitted(spec, plan.window, CTX)
+    # every row bf16 for good: no sequence writes a code, whatever its length (served end to
+    # end: tests/test_kv_auto_serve.py counts the code rows)
+    assert run.quant.recent == ALL_ROWS and fitted(spec, CTX - 65, CTX).quant.recent < CTX
     # the calibration's formats, layer by layer, as int2 stores them
     int2 = CacheSpec.for_model(TINY_MODEL, "int2")
     assert formats(bundle.caches(run)) == formats(bundle.caches(int2))
-    assert _codes(_fill(bundle, run, 1)) == 0  # every sequence alike: one shows it
-    assert _codes(_fill(bundle, int2, 1)) > 0  # the contrast: int2 at CTX writes codes
+    # a window given (serve --kv-window: a profile's share fitted it) is the one run, sized
+    # on these figures (plan_share refuses a batch that does not fit at it, as at any)
+    given = fit_share(bundle, spec, CTX, share, BASELINE, None, BATCH, window=640)
+    assert given.window == 640
+    assert given.kv_bytes_per_sequence == window_bytes(CTX, 640, base, row, full)
 
 
 def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, figures, budgeted):
@@ -90,7 +104,7 @@ def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, fig
     assert plan.window is not None and plan.window + 64 < CTX, plan.describe()
     assert BATCH * full > plan.kv_bytes  # all bf16, the batch would not fit its part
     scratch.set_budget(plan.scratch_bytes)  # as serve --memory sets it (capacity.hold_to)
-    run = fitted(spec, plan.window)
+    run = fitted(spec, plan.window, CTX)
     mx.synchronize()
     before = mx.get_active_memory()  # the weights and whatever else this process holds
     mx.reset_peak_memory()
@@ -104,7 +118,7 @@ def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, fig
     # cache's part (unused here) and the reserve (the prefill's scratch)
     assert peak <= plan.share_bytes - plan.baseline_bytes - plan.weights_bytes
     # a prompt cache stored at one window is not another window's (disk_identity.py)
-    assert identity(bundle, run)["cache"] != identity(bundle, fitted(spec, CTX))["cache"]
+    assert identity(bundle, run)["cache"] != identity(bundle, fitted(spec, CTX, CTX))["cache"]
 
 
 def _prefill(bundle, spec, toks: list[int], chunk: int = 256) -> list:
@@ -128,8 +142,7 @@ def _flat(state) -> list:
 def _same(a, b) -> bool:
     fa, fb = _flat(a.state), _flat(b.state)
     return len(fa) == len(fb) and all(
-        mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y
-        for x, y in zip(fa, fb)
+        mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y for x, y in zip(fa, fb)
     )
 
 
