@@ -167,6 +167,10 @@ def restore(fresh, key: str, arrays: dict, meta: dict, at: int | None = None):
     exact = at is None or at == offset and f"{key}.s.wl.0" in arrays
     sl, sp, cl, cp = (_parts(arrays, key, n) for n in ("sl", "sp", "cl", "cp"))
     rl, rp = _parts(arrays, key, "rl"), _parts(arrays, key, "rp")
+    if rows_form(q) and q.bits is not None and (cl or f"{key}.s.wl.0" in arrays):
+        # written as codes before such a cache was stored as its rows (same format 4): skipped
+        # (and deleted) by the disk tier, never read as rows
+        raise ValueError(f"{key}: a never-ending window stored as codes, not as its rows")
     if at is None and rows_form(q):
         # the rows there are (a chain of blocks entered without its tail: to their end)
         at = sum(p[0].shape[2] for p in (sl, rl) if p)
