@@ -48,10 +48,11 @@ server_settings = lazy("macserve.server.settings")
 )
 @click.option(
     "--kv-window",
-    type=click.IntRange(INT2.recent),
+    type=click.IntRange(1),
     help="--kv auto: the bf16 recent window in tokens, given rather than fitted (a profile's "
     "memory share fits it and `macserve run` passes it, so the server runs the window inspect "
-    "and ls say); >= --ctx: every row bf16. --memory still refuses a batch that does not fit.",
+    "and ls say); >= --ctx: every row bf16, else at least int2's "
+    f"{INT2.recent}. --memory still refuses a batch that does not fit.",
 )
 @click.option(
     "--rotation",

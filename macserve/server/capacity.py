@@ -370,6 +370,11 @@ def fitted(spec: CacheSpec, window: int | None, ctx: int | None = None) -> Cache
         return spec
     if ctx is not None and window + spec.quant.sink >= ctx:
         window = ALL_ROWS
+    elif window < INT2.recent:  # a window given by hand (--kv-window): auto is never under int2
+        raise MacserveError(
+            f"--kv-window {window}: under int2's own {INT2.recent} rows, a window must cover "
+            f"the context ({ctx} tokens, the first {spec.quant.sink} kept bf16 apart)"
+        )
     return spec.with_window(window)
 
 
