@@ -17,7 +17,7 @@ from macserve.cache_kinds import (
 )
 from macserve.int2_format import INT2
 from macserve.server.capacity import MAX_AUTO_BATCH, auto_batch
-from macserve.services import share
+from macserve.services import providers, share
 from macserve.services.profiles import Profile
 from macserve.sizing import budget
 from macserve.sizing.kv_layout import auto_figures
@@ -129,3 +129,23 @@ def test_without_memory_a_machine_too_small_for_bf16_bounds_the_window(monkeypat
     assert fitted.share_bytes == small.budget_bytes and fitted.error is None
     assert INT2.recent <= fitted.window < 1024 - INT2.sink
     assert fitted.kv_bytes < s.kv_bytes and "over this machine's budget" in fitted.note
+
+
+def test_a_profile_passes_its_window_to_the_server():
+    # the server runs the window the share says (serve --kv-window), never one of its own
+    s = _auto(CTX="1024", PARALLEL="2")
+    rep = inspect_source(str(TINY_MODEL))
+    base, _, full = auto_figures(rep.layouts["macserve/int2"], 1024)
+    fixed = s.weights_bytes + s.baseline_bytes + share.MIN_RESERVE
+    mid = fixed + (3 * base + share.MIB + 2 * full + share.prompt_cache_bound(full)) // 2
+    for keys, window in (({}, "1024"), ({"MEMORY": f"{mid}B"}, None)):
+        values = {"PROVIDER": "macserve", "MODEL": str(TINY_MODEL), "PORT": "9000", "KV": "auto"}
+        p = Profile("p", {**values, "CTX": "1024", "PARALLEL": "2", **keys})
+        s = share.share_of(p)
+        argv = providers.for_profile(p).argv(p, s.limits())
+        assert argv[argv.index("--kv-window") + 1] == (window or str(s.window)) == str(s.window)
+    assert s.window < 1024 - INT2.sink  # the second: a window short of the context
+    int2 = Profile("q", {**values, "CTX": "1024", "KV": "int2"})
+    assert "--kv-window" not in providers.for_profile(int2).argv(
+        int2, share.share_of(int2).limits()
+    )
