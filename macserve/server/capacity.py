@@ -28,10 +28,9 @@ Without --memory the machine's budget stands in for the share the same way; with
 
 `--kv-window N` (what a profile's share fitted: services/share.py, passed by `macserve run`)
 gives the window instead: the server runs N and sizes (or refuses) the rest around it, so the
-window `inspect`, `ls` and the page say is the one served. The share's count is the one that
-decides because it is the process tree's once ready and serving, what the memory probe
-(services/worst_case.py) samples at its worst; the process as loaded (loaded_baseline) is
-less by what serving adds (on the demo model 93 MB against 162 MiB).
+window `inspect`, `ls` and the page say is the one served. The share's count decides: it is
+the process tree once serving, what the memory probe (services/worst_case.py) samples; the
+process as loaded (loaded_baseline) is less (on the demo model 93 MB against 162-203 MiB).
 A window that covers CTX is auto's unbounded one (`fitted`): no code is ever written, and
 its prompt caches are kept as bf16 rows (engine/stored_codes.py).
 """
