@@ -108,15 +108,18 @@ def test_a_share_too_small_for_bf16_writes_codes_and_holds_within_it(bundle, fig
     mx.synchronize()
     before = mx.get_active_memory()  # the weights and whatever else this process holds
     mx.reset_peak_memory()
-    seqs = _fill(bundle, run)
+    # every sequence of the batch alike, filled one after another: one shows each's part
+    seqs = _fill(bundle, run, 1)
     peak = mx.get_peak_memory() - before
     held = sum(cache_bytes(c) for caches in seqs for c in caches)
     print(plan.describe(), f"; held {held:,} B, peak {peak:,} B over the weights")
     assert _codes(seqs) > 0
-    assert held <= plan.kv_bytes  # the batch within its part of the share
-    # MLX's peak within the share less the process and its weights: the batch, the prompt
-    # cache's part (unused here) and the reserve (the prefill's scratch)
-    assert peak <= plan.share_bytes - plan.baseline_bytes - plan.weights_bytes
+    assert held <= plan.kv_bytes_per_sequence  # a sequence within its part of the share
+    # MLX's peak within the share less the process, its weights and the batch's other
+    # sequences: this one, the prompt cache's part (unused here) and the reserve (the
+    # prefill's scratch)
+    others = (BATCH - 1) * plan.kv_bytes_per_sequence
+    assert peak <= plan.share_bytes - plan.baseline_bytes - plan.weights_bytes - others
     # a prompt cache stored at one window is not another window's (disk_identity.py)
     assert identity(bundle, run)["cache"] != identity(bundle, fitted(spec, CTX, CTX))["cache"]
 
