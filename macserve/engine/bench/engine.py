@@ -262,9 +262,7 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     out["cpu_int2_previous_vs_bf16_latent"] = low("bf16_latent") / low("int2_previous")
     # What reading long segments in pieces saves, per cache: > 1 faster than whole.
     out["pieces_vs_whole"] = {w: ratio(w, w + "_whole") for w in ("int2", "bf16_latent")}
-    out["cpu_pieces_vs_whole"] = {
-        w: low(w + "_whole") / low(w) for w in ("int2", "bf16_latent")
-    }
+    out["cpu_pieces_vs_whole"] = {w: low(w + "_whole") / low(w) for w in ("int2", "bf16_latent")}
     out["cpu_int2_vs_bf16_latent_whole"] = low("bf16_latent_whole") / low("int2_whole")
     out["rounds"] = rounds
     return out
