@@ -14,7 +14,9 @@ Keys are read segment by segment (bf16 sink, codes, bf16 window) and, in a prefi
 blocks of keys, each with its own softmax; the partial results are merged with their maxima
 and sums (online softmax), so the transient memory is bounded by heads x queries x block, not
 by the context. A decode step reads each segment whole, with no mask (its segments are
-exactly what the query sees) and, on a bf16 model, no float32 conversion.
+exactly what the query sees) and, on a bf16 model, no float32 conversion; on the CPU a
+segment longer than PIECE rows in pieces of PIECE, each evaluated while its rows are in the
+core's cache.
 
 How codes are read depends on the device: on a GPU with `mx.quantized_matmul` (the kernels
 read 2-bit codes directly); on the CPU by dequantizing (rows.dequantize) and a BLAS

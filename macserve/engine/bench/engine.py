@@ -224,7 +224,10 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     of each round's ratio to its nearest baseline (the same class and kernel, quantization
     off) and to mlx-lm's cache. "int2_whole" / "bf16_latent_whole": the same caches with every
     segment read whole, not in pieces (`decode_e2e.whole_segments`)."""
-    names = ("int2", "int2_previous", "bf16_latent", "bf16", "int2_whole", "bf16_latent_whole")
+    names = ("int2", "int2_previous", "bf16_latent", "bf16")
+    pieces = 0 < mla_attention.PIECE < ctx  # else no segment is cut: "_whole" is the same read
+    if pieces:
+        names += ("int2_whole", "bf16_latent_whole")
     modes = {"int2_previous": previous_read, "int2_whole": whole_segments}
     modes["bf16_latent_whole"] = whole_segments
     cs = {w: caches(s, w) for w in HELD}
@@ -260,10 +263,12 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     out["cpu_tok_s"] = {w: 1 / low(w) for w in names}
     out["cpu_int2_vs_bf16_latent"] = low("bf16_latent") / low("int2")
     out["cpu_int2_previous_vs_bf16_latent"] = low("bf16_latent") / low("int2_previous")
-    # What reading long segments in pieces saves, per cache: > 1 faster than whole.
-    out["pieces_vs_whole"] = {w: ratio(w, w + "_whole") for w in ("int2", "bf16_latent")}
-    out["cpu_pieces_vs_whole"] = {w: low(w + "_whole") / low(w) for w in ("int2", "bf16_latent")}
-    out["cpu_int2_vs_bf16_latent_whole"] = low("bf16_latent_whole") / low("int2_whole")
+    if pieces:  # what reading long segments in pieces saves, per cache: > 1 faster than whole
+        out["pieces_vs_whole"] = {w: ratio(w, w + "_whole") for w in ("int2", "bf16_latent")}
+        out["cpu_pieces_vs_whole"] = {
+            w: low(w + "_whole") / low(w) for w in ("int2", "bf16_latent")
+        }
+        out["cpu_int2_vs_bf16_latent_whole"] = low("bf16_latent_whole") / low("int2_whole")
     out["rounds"] = rounds
     return out
 
