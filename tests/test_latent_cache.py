@@ -181,17 +181,34 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
 
 
 @pytest.mark.model
+def test_a_decode_step_read_in_pieces_equals_the_whole_read(model, calibration, monkeypatch):
+    """A long segment is read in pieces merged by online softmax (mla_attention.PIECE, 2,048
+    rows; 16 here so the demo's segments are cut): the same attention as reading it whole."""
+    m, tok = model
+    ids = prompt(tok, 124)
+    logits = {}
+    for piece in (16, 0):
+        monkeypatch.setattr(mla_attention, "PIECE", piece)
+        caches = caches_for(m, SMALL, calibration, "eigen")
+        run(m, caches, ids[:120], 40)
+        assert caches[0].codes_lat.length > 16  # the codes are cut into pieces
+        logits[piece] = run(m, caches, ids[120:], 1)
+    np.testing.assert_allclose(np.array(logits[16]), np.array(logits[0]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
 def test_a_long_chunk_is_causal(model, calibration):
     """A prefill chunk longer than the windows (mlx-lm prefills 2,048 at a time) must not let
     a query see later tokens through their INT2 copies."""
     m, tok = model
-    ids = prompt(tok, 400)
+    # 200 tokens: five times SMALL's windows (8 + 32), codes on both sides of the change
+    ids = prompt(tok, 200)
     changed = list(ids)
-    changed[300] = (changed[300] + 1) % 2048
-    a = run(m, caches_for(m, SMALL, calibration, "eigen"), ids, 400)
-    b = run(m, caches_for(m, SMALL, calibration, "eigen"), changed, 400)
-    np.testing.assert_allclose(np.array(a[:300]), np.array(b[:300]), atol=1e-5)
-    assert not np.allclose(np.array(a[300:]), np.array(b[300:]), atol=1e-3)
+    changed[150] = (changed[150] + 1) % 2048
+    a = run(m, caches_for(m, SMALL, calibration, "eigen"), ids, 200)
+    b = run(m, caches_for(m, SMALL, calibration, "eigen"), changed, 200)
+    np.testing.assert_allclose(np.array(a[:150]), np.array(b[:150]), atol=1e-5)
+    assert not np.allclose(np.array(a[150:]), np.array(b[150:]), atol=1e-3)
 
 
 def visible_rows(c):

@@ -306,6 +306,20 @@ def _print_decode(r: dict) -> None:
             for n, v in r["decode_tok_s"].items()
         )
     )
+    cut = {n: v for n, v in r["decode_tok_s"].items() if "pieces_vs_whole" in v}
+    if not cut:
+        return
+    click.echo(
+        "segments read in pieces vs whole (wall; by CPU time): "
+        + ", ".join(
+            f"{int(n):,}: int2 {v['pieces_vs_whole']['int2']:.2f}x; "
+            f"{v['cpu_pieces_vs_whole']['int2']:.2f}x, bf16-latent "
+            f"{v['pieces_vs_whole']['bf16_latent']:.2f}x; "
+            f"{v['cpu_pieces_vs_whole']['bf16_latent']:.2f}x (int2 vs bf16-latent both whole, "
+            f"CPU time: {v['cpu_int2_vs_bf16_latent_whole']:.2f}x)"
+            for n, v in cut.items()
+        )
+    )
 
 
 def _demo_acceptance() -> float:

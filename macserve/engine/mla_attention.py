@@ -14,7 +14,9 @@ Keys are read segment by segment (bf16 sink, codes, bf16 window) and, in a prefi
 blocks of keys, each with its own softmax; the partial results are merged with their maxima
 and sums (online softmax), so the transient memory is bounded by heads x queries x block, not
 by the context. A decode step reads each segment whole, with no mask (its segments are
-exactly what the query sees) and, on a bf16 model, no float32 conversion.
+exactly what the query sees) and, on a bf16 model, no float32 conversion; on the CPU a
+segment longer than PIECE rows in pieces of PIECE, each evaluated while its rows are in the
+core's cache.
 
 How codes are read depends on the device: on a GPU with `mx.quantized_matmul` (the kernels
 read 2-bit codes directly); on the CPU by dequantizing (rows.dequantize) and a BLAS
@@ -59,6 +61,13 @@ DECODE_READ = True
 # the CPU); "qmm" or "dequantize" forces one (the engine bench builds the GPU graph on a CPU
 # to count its conversions; tests check both paths agree).
 READ_CODES: str | None = None
+# On the CPU a decode step reads a segment longer than this many rows in pieces of it, each
+# piece's rows converted (bf16 to float32, or codes dequantized), scored and summed while they
+# are in the core's cache, then merged (online softmax, evaluated piece by piece); read whole,
+# a 32K context's float32 rows (64 MiB at DeepSeek-V3's width) go to memory and are read back
+# twice. 0: segments whole (the bench flips it to measure the difference; tests check both
+# give the same attention). The demo's segments are shorter: it is read as before.
+PIECE = 2048
 
 
 def _read_with_qmm() -> bool:
@@ -203,6 +212,8 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
     qp = q_pe.reshape(B, 1, H, -1)
     gpu = _read_with_qmm()
     segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
+    if not gpu and PIECE and any(lat[0].shape[2] > PIECE for _, lat, _ in segs):
+        return _read_in_pieces(cache, segs, qr, qp, dtype).reshape(B, H, 1, -1)
     scores, values = [], []
     for kind, lat, pe in segs:
         s, value = _segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
@@ -218,6 +229,27 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
             o = value(p[..., a : a + n])
             out, a = (o if out is None else out + o), a + n
     return out.reshape(B, H, 1, -1)
+
+
+def _read_in_pieces(cache: RotatedLatentCache, segs, qr, qp, dtype):
+    """`decode_read`'s attention with each segment cut into pieces of PIECE rows, merged by
+    online softmax and evaluated piece by piece (`Merge.settle`: left lazy, MLX would compute
+    every piece's rows before merging any). -> (B, 1, H, r)."""
+    merge = Merge()
+    for kind, lat, pe in segs:
+        n = lat[0].shape[2]
+        for a in range(0, n, PIECE):
+            b = min(n, a + PIECE)
+            pl = tuple(x[..., a:b, :] for x in lat)
+            pp = tuple(x[..., a:b, :] for x in pe)
+            s, value = _segment(cache, kind, pl, pp, qr, qp, dtype, False)
+
+            def piece_values(p, value=value):
+                return value(p.astype(dtype)).astype(mx.float32)
+
+            merge.add(s.astype(mx.float32), piece_values)
+            merge.settle()
+    return merge.result().astype(dtype)
 
 
 def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):

@@ -58,6 +58,18 @@ def previous_read():
         mla_attention.DECODE_READ, rows.FUSED_DEQUANTIZE, latent_cache.STAGE = old
 
 
+@contextmanager
+def whole_segments():
+    """The decode read with every segment read whole, not in pieces (`mla_attention.PIECE`),
+    to measure what the pieces save in the same process."""
+    old = mla_attention.PIECE
+    mla_attention.PIECE = 0
+    try:
+        yield
+    finally:
+        mla_attention.PIECE = old
+
+
 def code_rows(caches: list) -> int | None:
     """Code rows the first latent layer holds (None: not a latent cache): > 0 means the
     decode read codes, not only bf16 windows."""

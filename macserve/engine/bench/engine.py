@@ -53,7 +53,7 @@ from .. import mla_attention
 from ..caches import latent_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
-from .decode_e2e import previous_read
+from .decode_e2e import previous_read, whole_segments
 from .decode_read import attention_parts, mac_projection
 from .setup import (
     CACHES,
@@ -222,8 +222,14 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     ("int2_previous", decode_e2e.previous_read), the bf16-latent cache and mlx-lm's,
     interleaved in every round; each the median of its rounds, and INT2's ratios the median
     of each round's ratio to its nearest baseline (the same class and kernel, quantization
-    off) and to mlx-lm's cache."""
+    off) and to mlx-lm's cache. "int2_whole" / "bf16_latent_whole": the same caches with every
+    segment read whole, not in pieces (`decode_e2e.whole_segments`)."""
     names = ("int2", "int2_previous", "bf16_latent", "bf16")
+    pieces = 0 < mla_attention.PIECE < ctx  # else no segment is cut: "_whole" is the same read
+    if pieces:
+        names += ("int2_whole", "bf16_latent_whole")
+    modes = {"int2_previous": previous_read, "int2_whole": whole_segments}
+    modes["bf16_latent_whole"] = whole_segments
     cs = {w: caches(s, w) for w in HELD}
     for w in HELD:
         fill(cs[w], ctx, s)
@@ -232,8 +238,8 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     tok = mx.array([[1]])
     for _ in range(rounds):
         for w in names:
-            c = cs["int2" if w == "int2_previous" else w]
-            with previous_read() if w == "int2_previous" else nullcontext():
+            c = cs[w.removesuffix("_previous").removesuffix("_whole")]
+            with modes.get(w, nullcontext)():
                 mx.eval(s.model(tok, cache=c))  # warm-up
                 t = time.perf_counter()
                 for _ in range(steps):
@@ -257,6 +263,12 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     out["cpu_tok_s"] = {w: 1 / low(w) for w in names}
     out["cpu_int2_vs_bf16_latent"] = low("bf16_latent") / low("int2")
     out["cpu_int2_previous_vs_bf16_latent"] = low("bf16_latent") / low("int2_previous")
+    if pieces:  # what reading long segments in pieces saves, per cache: > 1 faster than whole
+        out["pieces_vs_whole"] = {w: ratio(w, w + "_whole") for w in ("int2", "bf16_latent")}
+        out["cpu_pieces_vs_whole"] = {
+            w: low(w + "_whole") / low(w) for w in ("int2", "bf16_latent")
+        }
+        out["cpu_int2_vs_bf16_latent_whole"] = low("bf16_latent_whole") / low("int2_whole")
     out["rounds"] = rounds
     return out
 
