@@ -241,6 +241,10 @@ class Stream:
         )
         return out
 
+    def close(self) -> list[bytes]:
+        """Closes the open item (what a stream another writes continues after)."""
+        return self._close_text()
+
     def _close_text(self) -> list[bytes]:
         """Closes the open item: a message, or a reasoning item."""
         return self._close_message() + self._close_reasoning()
