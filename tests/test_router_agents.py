@@ -29,7 +29,7 @@ def _events(lines: list[str]) -> list[str]:
     return [x.removeprefix("event: ") for x in lines if x.startswith("event: ")]
 
 
-def test_a_cold_start_is_kept_alive_and_the_responses_api_is_routed(services, macserve_home):
+def test_a_cold_start_is_kept_alive_then_each_dialect_round_trips_a_tool(services, macserve_home):
     r = cli(
         "new", str(TINY_MODEL), "--provider", "macserve", "--name", "tiny", "--ctx", "512",
         "--port", str(free_port()), "--no-start",
@@ -106,3 +106,60 @@ def test_a_cold_start_is_kept_alive_and_the_responses_api_is_routed(services, ma
         )
         done = [e for e in stream if e.type == "response.function_call_arguments.done"]
         assert done and all(isinstance(json.loads(e.arguments), dict) for e in done)
+        round_trips(claude, gpt, done[0])
+
+
+def round_trips(claude, gpt, done) -> None:
+    """A tool round trip in each dialect through the router (issue 44 item 4, at the
+    protocol level: no agent's CLI can force a tool call): the call forced by tool_choice
+    comes back, its result is sent, and the final answer (tool_choice none) comes."""
+    ask = [{"role": "user", "content": "Weather in Verona?"}]
+    result = "sunny, 21 C"
+    # the Responses API: the streamed call above, its output sent back as an item
+    call = {"type": "function_call", "call_id": done.item_id, "name": done.name,
+            "arguments": done.arguments}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": done.item_id, "output": result}
+    r = gpt.responses.create(
+        model="tiny", input=[*ask, call, output], tools=[WEATHER], tool_choice="none",
+        max_output_tokens=5,
+    )  # fmt: skip
+    assert [o.type for o in r.output] == ["message"] and r.output_text
+
+    # Anthropic's Messages API: forced by name (whole) and to any tool (streamed)
+    tool = {"name": "get_weather", "description": WEATHER["description"],
+            "input_schema": WEATHER["parameters"]}  # fmt: skip
+    kw = dict(
+        model="tiny", max_tokens=60, messages=ask, tools=[tool], extra_body={"temperature": 0}
+    )
+    m = claude.messages.create(**kw, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})  # fmt: skip
+    with claude.messages.stream(**kw, tool_choice={"type": "any"}) as s:
+        streamed = s.get_final_message()
+    for msg in (m, streamed):
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+        assert isinstance(uses[0].input, dict)
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    final = claude.messages.create(
+        model="tiny", max_tokens=5, tools=[tool], tool_choice={"type": "none"},
+        messages=[*ask, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}],
+    )  # fmt: skip
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text
+    assert final.stop_reason in ("end_turn", "max_tokens")
+
+    # chat completions
+    fn = {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}  # fmt: skip
+    c = gpt.chat.completions.create(
+        model="tiny", messages=ask, tools=[fn], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    (tc,) = c.choices[0].message.tool_calls
+    assert c.choices[0].finish_reason == "tool_calls" and tc.function.name == "get_weather"
+    assert isinstance(json.loads(tc.function.arguments), dict)
+    final = gpt.chat.completions.create(
+        model="tiny", tools=[fn], tool_choice="none", max_tokens=5,
+        messages=[*ask, c.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": tc.id, "content": result}],
+    )  # fmt: skip
+    assert not final.choices[0].message.tool_calls and final.choices[0].message.content
