@@ -155,7 +155,7 @@ class _Messages(_Rewritten):
         out = b""
         if not self.noted:
             self.noted = True
-            msg = {
+            msg: dict = {
                 "id": "msg_" + responses.new_id().removeprefix("resp_"),
                 "type": "message",
                 "role": "assistant",
