@@ -212,7 +212,7 @@ def test_a_tool_result_goes_back_to_llama_server_in_each_dialect(runs, router):
     args, result = {"city": "Paris"}, "sunny, 21 C"
     params = {"type": "object", "properties": {"city": {"type": "string"}}}
     m = claude.messages.create(
-        model="smol", max_tokens=8,
+        model="smol", max_tokens=2,
         tools=[{"name": "get_weather", "description": "The weather", "input_schema": params}],
         messages=[ask, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": args}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}],
@@ -220,13 +220,13 @@ def test_a_tool_result_goes_back_to_llama_server_in_each_dialect(runs, router):
     assert m.content[0].type == "text" and m.content[0].text and m.usage.output_tokens
     fn = {"name": "get_weather", "description": "The weather", "parameters": params}
     r = gpt.responses.create(
-        model="smol", max_output_tokens=8, tools=[{"type": "function", **fn}],
+        model="smol", max_output_tokens=2, tools=[{"type": "function", **fn}],
         input=[ask, {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(args)},
                {"type": "function_call_output", "call_id": "call_1", "output": result}],
     )  # fmt: skip
     assert r.output_text and r.usage.output_tokens
     c = gpt.chat.completions.create(
-        model="smol", max_tokens=8, tools=[{"type": "function", "function": fn}],
+        model="smol", max_tokens=2, tools=[{"type": "function", "function": fn}],
         messages=[ask, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": result}],
     )  # fmt: skip
