@@ -82,7 +82,10 @@ def router(home, seen, smollm_gguf, tmp_path_factory):
     )
     port = free_port()
     work = tmp_path_factory.mktemp("agent-work")
-    with router_process(home, ["router", "--port", str(port)], port) as r:
+    # --keep-alive 0.5: an agent's request that waits for the model's start (about 3 s) gets
+    # the loading note (router/keepalive.py) before its answer, as a user's first one does
+    args = ["router", "--port", str(port), "--keep-alive", "0.5"]
+    with router_process(home, args, port) as r:
         r.work = work
         yield r
         st = get_backend().status("smol")
