@@ -30,6 +30,8 @@ import os
 import subprocess
 import sys
 
+import anthropic
+import openai
 import pytest
 
 from macserve.services import agents
@@ -80,7 +82,10 @@ def router(home, seen, smollm_gguf, tmp_path_factory):
     )
     port = free_port()
     work = tmp_path_factory.mktemp("agent-work")
-    with router_process(home, ["router", "--port", str(port)], port) as r:
+    # --keep-alive 0.5: an agent's request that waits for the model's start (about 3 s) gets
+    # the loading note (router/keepalive.py) before its answer, as a user's first one does
+    args = ["router", "--port", str(port), "--keep-alive", "0.5"]
+    with router_process(home, args, port) as r:
         r.work = work
         yield r
         st = get_backend().status("smol")
@@ -196,3 +201,36 @@ def test_claude_code_runs_through_the_router(runs, router):
 
 def test_codex_runs_through_the_router(runs, router):
     answered(runs, router, "codex", "/v1/responses")
+
+
+def test_a_tool_result_goes_back_to_llama_server_in_each_dialect(runs, router):
+    """The second half of a tool round trip through the router to llama-server (the first
+    half cannot happen here: SmolLM2's template renders no tools, so llama-server answers a
+    forced tool_choice with text; tests/test_router_agents.py round-trips a forced call on
+    the engine): a conversation holding a call and its result, in each dialect's shapes
+    through its official client, is forwarded, taken and answered."""
+    claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
+    gpt = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    args, result = {"city": "Paris"}, "sunny, 21 C"
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    m = claude.messages.create(
+        model="smol", max_tokens=2,
+        tools=[{"name": "get_weather", "description": "The weather", "input_schema": params}],
+        messages=[ask, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": args}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}],
+    )  # fmt: skip
+    assert m.content[0].type == "text" and m.content[0].text and m.usage.output_tokens
+    fn = {"name": "get_weather", "description": "The weather", "parameters": params}
+    r = gpt.responses.create(
+        model="smol", max_output_tokens=2, tools=[{"type": "function", **fn}],
+        input=[ask, {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps(args)},
+               {"type": "function_call_output", "call_id": "call_1", "output": result}],
+    )  # fmt: skip
+    assert r.output_text and r.usage.output_tokens
+    c = gpt.chat.completions.create(
+        model="smol", max_tokens=2, tools=[{"type": "function", "function": fn}],
+        messages=[ask, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": result}],
+    )  # fmt: skip
+    assert c.choices[0].message.content and c.usage.completion_tokens

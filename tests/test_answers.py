@@ -1,14 +1,15 @@
 """A job's Steps -> the typed events every dialect renders (server/answers.py): Text with its
-tokens' log-probabilities, ToolCall, then one Finish whose reason says why it ended. The
-job's queue is fed by hand, as the worker would; no model runs."""
+tokens' log-probabilities, Thinking, ToolCall, then one Finish whose reason says why it
+ended. The job's queue is fed by hand, as the worker would; no model runs."""
 
 import asyncio
 
 from macserve.engine.generate import Step
 from macserve.server import tools
-from macserve.server.answers import read_steps
-from macserve.server.events import Finish, Text, ToolCall
+from macserve.server.answers import Output, read_steps
+from macserve.server.events import Finish, Text, Thinking, ToolCall
 from macserve.server.request import GenerationRequest, Tool
+from macserve.server.thinking import Think
 from macserve.server.worker import END, Job
 
 
@@ -19,12 +20,13 @@ class _Vocab:
         return str(token).encode()
 
 
-def _events(req: GenerationRequest, steps: list[Step]) -> list:
+def _events(req: GenerationRequest, steps: list[Step], think: Think | None = None) -> list:
     async def run():
         job = Job([1], 8, 1.0, 1.0, None, asyncio.get_running_loop())
         for s in [*steps, END]:
             job.out.put_nowait(s)
-        return [ev async for ev in read_steps(job, req, _Vocab(), tools.OURS, "call_")]
+        out = Output(tools.OURS, think)
+        return [ev async for ev in read_steps(job, req, _Vocab(), out, "call_")]
 
     return asyncio.run(run())
 
@@ -59,3 +61,17 @@ def test_logprobs_ride_with_the_text_their_tokens_wrote():
     (lp,) = events[0].logprobs
     assert (lp.raw, lp.logprob, lp.top) == (b"7", -0.5, ((b"7", -0.5),))  # -inf: masked, dropped
     assert events[-1].reason == "stop_sequence" and [e.raw for e in events[-1].logprobs] == [b"9"]
+
+
+def test_a_think_block_then_a_tool_call_each_its_own_event_and_its_tokens_counted():
+    req = GenerationRequest(kind="chat", tools=(Tool("f", "", {"type": "object"}),))
+    pieces = ["<think>", "\nUse f", ".\n</th", "ink>\n\n", "<tool_call>\n", '{"name": "f", "arguments": {}}', "\n</tool_call>"]  # fmt: skip
+    steps = [Step(i, p) for i, p in enumerate(pieces)]
+    steps[-1] = Step(9, pieces[-1], "stop", stats={"completion_tokens": len(pieces)})
+    events = _events(req, steps, Think("<think>", "</think>", open=False))
+    assert "".join(e.text for e in events if isinstance(e, Thinking)) == "Use f."
+    assert not [e for e in events if isinstance(e, Text)]  # the whitespace between: dropped
+    (call,) = [e for e in events if isinstance(e, ToolCall)]
+    assert call.name == "f" and events[-1].reason == "tool_calls"
+    # the tokens written inside the block: "\nUse f", ".\n</th" and "ink>..."
+    assert events[-1].stats == {"completion_tokens": 7, "reasoning_tokens": 3}

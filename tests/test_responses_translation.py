@@ -8,12 +8,16 @@ import json
 from typing import get_args
 
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import RawMessageStreamEvent
 from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from macserve.router import keepalive
 from macserve.router.errors import RouteError
 from macserve.router.responses import Translation
+from macserve.server.anthropic.render import Stream
 
 CODEX = {
     "model": "mlx",
@@ -174,3 +178,36 @@ def test_keep_alives_in_each_dialect():
             keepalive.event(path, "a", "tiny", 1.0, on)
             == b": macserve router: starting tiny (1s)\n\n"
         )
+
+
+def test_the_loading_note_opens_the_answer_and_the_servers_stream_continues_it():
+    """Anthropic's stream after a note, cut anywhere: the same events, its blocks after the
+    note's, read by the anthropic SDK's own accumulator; without the note, pings and the
+    stream untouched."""
+    s = Stream("msg_1", "tiny", 30, cached=20)
+    upstream = b"".join(s.start() + s.text("Hi") + s.finish("stop", None, {"prompt_tokens": 30, "cached_tokens": 20, "completion_tokens": 1}))  # fmt: skip
+    outs = []
+    for size in (len(upstream), 7):
+        kept = keepalive.for_request("/v1/messages", "claude-tiny", "tiny", True)
+        out = kept.tick(1.0) + kept.tick(2.0)
+        for i in range(0, len(upstream), size):
+            out += kept.feed(upstream[i : i + size])
+        outs.append(out + kept.rest())
+    assert outs[0].split(b"\n\n", 1)[1] == outs[1].split(b"\n\n", 1)[1]  # all but the id
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    snap = None
+    for ev in outs[0].split(b"\n\n")[:-1]:
+        data = json.loads(ev.split(b"data: ", 1)[1])
+        if data["type"] == "ping":  # the SDK's stream skips these before accumulating
+            continue
+        snap = accumulate_event(
+            event=adapter.validate_python(data), current_snapshot=snap, json_bufs={}
+        )
+    assert snap.model == "claude-tiny"
+    assert [b.type for b in snap.content] == ["thinking", "text"]
+    assert snap.content[0].thinking == "loading tiny, 1 s\nloading tiny, 2 s\n"
+    assert snap.content[1].text == "Hi" and snap.stop_reason == "end_turn"
+    assert snap.usage.input_tokens == 10 and snap.usage.cache_read_input_tokens == 20
+
+    off = keepalive.for_request("/v1/messages", "claude-tiny", "tiny", False)
+    assert off.tick(1.0) == keepalive.PING and off.feed(upstream) == upstream

@@ -76,14 +76,15 @@ def memory_value(ctx, param, value: str | None):
     show_default=True,
     help="Seconds a streaming request waits for a starting model before it gets its 200 and "
     "a keep-alive this often until the model is up (Anthropic's ping events, SSE comments, "
-    "a loading note in chat completions); 0 holds it.",
+    "or the loading note); 0 holds it.",
 )
 @click.option(
     "--loading-note/--no-loading-note",
     default=True,
     show_default=True,
-    help="Chat completions' keep-alives carry a visible note (reasoning_content: loading "
-    "NAME, 12 s); without it, SSE comments.",
+    help="Keep-alives carry a visible note, loading NAME, 12 s, as the answer's reasoning "
+    "(chat completions' reasoning_content, an Anthropic thinking block, a Responses "
+    "reasoning summary); without it, SSE comments and Anthropic pings.",
 )
 @click.option(
     "--start-timeout",

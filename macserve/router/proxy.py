@@ -2,8 +2,8 @@
 
 A request for a stopped profile is held while the pool starts it (or waits for memory); a
 streaming request that has waited `keep_alive` seconds gets its 200 and a keep-alive every
-`keep_alive` seconds until the server is up, in its own dialect (keepalive.py: Anthropic's
-`ping` events, SSE comments elsewhere, and in chat completions a visible "loading" note).
+`keep_alive` seconds until the server is up, in its own dialect, with a visible "loading"
+note where the dialect has a place for reasoning (keepalive.py).
 A /v1/responses request for a server without that API is translated (responses.py). Then the
 request
 goes upstream as it came (its key swapped for the profile's, `model` rewritten only for
@@ -274,30 +274,35 @@ class Proxy:
         tr: Translation | None = None,
     ):
         """Keep-alives while the model starts (keepalive.py: each dialect's, and a visible
-        note where the dialect has a place for one), then its stream (or the reason it
-        failed)."""
+        note in its place for reasoning), then its stream, after the note rewritten to
+        continue the answer the note began (or the reason it failed)."""
         resp = None
         asked = request.state.asked
+        kept = keepalive.for_request(path, asked, m.name, self.settings.loading_note)
         try:
             while not waiting.done():
-                waited = time.monotonic() - t0
-                yield keepalive.event(path, asked, m.name, waited, self.settings.loading_note)
+                yield kept.tick(time.monotonic() - t0)
                 await asyncio.wait({waiting}, timeout=self.settings.keep_alive)
             try:
                 waiting.result()
                 resp = await self._open(m, request, body, tr.path if tr else path)
             except RouteError as e:
-                yield dialects.error_event(e, path)
+                yield kept.feed(dialects.error_event(e, path)) + kept.rest()
                 return
             except _ClientGone:
                 return
             if not _is_stream(resp):  # the server refused the request (4xx): say why
                 text = (await resp.aread()).decode(errors="replace")
                 err = RouteError(resp.status_code, _message(text))
-                yield dialects.error_event(err, path)
+                yield kept.feed(dialects.error_event(err, path)) + kept.rest()
                 return
             async for b in self._pipe(resp, m, path, t0, asked, tr):
-                yield b
+                out = kept.feed(b)
+                if out:
+                    yield out
+            out = kept.rest()
+            if out:
+                yield out
         finally:
             waiting.cancel()
             if resp is not None:

@@ -1,6 +1,6 @@
-"""A running job's Steps -> what an answer is made of, whatever the API: `Text` and
-`ToolCall` events, then one `Finish` (events.py). Stop strings are cut here, tool calls split
-out of the text, and the job's end (done, deadline, shutdown, failure, client gone) becomes
+"""A running job's Steps -> what an answer is made of, whatever the API: `Text`, `Thinking`
+and `ToolCall` events, then one `Finish` (events.py). Stop strings are cut here, the model's
+thinking and tool calls split out of the text, and the job's end (done, deadline, shutdown, failure, client gone) becomes
 a Finish or an HttpError. Each dialect's serving module renders the events."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 from collections.abc import AsyncIterator
 
 from ..web.errors import HttpError
-from . import tools
-from .events import Event, Finish, Text, TokenLogprob
+from . import thinking, tools
+from .events import Event, Finish, Text, Thinking, TokenLogprob
 from .request import GenerationRequest
 from .worker import END, Job
 
@@ -53,6 +53,16 @@ class StopMatcher:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """How a model's output is read: its tool-call format, and its think markers (None: no
+    thinking mode, or not a chat answer). Made per request by serving.py; the dialects pass
+    it through to read_steps unopened."""
+
+    tools: tools.ToolFormat
+    think: thinking.Think | None = None
+
+
 @dataclasses.dataclass
 class Whole:
     """A whole (not streamed) answer's events, gathered: what every dialect renders."""
@@ -61,34 +71,40 @@ class Whole:
     calls: list
     logprobs: list
     finish: Finish
+    thinking: str = ""  # the model's reasoning, when it has a thinking mode and thought
 
 
-async def read_whole(job: Job, req: GenerationRequest, vocab, fmt, id_prefix: str) -> Whole:
-    """`read_steps` to its end: the text joined, the tool calls, every token's logprobs and
-    the Finish (logged as done)."""
+async def read_whole(job: Job, req: GenerationRequest, vocab, out: Output, id_prefix: str) -> Whole:
+    """`read_steps` to its end: the text joined, the thinking joined, the tool calls, every
+    token's logprobs and the Finish (logged as done)."""
     parts: list[str] = []
+    thought: list[str] = []
     calls: list = []
     lps: list = []
-    async for ev in read_steps(job, req, vocab, fmt, id_prefix):
+    async for ev in read_steps(job, req, vocab, out, id_prefix):
         if isinstance(ev, Text):
             parts.append(ev.text)
             lps += ev.logprobs
+        elif isinstance(ev, Thinking):
+            thought.append(ev.text)
         elif isinstance(ev, Finish):
             log_done(req, ev.reason, ev.stats)
-            return Whole("".join(parts), calls, lps + list(ev.logprobs), ev)
+            return Whole("".join(parts), calls, lps + list(ev.logprobs), ev, "".join(thought))
         else:
             calls.append(ev)
     raise HttpError(500, "generation ended without a result")
 
 
 async def read_steps(
-    job: Job, req: GenerationRequest, vocab, fmt, id_prefix: str
+    job: Job, req: GenerationRequest, vocab, out: Output, id_prefix: str
 ) -> AsyncIterator[Event]:
-    """Text and ToolCall events, then one Finish. Stop strings are cut (and never streamed,
-    even split across tokens); with tools, calls are split out of the text. Raises HttpError
-    when the job fails or the server stopped it."""
+    """Text, Thinking and ToolCall events, then one Finish. Stop strings are cut (and never
+    streamed, even split across tokens); a think block is split out of the text first, then,
+    with tools, calls out of what is left. Raises HttpError when the job fails or the server
+    stopped it. The Finish's stats count the reasoning tokens (`reasoning_tokens`)."""
     matcher = StopMatcher(req.stop)
-    splitter = tools.Splitter(fmt, req.tools, id_prefix) if req.uses_tools else None
+    splitter = tools.Splitter(out.tools, req.tools, id_prefix) if req.uses_tools else None
+    thinker = thinking.Splitter(out.think) if out.think is not None else None
     pending: list[TokenLogprob] = []
     stats: dict = {}
     while True:
@@ -120,9 +136,7 @@ async def read_steps(
             finish = "stop" if hit else item.finish_reason
         if finish and not hit:
             text = (text if item is not None else "") + matcher.flush()
-        events = splitter.feed(text) if splitter else ([Text(text)] if text else [])
-        if finish and splitter:
-            events += splitter.flush()
+        events = _split(text, bool(finish), thinker, splitter)
         for ev in events:
             if isinstance(ev, Text):
                 # The tokens read so far go with the first text they wrote.
@@ -135,8 +149,30 @@ async def read_steps(
                 finish = "tool_calls"
             elif hit:
                 finish = "stop_sequence"
+            if thinker is not None:
+                stats = {**stats, "reasoning_tokens": thinker.tokens}
             yield Finish(finish, matcher.hit if hit else None, stats, tuple(pending))
             return
+
+
+def _split(text: str, last: bool, thinker, splitter) -> list[Event]:
+    """One step's text -> its events: thinking first split out, then tool calls out of the
+    answer's text; `last`: the answer ends here (what each splitter holds is let out)."""
+    if thinker is not None:
+        if thinker.inside:
+            thinker.tokens += 1  # this step's token was written inside the think block
+        pieces = thinker.feed(text) + (thinker.flush() if last else [])
+    else:
+        pieces = [Text(text)] if text else []
+    events: list[Event] = []
+    for p in pieces:
+        if isinstance(p, Text) and splitter is not None:
+            events += splitter.feed(p.text)
+        else:
+            events.append(p)
+    if last and splitter is not None:
+        events += splitter.flush()
+    return events
 
 
 def cancelled_on_disconnect(events):

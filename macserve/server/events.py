@@ -1,6 +1,6 @@
 """What a running generation yields, whatever the API it answers: `Text` (with its tokens'
-log-probabilities), `ToolCall`, then one `Finish`. tools.Splitter and answers.read_steps make
-them; each dialect's serving module (openai/, anthropic/) renders them, so the dialects
+log-probabilities), `Thinking` (the model's reasoning: thinking.py), `ToolCall`, then one
+`Finish`. thinking.Splitter, tools.Splitter and answers.read_steps make them; each dialect's serving module (openai/, anthropic/) renders them, so the dialects
 match on a type, never on a tuple's first string."""
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ class Text:
 
 
 @dataclass(frozen=True)
+class Thinking:
+    text: str  # a piece of the model's reasoning (its think block), not of the answer
+
+
+@dataclass(frozen=True)
 class ToolCall:
     id: str
     name: str
@@ -51,4 +56,4 @@ class Finish:
     logprobs: tuple[TokenLogprob, ...] = ()  # entries not yet sent with a Text
 
 
-Event = Text | ToolCall | Finish
+Event = Text | Thinking | ToolCall | Finish

@@ -22,7 +22,8 @@ from ..web import dialects
 from ..web.body import read_body
 from ..web.errors import HttpError
 from ..web.jsonbody import parse_object
-from . import tools
+from . import thinking, tools
+from .answers import Output
 from .grammar import ConstraintSpec
 from .prepare import constraint, prompt_ids, thinking_honoured, token_budget
 from .request import GenerationRequest
@@ -184,7 +185,20 @@ def _notes(eng: Engine, req: GenerationRequest) -> dict[str, str]:
         return {}
     if thinking_honoured(eng.worker.bundle):
         return {"x-macserve-thinking": "on" if req.thinking else "off"}
+    if thinking.markers(eng.worker.bundle.tokenizer) is not None:
+        return {
+            "x-macserve-thinking": "ignored: this model's chat template has no thinking "
+            "switch (what it thinks is returned as thinking)"
+        }
     return {"x-macserve-thinking": "ignored: this model's chat template has no thinking mode"}
+
+
+def _output(eng: Engine, p: Prepared) -> Output:
+    """How this answer is read: the model's tool-call format, and for a chat answer its
+    think markers (and whether the prompt opened a think block)."""
+    tok = eng.worker.bundle.tokenizer
+    think = thinking.think_of(tok, p.ids) if p.req.kind == "chat" else None
+    return Output(tools.tool_format(tok), think)
 
 
 async def generate(request: Request, api: Dialect) -> Response:
@@ -212,8 +226,7 @@ async def generate(request: Request, api: Dialect) -> Response:
         try:
             await _admitted(eng, job)
             vocab, model = eng.worker.vocab, eng.settings.model_id
-            fmt = tools.tool_format(eng.worker.bundle.tokenizer)
-            args = (job, p.req, api.new_id(), model, vocab, fmt, len(p.ids))
+            args = (job, p.req, api.new_id(), model, vocab, _output(eng, p), len(p.ids))
             notes = _notes(eng, p.req)
             if not p.req.stream:
                 try:

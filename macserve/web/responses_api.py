@@ -1,7 +1,8 @@
 """OpenAI's Responses API's answers (`POST /v1/responses`), shared by the engine's route
 (server/responses/) and the router's translation for servers without it (router/responses.py):
-a `response` object (its output items: an assistant `message` with `output_text` parts,
-`function_call` items), usage, and the stream of typed events (response.created,
+a `response` object (its output items: a `reasoning` item with the model's thinking as
+`reasoning_text`, or a note as `summary_text`; an assistant `message` with `output_text`
+parts; `function_call` items), usage, and the stream of typed events (response.created,
 response.output_item.added, response.output_text.delta,
 response.function_call_arguments.delta/done, ..., response.completed), each event's JSON
 carrying its `type` and a `sequence_number`. Its errors are OpenAI's (openai_api.py); its
@@ -33,7 +34,7 @@ def usage(stats: dict) -> dict:
             "cache_write_tokens": 0,
         },
         "output_tokens": c,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": stats.get("reasoning_tokens", 0)},
         "total_tokens": p + c,
     }
 
@@ -77,6 +78,23 @@ def message_item(mid: str, text: str, status: str = "completed") -> dict:
     }
 
 
+def reasoning_item(rid: str, text: str, status: str = "completed", summary: bool = False) -> dict:
+    """The model's thinking as `reasoning_text` content (what OpenAI's open-weight models
+    return); `summary`: as a `summary_text` part instead (what Codex shows by default)."""
+    parts = [] if status != "completed" else [{"type": kind_of(summary), "text": text}]
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "status": status,
+        "summary": parts if summary else [],
+        "content": [] if summary else parts,
+    }
+
+
+def kind_of(summary: bool) -> str:
+    return "summary_text" if summary else "reasoning_text"
+
+
 def text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -101,8 +119,12 @@ def call_item(fid: str, c: Call, arguments: str, status: str = "completed") -> d
     }
 
 
-def whole(rid, model, echo, text: str, calls: list[Call], finish: str, stats) -> dict:
+def whole(
+    rid, model, echo, text: str, calls: list[Call], finish: str, stats, thinking: str = ""
+) -> dict:
     output = []
+    if thinking:
+        output.append(reasoning_item(_item_id("rs_"), thinking))
     if text or not calls:
         output.append(message_item(_item_id("msg_"), text))
     output += [call_item(_item_id("fc_"), c, c.arguments) for c in calls]
@@ -121,6 +143,9 @@ class Stream:
         self.output: list[dict] = []
         self.text: str | None = None  # the open message's text so far (None: no message open)
         self.mid = ""
+        self.thought: str | None = None  # the open reasoning item's text so far
+        self.summary = False  # the open reasoning item writes a summary (a note), not content
+        self.rsid = ""
 
     def _event(self, kind: str, **data) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **data}
@@ -140,8 +165,54 @@ class Stream:
     def _index(self) -> int:
         return len(self.output)
 
+    def reasoning(self, text: str, summary: bool = False) -> list[bytes]:
+        """A piece of reasoning: the model's thinking (`reasoning_text` deltas), or with
+        `summary` a note (`summary_text` deltas), in a reasoning item opened by the first."""
+        out = self._close_message()
+        i = self._index()
+        if self.thought is None:
+            self.thought, self.rsid, self.summary = "", _item_id("rs_"), summary
+            item = reasoning_item(self.rsid, "", "in_progress", summary)
+            out.append(self._event("response.output_item.added", output_index=i, item=item))
+            part = {"type": kind_of(summary), "text": ""}
+            where = {"summary_index": 0} if summary else {"content_index": 0}
+            added = "reasoning_summary_part" if summary else "content_part"
+            out.append(
+                self._event(
+                    f"response.{added}.added", item_id=self.rsid, output_index=i, **where, part=part
+                )
+            )
+        self.thought += text
+        kind = "reasoning_summary_text" if self.summary else "reasoning_text"
+        where = {"summary_index": 0} if self.summary else {"content_index": 0}
+        out.append(
+            self._event(
+                f"response.{kind}.delta", item_id=self.rsid, output_index=i, **where, delta=text
+            )
+        )
+        return out
+
+    def _close_reasoning(self) -> list[bytes]:
+        if self.thought is None:
+            return []
+        i, text, summary = self._index(), self.thought, self.summary
+        where = {"summary_index": 0} if summary else {"content_index": 0}
+        ref = {"item_id": self.rsid, "output_index": i, **where}
+        kind = "reasoning_summary_text" if summary else "reasoning_text"
+        part = "reasoning_summary_part" if summary else "content_part"
+        out = [
+            self._event(f"response.{kind}.done", **ref, text=text),
+            self._event(
+                f"response.{part}.done", **ref, part={"type": kind_of(summary), "text": text}
+            ),
+        ]
+        item = reasoning_item(self.rsid, text, summary=summary)
+        self.output.append(item)
+        self.thought = None
+        return out + [self._event("response.output_item.done", output_index=i, item=item)]
+
     def delta(self, text: str) -> list[bytes]:
-        out = []
+        out = self._close_reasoning()
         if self.text is None:
             self.text, self.mid = "", _item_id("msg_")
             item = message_item(self.mid, "", "in_progress")
@@ -170,7 +241,15 @@ class Stream:
         )
         return out
 
+    def close(self) -> list[bytes]:
+        """Closes the open item (what a stream another writes continues after)."""
+        return self._close_text()
+
     def _close_text(self) -> list[bytes]:
+        """Closes the open item: a message, or a reasoning item."""
+        return self._close_message() + self._close_reasoning()
+
+    def _close_message(self) -> list[bytes]:
         if self.text is None:
             return []
         i, text, mid = self._index(), self.text, self.mid
@@ -210,8 +289,9 @@ class Stream:
 
     def finish(self, finish: str, stats: dict) -> list[bytes]:
         out = self._close_text()
-        if not self.output:  # an empty answer is still one (empty) message
-            out = self.delta("") + self._close_text()
+        if not self.output or all(o["type"] == "reasoning" for o in self.output):
+            # an empty answer (or one that only thought) is still one (empty) message
+            out += self.delta("") + self._close_text()
         r = self._response(finish, stats)
         kind = "response.completed" if r["status"] == "completed" else "response.incomplete"
         return out + [self._event(kind, response=r)]

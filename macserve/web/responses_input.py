@@ -180,7 +180,8 @@ def chat_messages(body: Body) -> list[dict]:
         elif isinstance(it, FunctionCallOutput):
             text = _text(it.output, f"{where}.output")
             out.append({"role": "tool", "content": text, "tool_call_id": it.call_id})
-        # Reasoning items: the model writes none and its template has no place for them.
+        # Reasoning items (a model's thinking, the router's loading note): dropped, as
+        # thinking models' templates drop earlier reasoning.
     return out
 
 

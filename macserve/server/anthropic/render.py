@@ -44,9 +44,13 @@ def message(
     stop_seq: str | None,
     stats: dict,
     window: bool = False,
+    thinking: str = "",
 ) -> dict:
     content: list[dict] = []
-    if text or not calls:
+    if thinking:
+        # No signature: nothing here signs thinking (and blocks sent back are dropped).
+        content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+    if text or not (calls or thinking):
         content.append({"type": "text", "text": text})
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()} for c in calls]
     return {
@@ -95,8 +99,18 @@ class Stream:
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            sig = {"type": "signature_delta", "signature": ""}
+            out.append(
+                event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": self.index, "delta": sig},
+                )
+            )
         self.open = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        stop = {"type": "content_block_stop", "index": self.index}
+        return out + [event("content_block_stop", stop)]
 
     def _begin(self, block: dict) -> list[bytes]:
         out = self._close()
@@ -111,6 +125,21 @@ class Stream:
             "type": "content_block_delta",
             "index": self.index,
             "delta": {"type": "text_delta", "text": text},
+        }
+        return out + [event("content_block_delta", delta)]
+
+    def thinking(self, text: str) -> list[bytes]:
+        """A piece of the model's reasoning, in a `thinking` block (streamed as thinking
+        deltas; closed by an empty signature delta, as Anthropic closes its own)."""
+        out = (
+            []
+            if self.open == "thinking"
+            else self._begin({"type": "thinking", "thinking": "", "signature": ""})
+        )
+        delta = {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": {"type": "thinking_delta", "thinking": text},
         }
         return out + [event("content_block_delta", delta)]
 

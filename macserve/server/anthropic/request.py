@@ -3,15 +3,17 @@ body in, the neutral GenerationRequest (../request.py) out, parsed once.
 
 Content blocks map onto the OpenAI-shaped messages the chat template path takes: text blocks
 join into the content, `tool_use` blocks become an assistant's tool_calls, `tool_result`
-blocks become "tool" messages. Thinking blocks from earlier turns are dropped (the model
-writes none); images and documents get a 400. Errors (529 for overloaded included) are
+blocks become "tool" messages. Thinking blocks from earlier turns are dropped (as thinking
+models' own templates drop earlier reasoning; ours carry no signature to check); images and
+documents get a 400. Errors (529 for overloaded included) are
 rendered by web/anthropic_api.py, as the router's are.
 
 What coding agents send is taken as Claude Code sends it (issue 44): `system` messages inside
 `messages` (its environment block) are system turns, rendered where they stand by the chat
 template; `thinking` (`adaptive`, `enabled`, `disabled`) becomes the template's
 `enable_thinking` where it has one, else is accepted and ignored (the answer's
-`x-macserve-thinking` header says which); `output_config.format` (a JSON schema) constrains
+`x-macserve-thinking` header says which; a model's thinking comes back as `thinking` blocks:
+../thinking.py); `output_config.format` (a JSON schema) constrains
 the answer; `metadata`, `context_management`, `output_config.effort`, `service_tier` and any
 field this server does not know are accepted and ignored (unknown ones with a log line), as
 are tools of Anthropic's server-side types (web search, code execution: nothing here can run

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from ...web import anthropic_api, dialects
 from ...web.errors import HttpError
 from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
-from ..events import Finish, Text, ToolCall
+from ..events import Finish, Text, Thinking, ToolCall
 from ..prepare import prompt_ids
 from ..request import GenerationRequest
 from ..serving import Engine
@@ -42,7 +42,7 @@ class Anthropic:
         ev = w.finish
         window = _window(job, req, ev.stats)
         return render.message(
-            rid, model, w.text, w.calls, ev.reason, ev.stop_sequence, ev.stats, window
+            rid, model, w.text, w.calls, ev.reason, ev.stop_sequence, ev.stats, window, w.thinking
         )
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
@@ -57,6 +57,8 @@ class Anthropic:
                 match ev:
                     case Text():
                         out = s.text(ev.text)
+                    case Thinking():
+                        out = s.thinking(ev.text)
                     case ToolCall():
                         out = s.call(ev)
                     case Finish():

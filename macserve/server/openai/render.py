@@ -95,9 +95,12 @@ def full_response(
     stats: dict,
     calls: list[ToolCall] | None = None,
     logprobs: Sequence[TokenLogprob] | None = None,
+    reasoning: str = "",
 ) -> dict:
     if req.kind == "chat":
         msg: dict = {"role": "assistant", "content": text if (text or not calls) else None}
+        if reasoning:  # the model's thinking: llama-server's and DeepSeek's field for it
+            msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [tool_call_json(c) for c in calls]
         choice = {
@@ -138,14 +141,18 @@ def chunk(
     first_call: int = 0,
     logprobs: Sequence[TokenLogprob] | None = None,
     offset: int = 0,
+    reasoning: str | None = None,
 ) -> dict:
     """One streamed chunk. `first_call`: the index of calls[0] among the answer's calls;
-    `offset`: where `text` starts in the answer (the legacy logprobs' text_offset)."""
+    `offset`: where `text` starts in the answer (the legacy logprobs' text_offset);
+    `reasoning`: a piece of the model's thinking (`reasoning_content`)."""
     lp = None
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         if calls:
             delta["tool_calls"] = [tool_call_json(c, first_call + i) for i, c in enumerate(calls)]
         if req.logprobs and logprobs:

@@ -185,6 +185,27 @@ def _message(m, i: int) -> dict:
     return out
 
 
+def _thinking(body: dict) -> bool | None:
+    """Thinking asked for: `chat_template_kwargs.enable_thinking` (llama-server's and vLLM's
+    way) or `reasoning_effort` ("none" or "minimal": off; any other: on); None: the model's
+    default. Passed to the chat template's switch where it has one (prepare.py)."""
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and "enable_thinking" in kwargs:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise HttpError(
+                400,
+                "chat_template_kwargs.enable_thinking must be true or false",
+                "chat_template_kwargs",
+            )
+        return kwargs["enable_thinking"]
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str):
+        raise HttpError(400, "reasoning_effort must be a string", "reasoning_effort")
+    return effort not in ("none", "minimal")
+
+
 def parse_chat(body: dict) -> GenerationRequest:
     msgs = body.get("messages")
     if msgs is None:
@@ -212,6 +233,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     )
     if kw["top_logprobs"] and not kw["logprobs"]:
         raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    kw["thinking"] = _thinking(body)
     return GenerationRequest(**kw)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...web import openai_api
 from ...web.errors import HttpError
 from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
-from ..events import Finish, Text, ToolCall
+from ..events import Finish, Text, Thinking, ToolCall
 from ..request import GenerationRequest
 from . import render as R
 from .request import parse_chat, parse_completion
@@ -34,7 +34,9 @@ class OpenAI:
     async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
         w = await read_whole(job, req, vocab, fmt, self.call_prefix)
         ev = w.finish
-        return R.full_response(req, rid, model, w.text, _finish(ev), ev.stats, w.calls, w.logprobs)
+        return R.full_response(
+            req, rid, model, w.text, _finish(ev), ev.stats, w.calls, w.logprobs, w.thinking
+        )
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
         return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt)
@@ -50,6 +52,8 @@ class OpenAI:
                         c = R.chunk(req, rid, model, ev.text, logprobs=ev.logprobs, offset=offset)
                         yield R.sse(c)
                         offset += len(ev.text)
+                    case Thinking():
+                        yield R.sse(R.chunk(req, rid, model, None, reasoning=ev.text))
                     case ToolCall():
                         yield R.sse(R.chunk(req, rid, model, None, calls=[ev], first_call=n_calls))
                         n_calls += 1

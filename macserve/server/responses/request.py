@@ -5,7 +5,7 @@ neutral GenerationRequest plus what the answer echoes back) out, parsed once.
 developer is the system role the chat template knows), their parts (`input_text`,
 `output_text`), `function_call` items (an assistant's tool calls) and `function_call_output`
 items (the results, as "tool" messages); `reasoning` items from earlier turns are dropped (the
-model writes none). `instructions` becomes a leading system message.
+model's thinking, or the router's loading note: templates drop earlier reasoning). `instructions` becomes a leading system message.
 
 Stateless: `store` is accepted and ignored (nothing is kept), so `previous_response_id` is a
 400 saying to send the whole conversation in `input` (what Codex does). Tools other than

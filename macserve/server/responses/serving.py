@@ -7,7 +7,7 @@ from __future__ import annotations
 from ...web import responses_api as render
 from ...web.errors import HttpError
 from ..answers import cancelled_on_disconnect, log_done, read_steps, read_whole
-from ..events import Finish, Text, ToolCall
+from ..events import Finish, Text, Thinking, ToolCall
 from ..request import GenerationRequest
 from .request import parse
 
@@ -24,7 +24,8 @@ class Responses:
 
     async def whole(self, job, req, rid, model, vocab, fmt, n_prompt: int) -> dict:
         w = await read_whole(job, req, vocab, fmt, self.call_prefix)
-        return render.whole(rid, model, req.echo, w.text, w.calls, w.finish.reason, w.finish.stats)
+        f = w.finish
+        return render.whole(rid, model, req.echo, w.text, w.calls, f.reason, f.stats, w.thinking)
 
     def stream(self, job, req, rid, model, vocab, fmt, n_prompt: int):
         return cancelled_on_disconnect(self._events)(job, req, rid, model, vocab, fmt)
@@ -38,6 +39,8 @@ class Responses:
                 match ev:
                     case Text():
                         out = s.delta(ev.text)
+                    case Thinking():
+                        out = s.reasoning(ev.text)
                     case ToolCall():
                         out = s.call(ev)
                     case Finish():
