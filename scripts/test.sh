@@ -6,7 +6,8 @@ MACSERVE_TEST_DEPS=1 source "$here/scripts/install.sh"
 cd "$here"
 python3 -m ruff check .
 python3 -m ruff format --check .
-# Two workers, a test file to each at a time (its module fixtures kept, its order kept): most
+# Two workers, a test file to each at a time (its module fixtures kept, its order kept), the
+# longest files first (tests/slow_files.txt, conftest.py; not xdist's most-tests-first): most
 # end-to-end tests wait on processes they started, so two cores run two files at once.
 # MACSERVE_TEST_WORKERS=0 runs in one process; the per-file timings: tests/README.md.
-exec python3 -m pytest -q -n "${MACSERVE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec python3 -m pytest -q -n "${MACSERVE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
