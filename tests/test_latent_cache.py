@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from macserve.dev.tiny.data import training_text
-from macserve.engine import mla_attention
+from macserve.engine import mla_attention, segment_read
 from macserve.engine.calibration import (
     METHODS,
     Calibration,
@@ -182,13 +182,13 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
 
 @pytest.mark.model
 def test_a_decode_step_read_in_pieces_equals_the_whole_read(model, calibration, monkeypatch):
-    """A long segment is read in pieces merged by online softmax (mla_attention.PIECE, 2,048
+    """A long segment is read in pieces merged by online softmax (segment_read.PIECE, 2,048
     rows; 16 here so the demo's segments are cut): the same attention as reading it whole."""
     m, tok = model
     ids = prompt(tok, 124)
     logits = {}
     for piece in (16, 0):
-        monkeypatch.setattr(mla_attention, "PIECE", piece)
+        monkeypatch.setattr(segment_read, "PIECE", piece)
         caches = caches_for(m, SMALL, calibration, "eigen")
         run(m, caches, ids[:120], 40)
         assert caches[0].codes_lat.length > 16  # the codes are cut into pieces

@@ -13,15 +13,8 @@ multiply-adds than scoring every query against the 512-wide latent.
 Keys are read segment by segment (bf16 sink, codes, bf16 window) and, in a prefill chunk, in
 blocks of keys, each with its own softmax; the partial results are merged with their maxima
 and sums (online softmax), so the transient memory is bounded by heads x queries x block, not
-by the context. A decode step reads each segment whole, with no mask (its segments are
-exactly what the query sees) and, on a bf16 model, no float32 conversion; on the CPU a
-segment longer than PIECE rows in pieces of PIECE, each evaluated while its rows are in the
-core's cache.
-
-How codes are read depends on the device: on a GPU with `mx.quantized_matmul` (the kernels
-read 2-bit codes directly); on the CPU by dequantizing (rows.dequantize) and a BLAS
-matmul, because MLX's CPU quantized matmul runs at about 2 GFLOP/s against about 100 for its
-float32 BLAS (measured on this machine, docs/int2-latent-cache.md).
+by the context. How a segment's rows are read (codes by `quantized_matmul` on a GPU,
+dequantized elsewhere) and a decode step's one-softmax read are segment_read.py's.
 
 DSA models (deepseek_v32, glm_moe_dsa) cache CacheList(latent, indexer key); the indexer's
 top-k selection (`dsa_indexer.py`) becomes a mask over the same scores, and a decode step
@@ -42,7 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache
 
-from . import dsa_indexer
+from . import dsa_indexer, segment_read
 from .batch import SequenceBatch
 from .latent_cache import RotatedLatentCache
 from .online_softmax import Merge, masked, tiled
@@ -57,23 +50,6 @@ SPARSE_DECODE = True
 # (`decode_read`); False: as a prefill chunk's blocks are read, merged by online softmax (the
 # bench flips it to measure what that saves; tests check both give the same attention).
 DECODE_READ = True
-# How codes are read: None picks by device (quantized_matmul on a GPU, dequantize + BLAS on
-# the CPU); "qmm" or "dequantize" forces one (the engine bench builds the GPU graph on a CPU
-# to count its conversions; tests check both paths agree).
-READ_CODES: str | None = None
-# On the CPU a decode step reads a segment longer than this many rows in pieces of it, each
-# piece's rows converted (bf16 to float32, or codes dequantized), scored and summed while they
-# are in the core's cache, then merged (online softmax, evaluated piece by piece); read whole,
-# a 32K context's float32 rows (64 MiB at DeepSeek-V3's width) go to memory and are read back
-# twice. 0: segments whole (the bench flips it to measure the difference; tests check both
-# give the same attention). The demo's segments are shorter: it is read as before.
-PIECE = 2048
-
-
-def _read_with_qmm() -> bool:
-    if READ_CODES is not None:
-        return READ_CODES == "qmm"
-    return mx.default_device().type != mx.DeviceType.cpu
 
 
 def project(attn, x):
@@ -142,26 +118,16 @@ def blocks(
     return out
 
 
-def dense_rows(cache: RotatedLatentCache, kind: str, lat, pe, dtype):
-    """A block's rows as dense (latent, rope) arrays of `dtype`, rotated latent."""
-    if kind != "codes":
-        return lat[0].astype(dtype), pe[0].astype(dtype)
-    return (
-        cache.codes_lat.decode(lat, cache.latent_dims, dtype),
-        cache.codes_pe.decode(pe, cache.rope_dims, dtype),
-    )
-
-
 def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     """Attention in latent space: q_lat (B, H, L, r) rotated and scaled -> (B, H, L, r)."""
     B, H = q_lat.shape[:2]
-    gpu = _read_with_qmm()
+    gpu = segment_read.read_with_qmm()
     dtype = q_lat.dtype
     qr = q_lat.reshape(B, 1, H * L, -1)
     qp = q_pe.reshape(B, 1, H * L, -1)
     merge = Merge()
     for kind, _, lat, pe, vis in blks:
-        s, values = _segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
+        s, values = segment_read.segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
         s = s.reshape(B, H, L, -1)
         if L > 1:  # a prefill chunk: softmax statistics in float32 across many blocks
             s = s.astype(mx.float32)
@@ -177,81 +143,6 @@ def absorbed(cache: RotatedLatentCache, q_lat, q_pe, blks, L: int):
     return merge.result().astype(dtype)
 
 
-def _segment(cache: RotatedLatentCache, kind, lat, pe, qr, qp, dtype, gpu: bool):
-    """One segment's scores against the flat queries qr, qp (B, 1, H*L, d), and a function
-    of its attention weights giving its share of the values: codes read in place by
-    `quantized_matmul` on a GPU; elsewhere dense rows (bf16, or codes dequantized)."""
-    if kind == "codes" and gpu:
-        st_l, st_p = cache.codes_lat, cache.codes_pe
-        g_l, g_p = st_l.group(cache.latent_dims), st_p.group(cache.rope_dims)
-        s = mx.quantized_matmul(qr, *lat, transpose=True, group_size=g_l, bits=st_l.bits)
-        if st_p.bits is None:
-            s = s + qp @ pe[0].astype(dtype).swapaxes(-1, -2)
-        else:
-            s = s + mx.quantized_matmul(qp, *pe, transpose=True, group_size=g_p, bits=st_p.bits)
-
-        def value(p):
-            return mx.quantized_matmul(p, *lat, transpose=False, group_size=g_l, bits=st_l.bits)
-
-        return s, value
-    k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
-    s = qr @ k_lat.swapaxes(-1, -2) + qp @ k_pe.swapaxes(-1, -2)
-    return s, lambda p: p @ k_lat
-
-
-def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
-    """`absorbed` for one query per step (L == 1, no DSA selection): its segments (bf16
-    sink, codes, bf16 window) are exactly what the query sees, so there is no mask and no
-    block to merge: each segment's scores, one softmax over all of them, each segment's share
-    of the values. The online softmax's running max, rescaling and merge per segment (a dozen
-    small ops each) and the blocks' Python are what this saves; the products are the same.
-    q_lat (B, H, 1, r) rotated and scaled -> (B, H, 1, r)."""
-    B, H = q_lat.shape[:2]
-    dtype = q_lat.dtype
-    qr = q_lat.reshape(B, 1, H, -1)
-    qp = q_pe.reshape(B, 1, H, -1)
-    gpu = _read_with_qmm()
-    segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
-    if not gpu and PIECE and any(lat[0].shape[2] > PIECE for _, lat, _ in segs):
-        return _read_in_pieces(cache, segs, qr, qp, dtype).reshape(B, H, 1, -1)
-    scores, values = [], []
-    for kind, lat, pe in segs:
-        s, value = _segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
-        scores.append(s)
-        values.append(value)
-    if len(scores) == 1:
-        out = values[0](mx.softmax(scores[0], axis=-1, precise=True))
-    else:
-        p = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
-        out, a = None, 0
-        for s, value in zip(scores, values):
-            n = s.shape[-1]
-            o = value(p[..., a : a + n])
-            out, a = (o if out is None else out + o), a + n
-    return out.reshape(B, H, 1, -1)
-
-
-def _read_in_pieces(cache: RotatedLatentCache, segs, qr, qp, dtype):
-    """`decode_read`'s attention with each segment cut into pieces of PIECE rows, merged by
-    online softmax and evaluated piece by piece (`Merge.settle`: left lazy, MLX would compute
-    every piece's rows before merging any). -> (B, 1, H, r)."""
-    merge = Merge()
-    for kind, lat, pe in segs:
-        n = lat[0].shape[2]
-        for a in range(0, n, PIECE):
-            b = min(n, a + PIECE)
-            pl = tuple(x[..., a:b, :] for x in lat)
-            pp = tuple(x[..., a:b, :] for x in pe)
-            s, value = _segment(cache, kind, pl, pp, qr, qp, dtype, False)
-
-            def piece_values(p, value=value):
-                return value(p.astype(dtype)).astype(mx.float32)
-
-            merge.add(s.astype(mx.float32), piece_values)
-            merge.settle()
-    return merge.result().astype(dtype)
-
-
 def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
     """mlx-lm's L > 1 form, block by block: each block of cached latents (codes dequantized)
     is rotated back and expanded to per-head keys and values. -> (B, H, L, v_head_dim)."""
@@ -259,7 +150,7 @@ def _expanded(attn, cache: RotatedLatentCache, q_nope, q_pe, blks):
     rot = cache.rotation
     merge = Merge()
     for kind, _, lat, pe, vis in blks:
-        k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
+        k_lat, k_pe = segment_read.dense_rows(cache, kind, lat, pe, dtype)
         c = k_lat if rot is None else k_lat @ rot.swapaxes(-1, -2)
         k = attn.embed_q(c, transpose=False)  # (B, H, n, nope)
         v = attn.unembed_out(c)  # (B, H, n, v)
@@ -302,7 +193,7 @@ def _quantized_core(attn, x, cache, q_nope, q_pe, latent, k_pe, qr, observer, in
     else:
         q_lat = cache.rotate(attn.embed_q(q_nope) * attn.scale)
         if L == 1 and chosen is None and DECODE_READ:
-            out = decode_read(cache, q_lat, q_pe)
+            out = segment_read.decode_read(cache, q_lat, q_pe)
         else:
             blks = blocks(
                 cache, L, H, 4 if L > 1 else q_lat.dtype.size, chosen, row_bytes(attn, L, 4)

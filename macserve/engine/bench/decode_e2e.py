@@ -18,7 +18,7 @@ from contextlib import contextmanager, nullcontext
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from .. import latent_cache, mla_attention, rows
+from .. import latent_cache, mla_attention, rows, segment_read
 from ..caches import latent_caches
 from ..latent_cache import RotatedLatentCache
 
@@ -60,14 +60,14 @@ def previous_read():
 
 @contextmanager
 def whole_segments():
-    """The decode read with every segment read whole, not in pieces (`mla_attention.PIECE`),
+    """The decode read with every segment read whole, not in pieces (`segment_read.PIECE`),
     to measure what the pieces save in the same process."""
-    old = mla_attention.PIECE
-    mla_attention.PIECE = 0
+    old = segment_read.PIECE
+    segment_read.PIECE = 0
     try:
         yield
     finally:
-        mla_attention.PIECE = old
+        segment_read.PIECE = old
 
 
 def code_rows(caches: list) -> int | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from .. import mla_attention
+from .. import mla_attention, segment_read
 from ..caches import latent_caches, model_dtype
 from ..latent_cache import RotatedLatentCache
 from .setup import HELD, Setup, best_of, caches, fill, to_dtype
@@ -64,7 +64,7 @@ def attention_parts(s: Setup, ctx: int, reps: int = 5) -> dict:
     seg = [(lat_, pe_) for kind, _, lat_, pe_ in c2.segments(1) if kind == "codes"]
 
     def unpack():
-        return [mla_attention.dense_rows(c2, "codes", lt, pt, dtype) for lt, pt in seg]
+        return [segment_read.dense_rows(c2, "codes", lt, pt, dtype) for lt, pt in seg]
 
     names = ("mlx_lm_sdpa", "mlx_lm_folded", "bf16_latent", "int2", "int2_unpack")
     fns = (sdpa, folded, ours("bf16_latent"), ours("int2"), unpack)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import mla_attention
+from .. import mla_attention, segment_read
 from ..caches import latent_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
@@ -133,8 +133,8 @@ def upcasts(s: Setup, ctx: int = 1024) -> dict:
     built, never run; codes are read as on a GPU (quantized_matmul)."""
     prev = model_dtype(s.model)
     to_dtype(s, mx.bfloat16)
-    old = mla_attention.READ_CODES
-    mla_attention.READ_CODES = "qmm"
+    old = segment_read.READ_CODES
+    segment_read.READ_CODES = "qmm"
     try:
         a = s.attn
         x = mx.random.normal((1, 1, s.model.args.hidden_size)).astype(mx.bfloat16)
@@ -153,7 +153,7 @@ def upcasts(s: Setup, ctx: int = 1024) -> dict:
             res["logits_dtype"][which] = str(logits.dtype).rsplit(".", 1)[-1]
         return res
     finally:
-        mla_attention.READ_CODES = old
+        segment_read.READ_CODES = old
         to_dtype(s, prev)
 
 
@@ -225,7 +225,7 @@ def decode_speed(s: Setup, ctx: int, steps: int = 4, rounds: int = 3) -> dict:
     off) and to mlx-lm's cache. "int2_whole" / "bf16_latent_whole": the same caches with every
     segment read whole, not in pieces (`decode_e2e.whole_segments`)."""
     names = ("int2", "int2_previous", "bf16_latent", "bf16")
-    pieces = 0 < mla_attention.PIECE < ctx  # else no segment is cut: "_whole" is the same read
+    pieces = 0 < segment_read.PIECE < ctx  # else no segment is cut: "_whole" is the same read
     if pieces:
         names += ("int2_whole", "bf16_latent_whole")
     modes = {"int2_previous": previous_read, "int2_whole": whole_segments}
