@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import click
-import httpx
 
 from .. import env
 from .lazy import lazy
@@ -138,6 +137,8 @@ def write_profile(home: Path, provider: str, twin: Path | None) -> str:
 def router(home: Path):
     """A router in the foreground over `home`'s profiles (supervisord starts them on demand);
     at the end, the router stopped and supervisord shut down with every server it ran."""
+    import httpx  # 0.3 s: only a replay needs it, never `bench --help`
+
     port = _free_port()
     variables = dict(
         os.environ,
@@ -176,6 +177,8 @@ def router(home: Path):
 
 def warm(url: str, model: str) -> None:
     """The model started (the router starts it on its first request) before turn 1 is timed."""
+    import httpx  # 0.3 s: only a replay needs it, never `bench --help`
+
     body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
     if r.status_code != 200:
