@@ -123,7 +123,9 @@ def write_profile(home: Path, provider: str, twin: Path | None) -> str:
     port = _free_port()
     if provider == "engine":
         model = stretched_twin(twin, home / "smol-yarn")
-        text = f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\n"
+        # a first turn of 12-20K tokens takes over the server's 600 s request timeout at this
+        # machine's 15-45 tokens/s (which cuts it off unanswered, and caches nothing)
+        text = f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nEXTRA_ARGS='--request-timeout 7200'\n"
     else:
         template = home / "chatml-tools.jinja"
         template.write_text(agent_loop.CHATML_TOOLS)
@@ -273,6 +275,8 @@ def bench_agent(agent_names, provider_names, do_record, recordings, turns, max_t
     """A coding agent's loop (its recorded requests: system prompt, tools, ten turns with tool
     results) replayed through the router against the engine and llama-server: prompt tokens,
     cached tokens and time to first token per turn."""
+    # a SIGTERM ends the run through the `finally`s: its router and servers stopped with it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     agent_names = agent_names or AGENT_NAMES
     provider_names = provider_names or PROVIDERS
     folder = recordings or recorded_dir()
