@@ -248,6 +248,7 @@ def reuse_report(agent: str, turns: list) -> None:
     is_flag=True,
     help="Record the agents' requests first (runs their CLIs against a scripted stand-in).",
 )
+@click.option("--no-replay", is_flag=True, help="With --record: record only.")
 @click.option(
     "--recordings",
     type=click.Path(file_okay=False, path_type=Path),
@@ -271,7 +272,7 @@ def reuse_report(agent: str, turns: list) -> None:
 @click.option("--url", help="A running router to use instead (its profiles named by --model).")
 @click.option("--model", "model_name", help="With --url: the profile to replay against.")
 @click.option("--json", "as_json", is_flag=True)
-def bench_agent(agent_names, provider_names, do_record, recordings, turns, max_tokens, twin_dir, url, model_name, as_json):  # fmt: skip
+def bench_agent(agent_names, provider_names, do_record, no_replay, recordings, turns, max_tokens, twin_dir, url, model_name, as_json):  # fmt: skip
     """A coding agent's loop (its recorded requests: system prompt, tools, ten turns with tool
     results) replayed through the router against the engine and llama-server: prompt tokens,
     cached tokens and time to first token per turn."""
@@ -284,6 +285,8 @@ def bench_agent(agent_names, provider_names, do_record, recordings, turns, max_t
         for a in agent_names:
             n = record(a, folder / a)
             click.echo(f"recorded {a}: {n} turns in {folder / a}", err=True)
+        if no_replay:
+            return
     loops = {}
     for a in agent_names:
         if not (folder / a).is_dir():
