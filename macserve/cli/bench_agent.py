@@ -125,7 +125,13 @@ def write_profile(home: Path, provider: str, twin: Path | None) -> str:
         model = stretched_twin(twin, home / "smol-yarn")
         # a first turn of 12-20K tokens takes over the server's 600 s request timeout at this
         # machine's 15-45 tokens/s (which cuts it off unanswered, and caches nothing)
-        text = f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nEXTRA_ARGS='--request-timeout 7200'\n"
+        # MEMORY: the share the router would count for CTX leaves the prompt cache 61 MB here
+        # (the CPU holds the caches in float32, twice the bf16 the share counts), less than one
+        # agent turn's prefix (~43 KB a token): every turn would be prefilled whole
+        text = (
+            f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nMEMORY=4GB\n"
+            "EXTRA_ARGS='--request-timeout 7200'\n"
+        )
     else:
         template = home / "chatml-tools.jinja"
         template.write_text(agent_loop.CHATML_TOOLS)
