@@ -129,7 +129,7 @@ def write_profile(home: Path, provider: str, twin: Path | None) -> str:
         # (the CPU holds the caches in float32, twice the bf16 the share counts), less than one
         # agent turn's prefix (~43 KB a token): every turn would be prefilled whole
         text = (
-            f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nMEMORY=4GB\n"
+            f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nMEMORY=4GB\nPARALLEL=1\n"
             "EXTRA_ARGS='--request-timeout 7200'\n"
         )
     else:
