@@ -71,7 +71,13 @@ def main():
     "bench",
     cls=Families,
     families=_families(
-        "bench", "bench_engine", "bench_serve", "bench_startup", "bench_memory", "bench_twin"
+        "bench",
+        "bench_engine",
+        "bench_serve",
+        "bench_startup",
+        "bench_memory",
+        "bench_twin",
+        "bench_agent",
     ),
 )
 def bench_group():

@@ -120,6 +120,11 @@ def _claude(t: Target, args: tuple[str, ...], exe: str) -> Launch:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": t.model,
         "CLAUDE_CODE_SUBAGENT_MODEL": t.model,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        # Its system prompt's first line is otherwise a billing header whose cc_version ends
+        # in a fingerprint of the session's first prompt: every new session would change the
+        # first line, so no server could reuse the cached system prompt and tools (15-20K
+        # tokens) from one session to the next (docs/agents.md, the loop section)
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     }
     out = output_tokens(t.ctx, t.output)
     if out:
