@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from .. import env
+from .launch import AGENT_NAMES  # the agents `launch` sets up
 from .lazy import lazy
 
 agent_capture = lazy("macserve.dev.agent_capture")
@@ -30,7 +31,6 @@ llama_cpp = lazy("macserve.services.providers.llama_cpp")
 smollm = lazy("macserve.dev.smollm")
 supervisord = lazy("macserve.services.supervisors.supervisord")
 
-AGENT_NAMES = ("claude", "codex", "opencode")
 PROVIDERS = ("engine", "llama")
 CTX = 32768  # an agent's first turn is 15-20K tokens (docs/agents.md)
 # llama-server's YaRN: SmolLM2's 8,192 trained positions stretched 4x (as tests/test_agents_e2e.py)
