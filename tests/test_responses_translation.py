@@ -5,8 +5,11 @@ and each dialect's keep-alive while a model starts (router/keepalive.py), read b
 official clients' SSE rules."""
 
 import json
+from pathlib import Path
 from typing import get_args
 
+import httpx
+import openai
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
@@ -211,3 +214,55 @@ def test_the_loading_note_opens_the_answer_and_the_servers_stream_continues_it()
 
     off = keepalive.for_request("/v1/messages", "claude-tiny", "tiny", False)
     assert off.tick(1.0) == keepalive.PING and off.feed(upstream) == upstream
+
+
+# mlx_lm.server's own chunks for a thinking model, streamed and whole (where and how they were
+# recorded: the file's `recorded`). Its thinking is the delta's or message's `reasoning`.
+MLX_LM = json.loads((Path(__file__).parent / "data" / "mlx_lm_thinking.json").read_text())
+
+
+def _client(answer: bytes, stream: bool) -> openai.OpenAI:
+    """The official client, its transport handing back `answer`: what the router writes."""
+    kind = "text/event-stream" if stream else "application/json"
+    reply = httpx.MockTransport(lambda _: httpx.Response(200, content=answer, headers={"content-type": kind}))  # fmt: skip
+    return openai.OpenAI(
+        base_url="http://router/v1", api_key="none", http_client=httpx.Client(transport=reply)
+    )
+
+
+def test_mlx_lm_servers_thinking_becomes_a_reasoning_item_whole_and_streamed():
+    ask = {"model": "mlx", "input": "Good morrow.", "reasoning": {"effort": "medium"}}
+    assert json.loads(Translation(ask, "mlx").chat)["chat_template_kwargs"] == {
+        "enable_thinking": True
+    }
+    none = json.loads(Translation({**ask, "reasoning": {"effort": "none"}}, "mlx").chat)
+    assert none["chat_template_kwargs"] == {"enable_thinking": False}
+    # llama-server's name for the same field (its chat chunks, recorded beside these)
+    raw = MLX_LM["stream"].encode()
+    for upstream in (raw, raw.replace(b'"reasoning":', b'"reasoning_content":')):
+        for step in (len(upstream), 1):
+            tr = Translation({**ask, "stream": True}, "mlx")
+            out = tr.start() + b"".join(
+                tr.feed(upstream[i : i + step]) for i in range(0, len(upstream), step)
+            )
+            with _client(out, True).responses.stream(**ask) as s:
+                events = list(s)  # the SDK checks each event against the response so far
+            final = events[-1].response  # cut by max_tokens: response.incomplete
+            assert [o.type for o in final.output] == ["reasoning", "message"]
+            # the think block's whitespace dropped, as the engine drops it
+            assert final.output[0].content[0].text == "S" and final.output_text == "I'll"
+            deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+            assert "".join(deltas) == "S"
+            assert final.status == "incomplete" and final.usage.output_tokens == 8
+
+    tr = Translation(ask, "mlx")
+    whole = json.dumps(MLX_LM["whole"]).encode()
+    r = _client(tr.whole(whole, 200), False).responses.create(**ask)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "S" and r.output_text == "I'll"
+    assert r.usage.output_tokens_details.reasoning_tokens == 0  # mlx_lm.server counts none
+    # where the usage counts them (OpenAI's completion_tokens_details), they are counted
+    usage = {**MLX_LM["whole"]["usage"], "completion_tokens_details": {"reasoning_tokens": 3}}
+    counted = json.dumps({**MLX_LM["whole"], "usage": usage}).encode()
+    r = _client(tr.whole(counted, 200), False).responses.create(**ask)
+    assert r.usage.output_tokens_details.reasoning_tokens == 3

@@ -3,6 +3,14 @@ translated to /v1/chat/completions, the answer translated back into the Response
 shapes (a `response` object, or its stream of typed events), both written by
 web/responses_api.py, as the engine's own route writes them.
 
+The model's thinking, which mlx_lm.server returns as a `reasoning` field in the message or
+delta (0.32.2; llama-server and DeepSeek's API name it `reasoning_content`), becomes a
+`reasoning` output item with `reasoning_text` content, streamed as reasoning_text deltas, as
+the engine's route returns it; the whitespace around the think block is dropped as the
+engine drops it (the answer starts at its first word), and `reasoning_tokens` is counted where
+the usage gives it (`completion_tokens_details`; mlx_lm.server's does not). `reasoning.effort`
+goes to the chat template as `enable_thinking` ("none" and "minimal" off), as on the engine.
+
 Stateless like the engine's route: `previous_response_id` is a 400, `store` is ignored.
 Servers with the route (the engine, llama-server) get the request as it came (proxy.py)."""
 
@@ -63,6 +71,9 @@ class Translation:
             chat["parallel_tool_calls"] = parallel
         if body.max_output_tokens is not None:
             chat["max_tokens"] = body.max_output_tokens
+        effort = (body.reasoning or {}).get("effort")
+        if effort is not None:
+            chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
         for key in ("temperature", "top_p", "seed"):
             if data.get(key) is not None:
                 chat[key] = data[key]
@@ -86,6 +97,9 @@ class Translation:
         self._calls: dict[int, dict] = {}  # a streamed call's pieces, by its index
         self._finish: str | None = None
         self._stats: dict = {}
+        self._thought = False  # reasoning written: the answer's leading whitespace is dropped
+        self._held = ""  # reasoning's trailing whitespace: written if more reasoning follows
+        self._answered = False  # the answer's first non-space text written
 
     # ---- a whole answer ------------------------------------------------------------------------
 
@@ -107,15 +121,18 @@ class Translation:
             )
             for i, c in enumerate(msg.get("tool_calls") or [])
         ]
+        thinking = _reasoning(msg).strip()
+        text = msg.get("content") or ""
         s = self.events
         out = api.whole(
             s.rid,
             s.model,
             s.echo,
-            msg.get("content") or "",
+            text.lstrip() if thinking else text,
             calls,
             choice.get("finish_reason") or "stop",
             _stats(d.get("usage")),
+            thinking,
         )
         return json.dumps(out).encode()
 
@@ -150,8 +167,8 @@ class Translation:
         out: list[bytes] = []
         for choice in d.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self.events.delta(delta["content"])
+            out += self._reason(_reasoning(delta))
+            out += self._answer(delta.get("content") or "")
             for c in delta.get("tool_calls") or []:
                 piece = self._calls.setdefault(c.get("index", len(self._calls)), {"args": ""})
                 f = c.get("function") or {}
@@ -163,6 +180,27 @@ class Translation:
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return out
+
+    def _reason(self, text: str) -> list[bytes]:
+        """A piece of thinking, without the block's leading and trailing whitespace."""
+        if not self._thought:
+            text = text.lstrip()
+        body = text.rstrip()
+        if not body:
+            self._held += text if self._thought else ""
+            return []
+        out = self.events.reasoning(self._held + body)
+        self._thought, self._held = True, text[len(body) :]
+        return out
+
+    def _answer(self, text: str) -> list[bytes]:
+        """A piece of the answer; after thinking, from its first non-space character."""
+        if self._thought and not self._answered:
+            text = text.lstrip()
+        if not text:
+            return []
+        self._answered, self._held = True, ""
+        return self.events.delta(text)
 
     def _end(self) -> list[bytes]:
         out: list[bytes] = []
@@ -181,12 +219,21 @@ def _arguments(v) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
+def _reasoning(msg: dict) -> str:
+    """The thinking in a chat message or delta: mlx_lm.server's `reasoning`, or the
+    `reasoning_content` of llama-server and DeepSeek's API."""
+    v = msg.get("reasoning") or msg.get("reasoning_content")
+    return v if isinstance(v, str) else ""
+
+
 def _stats(usage) -> dict:
     """A chat usage object in the worker's names, which api.usage reads."""
     u = usage if isinstance(usage, dict) else {}
-    details = u.get("prompt_tokens_details") or {}
+    prompt = u.get("prompt_tokens_details")
+    done = u.get("completion_tokens_details")
     return {
         "prompt_tokens": u.get("prompt_tokens", 0),
         "completion_tokens": u.get("completion_tokens", 0),
-        "cached_tokens": details.get("cached_tokens", 0) if isinstance(details, dict) else 0,
+        "cached_tokens": (prompt.get("cached_tokens") or 0) if isinstance(prompt, dict) else 0,
+        "reasoning_tokens": (done.get("reasoning_tokens") or 0) if isinstance(done, dict) else 0,
     }
