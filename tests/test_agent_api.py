@@ -261,6 +261,12 @@ def test_the_splitter_finds_a_think_block_however_the_text_is_cut():
         "cut short by max_tokens </thi",
         "",
     )
+    # ... and a model that writes the opening marker anyway (vLLM's and SGLang's R1 parsers
+    # take both): the marker is not thinking, however it is cut
+    again = "\n<think>\nHmm.</think>Yes."
+    for cut in range(len(again) + 1):
+        assert _split(opened, [again[:cut], again[cut:]]) == ("Hmm.", "Yes."), cut
+    assert _split(opened, ["<", "/think>Yes."]) == ("", "Yes.")  # an empty block
     # no think block, or one quoted mid-answer: all of it is the answer
     assert _split(closed, ["  Yes", ", <think> is a tag"]) == ("", "  Yes, <think> is a tag")
     assert _split(closed, ["<thi", "nking>"]) == ("", "<thinking>")

@@ -7,8 +7,25 @@ API's `reasoning` items, chat completions' `reasoning_content`), and the rest st
 A model has a thinking mode when mlx-lm infers think markers from its vocabulary, or its chat
 template writes `<think>` or takes `enable_thinking`. A think block is recognized at the
 answer's start only (after any whitespace), or from the first token when the prompt itself
-ends inside one (templates that open `<think>` in the generation prompt, as DeepSeek-R1's and
-a thinking Qwen's do): a model that writes `<think>` in the middle of its answer is quoting it.
+ends inside one; a model that writes `<think>` in the middle of its answer is quoting it. What
+the templates read for this (Qwen3, Qwen3-Thinking-2507, DeepSeek-R1 and its distills,
+DeepSeek-V3.1, GLM-4.5, Olmo-3-Think, Phi-4-reasoning) ask of it:
+
+- Opened in the prompt: Qwen3-Thinking's, R1's distills' and Olmo-3-Think's generation prompts
+  end with `<think>` (the prompt's last 16 tokens are read for it). A model that writes the
+  opening marker again anyway has it dropped (vLLM's and SGLang's R1 parsers accept both).
+- Whitespace first: GLM-4.5 writes `\n<think>`; skipped.
+- After a tool result in an agent loop, each turn is a new answer: Qwen3's and GLM's templates
+  end the prompt at the assistant's role and the model's think block starts the answer; R1's
+  and V3.1's add no generation prompt after a tool's output, so the answer is whatever the
+  model writes there (a `<think>` first is a block; V3.1 calls tools without thinking).
+- Mid-answer: no template above asks for a second block in one answer, and a coding agent
+  asked to write this module writes `START, END = "<think>", "</think>"` in its answer: read
+  as a block, that answer's code would come back as thinking, cut at the quoted `</think>`.
+
+Read by text, not tokens: a `</think>` the model writes inside its thinking ends the block
+there (llama-server does the same), and a tool result whose last few tokens hold an unclosed
+`<think>` would open the answer's block.
 """
 
 from __future__ import annotations
@@ -76,6 +93,13 @@ class Splitter:
                     continue
                 return out  # nothing yet, or what may be the marker's start
             if self.state == "inside":
+                if self.fresh:  # the model writing the opening marker the prompt wrote
+                    head = self.buf.lstrip()
+                    if head.startswith(self.t.start):
+                        self.buf = head[len(self.t.start) :]
+                        continue
+                    if head and self.t.start.startswith(head):
+                        return out  # what may be the marker's start
                 j = self.buf.find(self.t.end)
                 if j < 0:
                     keep = len(self.buf) - _partial_suffix(self.buf, self.t.end)
