@@ -237,9 +237,11 @@ def test_mlx_lm_servers_thinking_becomes_a_reasoning_item_whole_and_streamed():
     }
     none = json.loads(Translation({**ask, "reasoning": {"effort": "none"}}, "mlx").chat)
     assert none["chat_template_kwargs"] == {"enable_thinking": False}
-    # llama-server's name for the same field (its chat chunks, recorded beside these)
+    # llama-server's name for the same field (its chat chunks, recorded beside these); and
+    # a newline before the thinking, as a model that writes `\n<think>` itself (GLM) gets it
     raw = MLX_LM["stream"].encode()
-    for upstream in (raw, raw.replace(b'"reasoning":', b'"reasoning_content":')):
+    newline = b"data: " + json.dumps(_chunk({"content": "\n"})).encode() + b"\n\n"
+    for upstream in (raw, raw.replace(b'"reasoning":', b'"reasoning_content":'), newline + raw):
         for step in (len(upstream), 1):
             tr = Translation({**ask, "stream": True}, "mlx")
             out = tr.start() + b"".join(

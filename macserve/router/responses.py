@@ -100,6 +100,7 @@ class Translation:
         self._thought = False  # reasoning written: the answer's leading whitespace is dropped
         self._held = ""  # reasoning's trailing whitespace: written if more reasoning follows
         self._answered = False  # the answer's first non-space text written
+        self._lead = ""  # space the answer began with, before any thinking: written with its text
 
     # ---- a whole answer ------------------------------------------------------------------------
 
@@ -190,20 +191,23 @@ class Translation:
             self._held += text if self._thought else ""
             return []
         out = self.events.reasoning(self._held + body)
-        self._thought, self._held = True, text[len(body) :]
+        self._thought, self._held, self._lead = True, text[len(body) :], ""
         return out
 
     def _answer(self, text: str) -> list[bytes]:
-        """A piece of the answer; after thinking, from its first non-space character."""
-        if self._thought and not self._answered:
-            text = text.lstrip()
-        if not text:
-            return []
-        self._answered, self._held = True, ""
+        """A piece of the answer; after thinking, from its first non-space character. Space
+        before any waits: a think block may follow it (GLM writes `\n<think>`)."""
+        if not self._answered:
+            if not text.strip():
+                self._lead += "" if self._thought else text
+                return []
+            text = text.lstrip() if self._thought else self._lead + text
+        self._answered, self._held, self._lead = True, "", ""
         return self.events.delta(text)
 
     def _end(self) -> list[bytes]:
-        out: list[bytes] = []
+        out: list[bytes] = self.events.delta(self._lead) if self._lead else []
+        self._lead = ""
         for i in sorted(self._calls):
             c = self._calls[i]
             out += self.events.call(
