@@ -19,6 +19,9 @@ CODE_STEP = 256  # code rows added per growth, as mlx-lm's KVCache grows
 # On the CPU, codes are dequantized by one compiled elementwise kernel (False: the unfused ops
 # it replaced; the bench flips it to measure the difference, tests check both agree).
 FUSED_DEQUANTIZE = True
+# A decode step unpacks codes through aliases of the buffers shaped once per write
+# (`Rows.dense`; False: each step reshapes its slices, as before; the e2e bench flips it).
+GROUPED_VIEWS = True
 
 
 class Rows:
@@ -91,7 +94,7 @@ class Rows:
         unpacking kernel (words by group, scales and biases per group), made once per write:
         a decode step then adds three slices and the kernel, not a reshape of each part
         too (every op is a few microseconds of dispatch at the demo's sizes)."""
-        if self.bits is None or not _fused(self.group(dims), self.bits):
+        if self.bits is None or not GROUPED_VIEWS or not _fused(self.group(dims), self.bits):
             return self.decode(self.view(start, stop), dims, dtype)
         if self._grouped is None:
             g = self.group(dims)
