@@ -197,9 +197,7 @@ def test_a_decode_step_read_in_pieces_equals_the_whole_read(model, calibration, 
 
 
 @pytest.mark.model
-def test_a_decode_step_read_rows_first_equals_the_query_first_read(
-    model, calibration, monkeypatch
-):
+def test_a_decode_step_read_rows_first_equals_the_query_first_read(model, calibration, monkeypatch):
     """On the CPU a few-head decode step scores rows @ q^T and unpacks codes through aliases
     of their buffers made once per write (segment_read.ROWS_FIRST_HEADS, Rows.dense): the
     same attention as q @ rows^T on freshly sliced codes, over 40 steps that write new codes
