@@ -7,7 +7,8 @@ dequantized (rows.dequantize) and a BLAS matmul, because MLX's CPU quantized mat
 about 2 GFLOP/s against about 100 for its float32 BLAS (measured on this machine,
 docs/int2-latent-cache.md). A decode step (one query, no DSA selection) reads its segments
 whole with one softmax (`decode_read`); on the CPU a segment longer than PIECE rows in pieces
-of PIECE, each evaluated while its rows are in the core's cache.
+of PIECE, each evaluated while its rows are in the core's cache, and with few heads each
+segment's rows times the query's columns (ROWS_FIRST_HEADS).
 """
 
 from __future__ import annotations
