@@ -33,9 +33,10 @@ PIECE = 2048
 # (its keys' rows times the query's columns) rather than q @ rows^T: OpenBLAS's product of a
 # few query rows by a transposed block of more than ~300 keys is 2-4x slower than the other
 # orientation (4 x 128 by 593 rows: 27 us against 9 here), and the softmax's concatenation
-# turns the scores back for free. At DeepSeek-V3's 128 heads the two cost the same, and
-# turning 128 x 32K scores back would not be free. 0: always q @ rows^T (the bench flips it).
-ROWS_FIRST_HEADS = 16
+# turns the scores back for free. It pays up to 32 heads at a 512-wide latent (16 heads by
+# 2,048 rows: 455 us against 574; 32: 727 against 800); from 64 heads the two cost the same
+# and turning the scores back is not free. 0: always q @ rows^T (the bench flips it).
+ROWS_FIRST_HEADS = 32
 
 
 def read_with_qmm() -> bool:
