@@ -197,6 +197,25 @@ def test_a_decode_step_read_in_pieces_equals_the_whole_read(model, calibration, 
 
 
 @pytest.mark.model
+def test_a_decode_step_read_rows_first_equals_the_query_first_read(model, calibration, monkeypatch):
+    """On the CPU a few-head decode step scores rows @ q^T and unpacks codes through aliases
+    of their buffers made once per write (segment_read.ROWS_FIRST_HEADS, Rows.dense): the
+    same attention as q @ rows^T on freshly sliced codes, over 40 steps that write new codes
+    (SMALL: one write per 32 steps) and compact the window between reads."""
+    m, tok = model
+    ids = prompt(tok, 140)
+    logits = {}
+    for heads in (16, 0):
+        monkeypatch.setattr(segment_read, "ROWS_FIRST_HEADS", heads)
+        caches = caches_for(m, SMALL, calibration, "eigen")
+        run(m, caches, ids[:100], 50)
+        before = caches[1].codes_lat.length
+        logits[heads] = run(m, caches, ids[100:], 1)
+        assert caches[1].codes_lat.length > before + 32  # codes written between reads
+    np.testing.assert_allclose(np.array(logits[16]), np.array(logits[0]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
 def test_a_long_chunk_is_causal(model, calibration):
     """A prefill chunk longer than the windows (mlx-lm prefills 2,048 at a time) must not let
     a query see later tokens through their INT2 copies."""

@@ -224,9 +224,13 @@ def _end_to_end(b, cal, prompt_tokens: int, tokens: int, rounds: int) -> dict:
             m, AUTO_QUANT, cal, cal.default_method
         ),
     }
+    makers["int2, query-first read"] = makers["int2"]
     makers["int2, previous read"] = makers["int2"]
     prompt = held_out_prompts(b.tokenizer, 1, prompt_tokens)[0]
-    modes = {"int2, previous read": e2e_bench.previous_read}
+    modes = {
+        "int2, query-first read": e2e_bench.query_first,
+        "int2, previous read": e2e_bench.previous_read,
+    }
     res = e2e_bench.run(m, makers, prompt, tokens, rounds, modes)
     return {"prompt_tokens": len(prompt), "tokens": tokens, "rounds": rounds, "caches": res}
 
@@ -245,9 +249,10 @@ def _print_e2e(e2e: dict) -> None:
             f"{r['cpu_tok_s']:>7.1f} tok/s {r['cpu_ratio']:>5.2f}x{codes}"
         )
     click.echo(
-        "  int2, previous read: the same cache's decode step as before issue 45 (segments "
-        "merged by online softmax, codes dequantized by unfused ops, a quantization every "
-        "step), in the same rounds"
+        "  int2, query-first read: the same cache's decode step scoring q @ rows^T on freshly "
+        "reshaped codes (before the rows-first products); int2, previous read: as before "
+        "issue 45 (segments merged by online softmax, codes dequantized by unfused ops, a "
+        "quantization every step); both in the same rounds"
     )
 
 

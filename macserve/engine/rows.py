@@ -19,6 +19,9 @@ CODE_STEP = 256  # code rows added per growth, as mlx-lm's KVCache grows
 # On the CPU, codes are dequantized by one compiled elementwise kernel (False: the unfused ops
 # it replaced; the bench flips it to measure the difference, tests check both agree).
 FUSED_DEQUANTIZE = True
+# A decode step unpacks codes through aliases of the buffers shaped once per write
+# (`Rows.dense`; False: each step reshapes its slices, as before; the e2e bench flips it).
+GROUPED_VIEWS = True
 
 
 class Rows:
@@ -29,6 +32,7 @@ class Rows:
         self.bits, self.group_size, self.step = bits, group_size, step
         self.parts: tuple[mx.array, ...] | None = None
         self.length = 0
+        self._grouped: tuple[mx.array, ...] | None = None  # `dense`'s aliases of the parts
 
     def group(self, dims: int) -> int:
         """A rotary key of 32 dims is one group of 32: mx.quantize needs group <= dims."""
@@ -52,6 +56,7 @@ class Rows:
         up to CODE_STEP and bf16 rows exactly (the window is compacted right after)."""
         new = self.encode(x)
         n = x.shape[2]
+        self._grouped = None
         if self.length + n > self.capacity:
             need = self.length + n
             if not exact:
@@ -79,7 +84,40 @@ class Rows:
         self.length += n
 
     def view(self, start: int, stop: int) -> tuple[mx.array, ...]:
+        if start == 0 and stop == self.capacity:  # the whole buffer (a full sink): no slice
+            return self.parts
         return tuple(p[..., start:stop, :] for p in self.parts)
+
+    def dense(self, start: int, stop: int, dims: int, dtype=mx.float32) -> mx.array:
+        """Rows [start, stop) as dense values of `dtype`, as `decode(view(start, stop))`. On
+        the CPU, codes are read through aliases of the buffers already shaped for the
+        unpacking kernel (words by group, scales and biases per group), made once per write:
+        a decode step then adds three slices and the kernel, not a reshape of each part
+        too (every op is a few microseconds of dispatch at the demo's sizes)."""
+        if self.bits is None or not GROUPED_VIEWS or not _fused(self.group(dims), self.bits):
+            return self.decode(self.view(start, stop), dims, dtype)
+        if self._grouped is None:
+            g = self.group(dims)
+            w, scales, biases = self.parts
+            lead = w.shape[:3]
+            if self.bits == 8:
+                self._grouped = (
+                    mx.view(w, mx.uint8).reshape(*lead, dims // g, g),
+                    scales.reshape(*lead, dims // g, 1),
+                    biases.reshape(*lead, dims // g, 1),
+                )
+            else:
+                self._grouped = (
+                    w.reshape(*lead, dims // g, g * self.bits // 32, 1),
+                    scales.reshape(*lead, dims // g, 1, 1),
+                    biases.reshape(*lead, dims // g, 1, 1),
+                )
+        w, scales, biases = (x[:, :, start:stop] for x in self._grouped)
+        if self.bits == 8:
+            out = _bytes_affine(dtype)(w, scales, biases)
+        else:
+            out = _affine(dtype)(w, _shifts(self.bits), _mask(self.bits), scales, biases)
+        return out.reshape(*w.shape[:3], dims)
 
     def drop_last(self, n: int) -> None:
         self.length -= n
@@ -92,6 +130,7 @@ class Rows:
         s = self.length - n
         self.parts = tuple(_copy(p[..., s : self.length, :]) for p in self.parts)
         self.length = n
+        self._grouped = None
 
     def decode(self, parts: tuple[mx.array, ...], dims: int, dtype=mx.float32) -> mx.array:
         """Rows as dense values of `dtype`."""
@@ -119,6 +158,7 @@ class Rows:
         if any(p.ndim != 4 or p.shape[2] != n for p in parts):
             raise ValueError(f"stored parts of unequal rows: {[p.shape for p in parts]}")
         self.parts, self.length = (parts or None), n
+        self._grouped = None
 
     def clone(self) -> Rows:
         """Shares the buffers until either side writes (MLX copies a buffer on write when
@@ -182,7 +222,13 @@ def dequantize(
         scales, biases = scales.astype(dtype), biases.astype(dtype)
         return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
     dims = w.shape[-1] * 32 // bits
-    if FUSED_DEQUANTIZE and 32 % bits == 0 and (group_size * bits) % 32 == 0:
+    if bits == 8 and _fused(group_size, bits):
+        # 8-bit codes are the words' bytes in order: converted, no shift or mask (233 us
+        # against 141 for 2,048 x 64 rotary keys here: one broadcast input fewer).
+        u = mx.view(w, mx.uint8).reshape(*w.shape[:-1], dims // group_size, group_size)
+        out = _bytes_affine(dtype)(u, scales[..., None], biases[..., None])
+        return out.reshape(*w.shape[:-1], dims)
+    if _fused(group_size, bits):
         words = group_size * bits // 32
         grouped = w.reshape(*w.shape[:-1], dims // group_size, words, 1)
         out = _affine(dtype)(
@@ -195,12 +241,32 @@ def dequantize(
     return (v * scales[..., None] + biases[..., None]).reshape(*w.shape[:-1], dims)
 
 
+def _fused(group_size: int, bits: int) -> bool:
+    """Codes are unpacked by one compiled kernel: on the CPU, where a group is whole words."""
+    return (
+        FUSED_DEQUANTIZE
+        and mx.default_device().type == mx.DeviceType.cpu
+        and 32 % bits == 0
+        and (group_size * bits) % 32 == 0
+    )
+
+
 @functools.cache
 def _affine(dtype):
     """codes -> values: one elementwise kernel, compiled once per dtype for any shape."""
 
     def f(w, shifts, mask, scales, biases):
         return ((w >> shifts) & mask).astype(dtype) * scales.astype(dtype) + biases.astype(dtype)
+
+    return mx.compile(f, shapeless=True)
+
+
+@functools.cache
+def _bytes_affine(dtype):
+    """8-bit codes (bytes) -> values: one elementwise kernel, compiled once per dtype."""
+
+    def f(u, scales, biases):
+        return u.astype(dtype) * scales.astype(dtype) + biases.astype(dtype)
 
     return mx.compile(f, shapeless=True)
 

@@ -7,7 +7,8 @@ dequantized (rows.dequantize) and a BLAS matmul, because MLX's CPU quantized mat
 about 2 GFLOP/s against about 100 for its float32 BLAS (measured on this machine,
 docs/int2-latent-cache.md). A decode step (one query, no DSA selection) reads its segments
 whole with one softmax (`decode_read`); on the CPU a segment longer than PIECE rows in pieces
-of PIECE, each evaluated while its rows are in the core's cache.
+of PIECE, each evaluated while its rows are in the core's cache, and with few heads each
+segment's rows times the query's columns (ROWS_FIRST_HEADS).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ READ_CODES: str | None = None
 # twice. 0: segments whole (the bench flips it to measure the difference; tests check both
 # give the same attention). The demo's segments are shorter: it is read as before.
 PIECE = 2048
+# On the CPU a decode step with at most this many heads scores each segment as rows @ q^T
+# (its keys' rows times the query's columns) rather than q @ rows^T: OpenBLAS's product of a
+# few query rows by a transposed block of more than ~300 keys is 2-4x slower than the other
+# orientation (4 x 128 by 593 rows: 27 us against 9 here), and the softmax's concatenation
+# turns the scores back for free. It pays up to 32 heads at a 512-wide latent (16 heads by
+# 2,048 rows: 455 us against 574; 32: 727 against 800); from 64 heads the two cost the same
+# and turning the scores back is not free. 0: always q @ rows^T (the bench flips it).
+ROWS_FIRST_HEADS = 32
 
 
 def read_with_qmm() -> bool:
@@ -77,17 +86,20 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
     q_lat (B, H, 1, r) rotated and scaled -> (B, H, 1, r)."""
     B, H = q_lat.shape[:2]
     dtype = q_lat.dtype
-    qr = q_lat.reshape(B, 1, H, -1)
-    qp = q_pe.reshape(B, 1, H, -1)
     gpu = read_with_qmm()
     segs = [(kind, lat, pe) for kind, _, lat, pe in cache.segments(1)]
-    if not gpu and PIECE and any(lat[0].shape[2] > PIECE for _, lat, _ in segs):
-        return _read_in_pieces(cache, segs, qr, qp, dtype).reshape(B, H, 1, -1)
-    scores, values = [], []
-    for kind, lat, pe in segs:
-        s, value = segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
-        scores.append(s)
-        values.append(value)
+    if not gpu and H <= ROWS_FIRST_HEADS and not _long(segs):
+        scores, values = _rows_first(cache, segs, q_lat, q_pe, dtype)
+    else:
+        qr = q_lat.reshape(B, 1, H, -1)
+        qp = q_pe.reshape(B, 1, H, -1)
+        if not gpu and _long(segs):
+            return _read_in_pieces(cache, segs, qr, qp, dtype).reshape(B, H, 1, -1)
+        scores, values = [], []
+        for kind, lat, pe in segs:
+            s, value = segment(cache, kind, lat, pe, qr, qp, dtype, gpu)
+            scores.append(s)
+            values.append(value)
     if len(scores) == 1:
         out = values[0](mx.softmax(scores[0], axis=-1, precise=True))
     else:
@@ -98,6 +110,30 @@ def decode_read(cache: RotatedLatentCache, q_lat, q_pe):
             o = value(p[..., a : a + n])
             out, a = (o if out is None else out + o), a + n
     return out.reshape(B, H, 1, -1)
+
+
+def _long(segs) -> bool:
+    """A segment is longer than a piece: on the CPU the step reads in pieces."""
+    return bool(PIECE) and any(lat[0].shape[2] > PIECE for _, lat, _ in segs)
+
+
+def _rows_first(cache: RotatedLatentCache, segs, q_lat, q_pe, dtype):
+    """Each segment's dense rows scored rows-first, (rows, r) @ (r, H), the query turned to
+    columns once per step (`ROWS_FIRST_HEADS`); the scores come back as (B, 1, H, rows)
+    views of those products, which `decode_read`'s concatenation lays out as it copies."""
+    qrT = mx.contiguous(q_lat.transpose(0, 2, 3, 1))  # (B, H, 1, r) -> (B, 1, r, H)
+    qpT = mx.contiguous(q_pe.transpose(0, 2, 3, 1))
+    scores, values = [], []
+    for kind, lat, pe in segs:
+        if kind == "codes":  # the whole codes segment: through the buffers' aliases
+            n = cache.codes_lat.length
+            k_lat = cache.codes_lat.dense(0, n, cache.latent_dims, dtype)
+            k_pe = cache.codes_pe.dense(0, n, cache.rope_dims, dtype)
+        else:
+            k_lat, k_pe = dense_rows(cache, kind, lat, pe, dtype)
+        scores.append((k_lat @ qrT + k_pe @ qpT).swapaxes(-1, -2))
+        values.append(lambda p, k_lat=k_lat: p @ k_lat)
+    return scores, values
 
 
 def _read_in_pieces(cache: RotatedLatentCache, segs, qr, qp, dtype):

@@ -59,6 +59,19 @@ def previous_read():
 
 
 @contextmanager
+def query_first():
+    """The decode read as it was before its rows-first products and grouped code views
+    (`segment_read.ROWS_FIRST_HEADS`, `rows.GROUPED_VIEWS`), to measure them in the same
+    process."""
+    old = segment_read.ROWS_FIRST_HEADS, rows.GROUPED_VIEWS
+    segment_read.ROWS_FIRST_HEADS, rows.GROUPED_VIEWS = 0, False
+    try:
+        yield
+    finally:
+        segment_read.ROWS_FIRST_HEADS, rows.GROUPED_VIEWS = old
+
+
+@contextmanager
 def whole_segments():
     """The decode read with every segment read whole, not in pieces (`segment_read.PIECE`),
     to measure what the pieces save in the same process."""
