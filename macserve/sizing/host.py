@@ -101,3 +101,27 @@ def host_weights(weights: int | None, folder, device: str | None = None) -> int 
     if weights is None or not engine_float32(device):
         return weights
     return weights + half_weight_bytes(folder)
+
+
+def engine_on_host(
+    layouts: dict, weights: int | None, local_path: str | None, device: str | None = None
+) -> dict | None:
+    """What the engine holds on `device` for a local model folder (the only source it serves)
+    where that differs from the figures counted in bf16: inspect's line and `--json`'s
+    `engine_host`. None on a GPU, or for a source that is no local folder of weights."""
+    if not engine_float32(device) or local_path is None or weights is None:
+        return None
+    if not Path(local_path).is_dir():
+        return None
+    per_token = {}
+    for key, lay in layouts.items():
+        if lay.supported and key.split("/")[0] in ("mlx", "macserve"):
+            t = host_layout(lay, device).per_token
+            per_token[key] = int(t) if t.denominator == 1 else round(float(t), 3)
+    return {
+        "device": CPU,
+        "dtype": "float32",
+        "label": LABEL,
+        "weights_bytes": host_weights(weights, local_path, device),
+        "kv_bytes_per_token": per_token,
+    }
