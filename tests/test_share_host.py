@@ -87,7 +87,9 @@ def test_inspect_says_what_the_engine_holds_on_this_host_for_a_local_folder():
 def test_the_host_rule_reads_mlx_own_default_device_without_mlx():
     import mlx.core as mx
 
-    from macserve.engine.model import device
+    from macserve.engine.model import computes_float32
 
     cpu = mx.default_device().type == mx.DeviceType.cpu
-    assert host.mlx_device() == device() == (host.CPU if cpu else host.GPU)
+    assert host.mlx_device() == (host.CPU if cpu else host.GPU)
+    # the loader's own rule (the engine imports no sizing) and its mirror agree on this host
+    assert host.engine_float32() == computes_float32() == cpu

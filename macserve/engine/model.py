@@ -5,8 +5,8 @@
 
 `load` applies the dtype rule once for every caller (serve, generate, calibrate, the benches):
 on MLX's CPU backend the model runs in float32, because the CPU's `gather_mm` (MoE experts)
-runs only in float32; on a GPU it keeps the checkpoint's dtype (the rule is sizing/host.py's,
-so a profile's share counts what this loader holds). Every MLA attention layer is
+runs only in float32; on a GPU it keeps the checkpoint's dtype (`computes_float32`; a
+profile's share counts it through sizing/host.py's mirror of it). Every MLA attention layer is
 then patched to read `RotatedLatentCache` (mla_attention.install).
 """
 
@@ -25,7 +25,6 @@ from mlx_lm.utils import sharded_load
 
 from ..errors import MacserveError
 from ..int2_format import CachePlan, LayerPlan
-from ..sizing import host
 from . import mla_attention
 from .caches import CacheSpec, formats, latent_caches
 from .calibration import Calibration, caches_for
@@ -187,9 +186,7 @@ def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
         model, tokenizer = sharded_load(str(path), pipeline_group=group)
     else:
         model, tokenizer = mlx_load(str(path))
-    if host.engine_float32(device()):
-        # MLX's CPU gather_mm (the MoE experts) only runs in float32; the share counts it
-        # (sizing/host.py holds the rule, so services size what this loader does).
+    if computes_float32():
         model.set_dtype(mx.float32)
     skip_latent_norm(model, config)
     mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
@@ -198,9 +195,12 @@ def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
     return Bundle(model, tokenizer, config, path)
 
 
-def device() -> str:
-    """Where MLX computes now, as sizing/host.py names it ("cpu" | "gpu")."""
-    return host.CPU if mx.default_device().type == mx.DeviceType.cpu else host.GPU
+def computes_float32() -> bool:
+    """The dtype rule: float32 when MLX's default device is the CPU (its gather_mm, the MoE
+    experts, runs only in float32), else the checkpoint's own. sizing/host.py's
+    `engine_float32` says the same without importing mlx, for the share and inspect (the
+    engine imports no sizing); tests/test_share_host.py checks that the two agree here."""
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def skip_latent_norm(model, config: dict) -> int:

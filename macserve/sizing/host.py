@@ -1,6 +1,8 @@
 """This host as the engine's bytes see it: the dtype macserve's engine computes in here.
 
-The rule (engine/model.py `load`, the one loader, applies it; engine/bench/setup.py too): when
+The rule (engine/model.py's `computes_float32`, which `load`, the one loader, and
+engine/bench/setup.py apply; `engine_float32` here mirrors it, since the engine imports no
+sizing and sizing imports no mlx, and tests/test_share_host.py checks the two agree): when
 MLX's default device is the CPU, the model is cast to float32, because MLX's CPU `gather_mm`
 (MoE experts) runs only in float32; on a GPU it keeps the checkpoint's own dtype. So on a CPU
 host the engine holds in float32 (4 B a value) what inspect counts at bf16's 2 B (a Mac's

@@ -244,41 +244,17 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
             raise _Unsupported("the INT2 latent format is defined for MLA layers only")
         # deepseek_v41.LayerCache: the last `window` rows, closed compressed groups, their
         # index keys, and the open group's rows in fp32 (kv and gate).
-        out = [
-            Buffer(i, "K=V (window)", bf16 * l.head_dim, "window", rows=l.window, model_dtype=True)
-        ]
-        if l.ratio:
-            out.append(
-                Buffer(
-                    i,
-                    f"compressed K=V (1/{l.ratio})",
-                    bf16 * l.head_dim,
-                    "token",
-                    every=l.ratio,
-                    model_dtype=True,
-                )
-            )
-            if l.ratio > 1:
+        kv, n = bf16 * l.head_dim, l.ratio
+        out = [Buffer(i, "K=V (window)", kv, "window", rows=l.window, model_dtype=True)]
+        if n:
+            out.append(Buffer(i, f"compressed K=V (1/{n})", kv, "token", n, model_dtype=True))
+            if n > 1:
                 out.append(
-                    Buffer(
-                        i,
-                        "open group (f32 kv + gate)",
-                        2 * 4 * l.head_dim,
-                        "fixed",
-                        rows=l.ratio - 1,
-                    )
+                    Buffer(i, "open group (f32 kv + gate)", 2 * 4 * l.head_dim, "fixed", rows=n - 1)
                 )
         if l.indexer:
-            out.append(
-                Buffer(
-                    i,
-                    f"indexer key (1/{l.ratio})",
-                    bf16 * l.indexer,
-                    "token",
-                    every=l.ratio,
-                    model_dtype=True,
-                )
-            )
+            key = bf16 * l.indexer
+            out.append(Buffer(i, f"indexer key (1/{n})", key, "token", n, model_dtype=True))
         return out
     raise TypeError(l)
 

@@ -11,12 +11,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ...int2_format import BF16_LATENT, INT2, LatentQuant
-from ...sizing import host
 from .. import mla_attention
 from ..caches import make_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
-from ..model import device, load
+from ..model import computes_float32, load
 from .synthetic import synthetic
 
 CHUNK = 2048  # mlx-lm's prefill_step_size: what the prefill figures are measured in
@@ -53,9 +52,9 @@ def _orthogonal(n: int, seed: int) -> mx.array:
 
 
 def engine_dtype():
-    """The loader's rule (model.load, sizing/host.py): float32 on the CPU, the model's own on
-    a GPU."""
-    return mx.float32 if host.engine_float32(device()) else None
+    """The loader's rule (model.computes_float32): float32 on the CPU, the model's own on a
+    GPU."""
+    return mx.float32 if computes_float32() else None
 
 
 def setup_synthetic(
