@@ -176,9 +176,9 @@ def _print(r):
     if eh := r.get("engine_host"):
         rows = ", ".join(f"{k} {_num(v)}" for k, v in eh["kv_bytes_per_token"].items())
         click.echo(
-            f"macserve serve here computes in {eh['label']}: weights "
-            f"{_gib(eh['weights_bytes'])}, KV B/token {rows} (the rows above count bf16, as a "
-            "Mac's GPU holds them; a profile's share counts these: docs/memory.md)"
+            f"macserve serve here: {eh['label']}: weights {_gib(eh['weights_bytes'])}, KV "
+            f"B/token {rows} (the rows above are bf16, what a Mac's GPU holds; a profile's "
+            "share counts these: docs/memory.md)"
         )
     for n in r["notes"]:
         click.echo(f"note: {n}")

@@ -84,6 +84,9 @@ class Share:
     # --prefill-step-size; the engine chooses its own chunk within --memory)
     prefill_step: int = PREFILL_STEP
     window: int | None = None  # KV=auto: its bf16 recent window in tokens (CTX: all bf16)
+    # the engine's dtype here where it is not inspect's bf16 (sizing/host.py): "float32 on
+    # this CPU host" (its weights and the caches in the model's dtype counted twice)
+    dtype: str | None = None
 
     @property
     def kv_note(self) -> str | None:
@@ -273,6 +276,7 @@ def share_of(profile: Profile, device: str | None = None) -> Share:
         lay = lay and host.host_layout(lay, device)
         weights = host.host_weights(weights, rep.source.local_path, device)
         notes.append(f"the engine's weights and caches in {host.LABEL}")
+        s = replace(s, dtype=host.LABEL)
     kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
     auto = None
     if lay is not None and kv is not None and ctx and (p.kv or prov.default_kv()) == CacheKind.AUTO:
