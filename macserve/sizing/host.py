@@ -36,8 +36,8 @@ from pathlib import Path
 from .kv_buffers import Layout
 
 CPU, GPU = "cpu", "gpu"
-# MLX's CUDA backends (mlx's extras cuda / cuda12 / cuda13 install one of these)
-CUDA_DISTS = ("mlx-cuda-12", "mlx-cuda-13", "mlx-cuda")
+# MLX's CUDA backends: what mlx's extras cuda, cuda12 and cuda13 install (its metadata)
+CUDA_DISTS = ("mlx-cuda-12", "mlx-cuda-13")
 HALF = {"BF16": 2, "F16": 2}  # safetensors dtypes the CPU rule widens to float32
 FLOAT32 = 4
 LABEL = "float32 on this CPU host"  # where a user reads it: inspect, ls, the share's note
