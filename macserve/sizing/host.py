@@ -38,8 +38,7 @@ from .kv_buffers import Layout
 CPU, GPU = "cpu", "gpu"
 # MLX's CUDA backends: what mlx's extras cuda, cuda12 and cuda13 install (its metadata)
 CUDA_DISTS = ("mlx-cuda-12", "mlx-cuda-13")
-HALF = {"BF16": 2, "F16": 2}  # safetensors dtypes the CPU rule widens to float32
-FLOAT32 = 4
+HALF = ("BF16", "F16")  # safetensors dtypes the CPU rule widens to float32 (twice the bytes)
 LABEL = "float32 on this CPU host"  # where a user reads it: inspect, ls, the share's note
 
 
