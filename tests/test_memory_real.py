@@ -16,7 +16,11 @@ of the argv (docs/memory.md says what each server then held). Smallest shapes: t
 (1,024 tokens of context) and SmolLM2-135M, whose prefill is the slow part on a CPU.
 
 macserve's own engine is driven the same way by tests/test_kv_auto_serve.py, in the cache the
-demo's profile gets by default (KV=auto) and a share small enough that it writes codes.
+demo's profile gets by default (KV=auto) and a share small enough that it writes codes. Here,
+in mlx-lm's cache (KV=bf16), whose rows the engine holds in its compute dtype: float32 on
+MLX's CPU, which the share counts (sizing/host.py): the server's own measurement of a
+whole-context sequence is what the share counted, its prompt cache is the share's, unshrunk,
+and holds a prompt near CTX (before, the share counted bf16: the bound held half a sequence).
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import httpx
 import pytest
 
 from macserve.services import worst_case
 from macserve.services.profiles import Profile
 
-from .fixtures import free_port
+from .fixtures import TINY_MODEL, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +104,25 @@ def test_llama_server_stays_in_its_share(tmp_path, llama_server):
         worst_case.Load(clients=2, prompt_tokens=150, answer_tokens=16, cache_prompts=3),
         tmp_path,
     )
+
+
+def test_the_engine_holds_the_caches_its_share_counts(tmp_path):
+    p = _profile("macserve", TINY_MODEL, 1024, 1)
+    p = Profile(p.name, {**p.values, "KV": "bf16"})
+    seen: dict = {}
+    r = worst_case.drive(
+        p,
+        worst_case.Load(clients=1, prompt_tokens=850, answer_tokens=4, cache_prompts=1),
+        tmp_path / "server.log",
+        before_stop=lambda u: seen.update(httpx.get(u + "/health", timeout=10).json()),
+    )
+    s, mem, cached = r.share, seen["memory"], seen["prompt_cache"]
+    print(r.as_dict(), mem, cached)
+    assert not r.failed and r.answered >= 3, r.as_dict()
+    # the server's whole-context sequence, measured on the loaded model, is what the share counted
+    assert s.kv_bytes is not None and mem["kv_bytes_per_sequence"] <= s.kv_bytes, (mem, s)
+    assert mem["kv_bytes_per_sequence"] > s.kv_bytes // 2, (mem, s)
+    # the share's prompt cache, not shrunk to what is left, holding a prompt near CTX
+    assert mem["prompt_cache_bytes"] == cached["max_bytes"] == s.prompt_cache_bytes, (mem, s)
+    assert cached["entries"] >= 1 and 0 < cached["bytes"] <= cached["max_bytes"], cached
+    assert r.share_bytes and r.peak_bytes <= r.share_bytes * (1 + TOLERANCE), r.as_dict()

@@ -16,6 +16,7 @@ from macserve.errors import MacserveError
 from macserve.services import baseline, providers, share
 from macserve.services.profiles import Profile
 from macserve.services.providers.base import Limits
+from macserve.sizing import host
 from macserve.sizing.report import inspect_source
 
 from .conftest import TINY_MODEL
@@ -32,7 +33,8 @@ def _profile(provider="macserve", model=TINY_MODEL, **keys) -> Profile:
 
 
 def test_a_share_counts_weights_every_sequence_the_prompt_cache_the_process_and_a_reserve():
-    s = share.share_of(_profile(CTX="512", PARALLEL="3"))
+    # on a Mac's GPU, inspect's figures as they are (a CPU host: tests/test_share_host.py)
+    s = share.share_of(_profile(CTX="512", PARALLEL="3"), device=host.GPU)
     rep = inspect_source(str(TINY_MODEL))
     kv = rep.layouts["mlx/bf16"].bytes_at(512)
     assert (s.weights_bytes, s.kv_bytes, s.parallel, s.ctx) == (rep.weights_bytes, kv, 3, 512)
@@ -53,7 +55,7 @@ def test_a_share_counts_weights_every_sequence_the_prompt_cache_the_process_and_
     d = s.as_dict()
     assert d["share_bytes"] == s.share_bytes and d["kv_total_bytes"] == 3 * kv
     # no CTX: counted at the model's limit, and said so
-    whole = share.share_of(_profile())
+    whole = share.share_of(_profile(), device=host.GPU)
     assert whole.ctx == rep.shape.max_position_embeddings and "model's limit" in whole.note
 
 

@@ -124,14 +124,10 @@ def write_profile(home: Path, provider: str, twin: Path | None) -> str:
     if provider == "engine":
         model = stretched_twin(twin, home / "smol-yarn")
         # a first turn of 12-20K tokens takes over the server's 600 s request timeout at this
-        # machine's 15-45 tokens/s (which cuts it off unanswered, and caches nothing)
-        # MEMORY: the share the router would count for CTX leaves the prompt cache 61 MB here
-        # (the CPU holds the caches in float32, twice the bf16 the share counts), less than one
-        # agent turn's prefix (~43 KB a token): every turn would be prefilled whole
-        text = (
-            f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nMEMORY=4GB\nPARALLEL=1\n"
-            "EXTRA_ARGS='--request-timeout 7200'\n"
-        )
+        # machine's 15-45 tokens/s (which cuts it off unanswered, and caches nothing).
+        # No MEMORY: the router's default share, which counts the engine's float32 caches on
+        # this CPU (sizing/host.py), so its prompt cache holds a whole-context sequence.
+        text = f"PROVIDER=macserve\nMODEL={model}\nCTX={CTX}\nEXTRA_ARGS='--request-timeout 7200'\n"
     else:
         template = home / "chatml-tools.jinja"
         template.write_text(agent_loop.CHATML_TOOLS)

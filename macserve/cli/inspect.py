@@ -173,6 +173,13 @@ def _print(r):
         )
     if r["int2_plan"]:
         click.echo(f"macserve/int2: {r['int2_plan']}")
+    if eh := r.get("engine_host"):
+        rows = ", ".join(f"{k} {_num(v)}" for k, v in eh["kv_bytes_per_token"].items())
+        click.echo(
+            f"macserve serve here: {eh['label']}: weights {_gib(eh['weights_bytes'])}, KV "
+            f"B/token {rows} (the rows above are bf16, what a Mac's GPU holds; a profile's "
+            "share counts these: docs/memory.md)"
+        )
     for n in r["notes"]:
         click.echo(f"note: {n}")
     if r["ctx"] and r["model_max_context"] and r["ctx"] > r["model_max_context"]:

@@ -142,6 +142,8 @@ def ls(as_json):
         for r in rows:  # what KV=auto will do in each share, one line a profile
             if (r.get("share") or {}).get("kv_note"):
                 click.echo(f"{r['name']}: {r['share']['kv_note']}")
+            if (r.get("share") or {}).get("dtype"):  # the engine on MLX's CPU (sizing/host.py)
+                click.echo(f"{r['name']}: its share counts the engine in {r['share']['dtype']}")
     _journal_notes(rows)
 
 

@@ -5,7 +5,8 @@
 
 `load` applies the dtype rule once for every caller (serve, generate, calibrate, the benches):
 on MLX's CPU backend the model runs in float32, because the CPU's `gather_mm` (MoE experts)
-runs only in float32; on a GPU it keeps the checkpoint's dtype. Every MLA attention layer is
+runs only in float32; on a GPU it keeps the checkpoint's dtype (`computes_float32`; a
+profile's share counts it through sizing/host.py's mirror of it). Every MLA attention layer is
 then patched to read `RotatedLatentCache` (mla_attention.install).
 """
 
@@ -185,14 +186,21 @@ def load(model_dir: str | Path, split: list[int] | None = None) -> Bundle:
         model, tokenizer = sharded_load(str(path), pipeline_group=group)
     else:
         model, tokenizer = mlx_load(str(path))
-    if mx.default_device().type == mx.DeviceType.cpu:
-        # MLX's CPU gather_mm (the MoE experts) only runs in float32.
+    if computes_float32():
         model.set_dtype(mx.float32)
     skip_latent_norm(model, config)
     mla_attention.install(model)  # MLA layers can then read the INT2 latent cache
     for token in turn_end_tokens(tokenizer):
         tokenizer.add_eos_token(str(token))
     return Bundle(model, tokenizer, config, path)
+
+
+def computes_float32() -> bool:
+    """The dtype rule: float32 when MLX's default device is the CPU (its gather_mm, the MoE
+    experts, runs only in float32), else the checkpoint's own. sizing/host.py's
+    `engine_float32` says the same without importing mlx, for the share and inspect (the
+    engine imports no sizing); tests/test_share_host.py checks that the two agree here."""
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def skip_latent_norm(model, config: dict) -> int:

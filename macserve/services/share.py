@@ -44,6 +44,7 @@ from ..cache_kinds import CacheKind, auto_window, describe_window, window_bytes
 from ..errors import MacserveError
 from ..hf_config import text_config
 from ..int2_format import INT2
+from ..sizing import host
 from ..sizing.budget import machine_budget
 from ..sizing.kv_layout import auto_figures
 from ..sizing.report import inspect_source
@@ -83,6 +84,9 @@ class Share:
     # --prefill-step-size; the engine chooses its own chunk within --memory)
     prefill_step: int = PREFILL_STEP
     window: int | None = None  # KV=auto: its bf16 recent window in tokens (CTX: all bf16)
+    # the engine's dtype here where it is not inspect's bf16 (sizing/host.py): "float32 on
+    # this CPU host" (its weights and the caches in the model's dtype counted twice)
+    dtype: str | None = None
 
     @property
     def kv_note(self) -> str | None:
@@ -228,9 +232,10 @@ def too_small(s: Share) -> str | None:
     )
 
 
-def share_of(profile: Profile) -> Share:
+def share_of(profile: Profile, device: str | None = None) -> Share:
     """A profile's share, saved or not (the web page and `set` size a change before making
-    it). Never raises for a model it cannot size: `error` says why (share_bytes is None)."""
+    it). Never raises for a model it cannot size: `error` says why (share_bytes is None).
+    `device`: where MLX computes ("cpu" | "gpu": sizing/host.py), None: on this host."""
     p = providers.typed(profile)
     prov = providers.for_profile(p)
     memory = p.memory
@@ -265,13 +270,19 @@ def share_of(profile: Profile) -> Share:
     if p.multi_host:
         notes.append("the whole model, before it is split over HOSTS")
     lay = rep.layouts.get(s.cache_key) if s.cache_key else None
+    weights = rep.weights_bytes
+    if prov.float32_on_cpu and host.engine_float32(device):
+        # the engine holds what inspect counts in bf16 (a Mac's figure) in float32 here
+        lay = lay and host.host_layout(lay, device)
+        weights = host.host_weights(weights, rep.source.local_path, device)
+        notes.append(f"the engine's weights and caches in {host.LABEL}")
+        s = replace(s, dtype=host.LABEL)
     kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
     auto = None
     if lay is not None and kv is not None and ctx and (p.kv or prov.default_kv()) == CacheKind.AUTO:
         auto = auto_figures(lay, ctx)
         kv = auto[2]  # every row bf16: what CTX x PARALLEL needs when no MEMORY bounds it
         s = replace(s, window=ctx)
-    weights = rep.weights_bytes
     per_token = scratch_per_token(rep.source.config, ctx) if ctx else None
     s = replace(s, weights_bytes=weights, kv_bytes=kv, ctx=ctx, prompt_cache_bytes=0)
     s = replace(s, prompt_cache_bytes=prompt_cache_bound(kv))

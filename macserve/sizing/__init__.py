@@ -14,6 +14,7 @@ mlx only inside mlx_measure's measuring function (`inspect` must start fast).
     kv_layout.py    ModelShape -> each engine's buffers, bytes per token and per sequence
     mlx_measure.py  what mlx-lm itself allocates for a config (lazy model, its own caches)
     budget.py       this Mac's (or --memory's) GPU budget; parse_size
+    host.py         the engine's dtype on this host (float32 on MLX's CPU), its figures there
     report.py       the above end to end: what `inspect` prints and `new` sizes with
     hosts.py        the plan across several Macs (pipeline / tensor splits)
 """

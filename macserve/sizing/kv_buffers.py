@@ -19,7 +19,9 @@ def _pad(n: int, to: int = CELL_PAD) -> int:
 class Buffer:
     """One cache tensor of one layer: `row` bytes per row, rows depending on `grow`:
     "token": one row per `every` tokens of context; "window": min(ctx, rows);
-    "fixed": `rows` rows whatever the context."""
+    "fixed": `rows` rows whatever the context. `model_dtype`: held in the model's compute
+    dtype, counted at bf16's 2 B a value (a Mac's, a checkpoint's); the engine on a CPU host
+    computes in float32 and holds it at twice that (host.py)."""
 
     layer: int
     what: str
@@ -27,6 +29,7 @@ class Buffer:
     grow: str
     every: int = 1
     rows: int = 0
+    model_dtype: bool = False
 
 
 @dataclass

@@ -74,14 +74,18 @@ def measured_layout(m, key: str = MLX_KEY) -> Layout:
     object the engine made (ring buffers as windows, so short contexts are not overcounted)."""
     bufs = []
     for c in m.caches:
-        if c.per_token:
-            bufs.append(Buffer(c.index, c.cls, c.per_token_num, "token", every=c.per_token_den))
-        if c.window and c.fixed % c.window == 0:
-            bufs.append(
-                Buffer(c.index, f"{c.cls} (window)", c.fixed // c.window, "window", rows=c.window)
-            )
-        elif c.fixed:
-            bufs.append(Buffer(c.index, f"{c.cls} (fixed)", c.fixed, "fixed", rows=1))
+        # each part apart: what is in the model's dtype (model_dtype) and what is not
+        for per, fixed, dt in (
+            (c.model_per_token, c.model_fixed, True),
+            (c.per_token - c.model_per_token, c.fixed - c.model_fixed, False),
+        ):
+            if per:
+                bufs.append(Buffer(c.index, c.cls, per.numerator, "token", per.denominator, 0, dt))
+            if c.window and fixed and fixed % c.window == 0:
+                what = f"{c.cls} (window)"
+                bufs.append(Buffer(c.index, what, fixed // c.window, "window", 1, c.window, dt))
+            elif fixed:
+                bufs.append(Buffer(c.index, f"{c.cls} (fixed)", fixed, "fixed", 1, 1, dt))
     return Layout(key, bufs, origin="measured", engine=m.engine)
 
 
@@ -157,19 +161,21 @@ _HELPERS = {"cache", "base", "activations", "rope_utils", "switch_layers", "pipe
 
 
 def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> list[Buffer]:
-    """`q`: the latent's format on this layer with int2 (a calibration's plan, else INT2)."""
+    """`q`: the latent's format on this layer with int2 (a calibration's plan, else INT2).
+    `model_dtype`: mlx-lm's arrays in the activations' dtype (float32 in the engine on a CPU
+    host: host.py); not the fp32 states, nor the INT2 cache's rows (stored from bf16)."""
     bf16 = 2
     if isinstance(l, NoCache):
         return []
     if isinstance(l, Full):
         out = [
-            Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token"),
-            Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token"),
+            Buffer(i, "K", bf16 * l.kv_heads * l.k_dim, "token", model_dtype=True),
+            Buffer(i, "V", bf16 * l.kv_heads * l.v_dim, "token", model_dtype=True),
         ]
         if l.indexer:
             # MiniMax-M3's MSA indexer key (mlx-lm has no module for it: modelled on the
             # KVCache-held key of deepseek_v32's indexer, without its zero-filled values).
-            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token", model_dtype=True))
         return out
     if isinstance(l, Sliding):
         k, v = bf16 * l.kv_heads * l.k_dim, bf16 * l.kv_heads * l.v_dim
@@ -177,23 +183,23 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
             # ChunkedKVCache (llama4): the chunk, plus the 256-row step it allocates past it
             # before the next call trims the front (cache.py, update_and_fetch).
             return [
-                Buffer(i, "K (chunk)", k, "window", rows=l.window + 256),
-                Buffer(i, "V (chunk)", v, "window", rows=l.window + 256),
+                Buffer(i, "K (chunk)", k, "window", rows=l.window + 256, model_dtype=True),
+                Buffer(i, "V (chunk)", v, "window", rows=l.window + 256, model_dtype=True),
             ]
         if mod.name and not mod.uses_rotating_cache:
             # The model code makes a plain KVCache for every layer: sliding layers grow too.
             return [
-                Buffer(i, "K (sliding, kept in full)", k, "token"),
-                Buffer(i, "V (sliding, kept in full)", v, "token"),
+                Buffer(i, "K (sliding, kept in full)", k, "token", model_dtype=True),
+                Buffer(i, "V (sliding, kept in full)", v, "token", model_dtype=True),
             ]
         return [
-            Buffer(i, "K (window)", k, "window", rows=l.window),
-            Buffer(i, "V (window)", v, "window", rows=l.window),
+            Buffer(i, "K (window)", k, "window", rows=l.window, model_dtype=True),
+            Buffer(i, "V (window)", v, "window", rows=l.window, model_dtype=True),
         ]
     if isinstance(l, Linear):
         # ArraysCache: conv tail in the activations' dtype, gated-delta/SSM state in fp32.
         return [
-            Buffer(i, "conv state (bf16)", bf16 * l.conv_elems, "fixed", rows=1),
+            Buffer(i, "conv state (bf16)", bf16 * l.conv_elems, "fixed", rows=1, model_dtype=True),
             Buffer(i, "recurrent state (f32)", 4 * l.state_elems, "fixed", rows=1),
         ]
     if isinstance(l, MLA):
@@ -207,13 +213,13 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
                 out.append(Buffer(i, WINDOW_ROWS, bf, "fixed", rows=q.bf16_rows()))
         elif mod.name in MLX_MLA_EXPANDED:
             out = [
-                Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token"),
-                Buffer(i, "V per head", bf16 * l.heads * l.v_head, "token"),
+                Buffer(i, "K per head", bf16 * l.heads * l.k_head, "token", model_dtype=True),
+                Buffer(i, "V per head", bf16 * l.heads * l.v_head, "token", model_dtype=True),
             ]
         elif mod.name is None or mod.name in MLX_MLA_LATENT:
             out = [
-                Buffer(i, "latent", bf16 * l.latent, "token"),
-                Buffer(i, "rope key", bf16 * l.rope, "token"),
+                Buffer(i, "latent", bf16 * l.latent, "token", model_dtype=True),
+                Buffer(i, "rope key", bf16 * l.rope, "token", model_dtype=True),
             ]
         else:
             raise _Unsupported(f"mlx-lm's {mod.name} MLA cache layout is not verified here")
@@ -227,36 +233,28 @@ def _mlx_layer(i: int, l, mod: MlxModule, int2: bool, q: LatentQuant = INT2) -> 
             # indexer_types and pools nothing) with update_and_fetch(k, k), then sets
             # `cache.values = mx.zeros_like(cache.keys)`: a zero-filled array as large as
             # the keys, allocated all the same.
-            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token"))
+            out.append(Buffer(i, "indexer key", bf16 * l.indexer, "token", model_dtype=True))
             if mod.indexer_zero_values:
-                out.append(Buffer(i, "indexer values (zeros)", bf16 * l.indexer, "token"))
+                out.append(
+                    Buffer(i, "indexer values (zeros)", bf16 * l.indexer, "token", model_dtype=True)
+                )
         return out
     if isinstance(l, Compressed):
         if int2:
             raise _Unsupported("the INT2 latent format is defined for MLA layers only")
         # deepseek_v41.LayerCache: the last `window` rows, closed compressed groups, their
         # index keys, and the open group's rows in fp32 (kv and gate).
-        out = [Buffer(i, "K=V (window)", bf16 * l.head_dim, "window", rows=l.window)]
-        if l.ratio:
-            out.append(
-                Buffer(
-                    i, f"compressed K=V (1/{l.ratio})", bf16 * l.head_dim, "token", every=l.ratio
-                )
-            )
-            if l.ratio > 1:
+        kv, n = bf16 * l.head_dim, l.ratio
+        out = [Buffer(i, "K=V (window)", kv, "window", rows=l.window, model_dtype=True)]
+        if n:
+            out.append(Buffer(i, f"compressed K=V (1/{n})", kv, "token", n, model_dtype=True))
+            if n > 1:
                 out.append(
-                    Buffer(
-                        i,
-                        "open group (f32 kv + gate)",
-                        2 * 4 * l.head_dim,
-                        "fixed",
-                        rows=l.ratio - 1,
-                    )
+                    Buffer(i, "open group (f32 kv + gate)", 2 * 4 * l.head_dim, "fixed", rows=n - 1)
                 )
         if l.indexer:
-            out.append(
-                Buffer(i, f"indexer key (1/{l.ratio})", bf16 * l.indexer, "token", every=l.ratio)
-            )
+            key = bf16 * l.indexer
+            out.append(Buffer(i, f"indexer key (1/{n})", key, "token", n, model_dtype=True))
         return out
     raise TypeError(l)
 

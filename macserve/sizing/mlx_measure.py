@@ -41,7 +41,7 @@ from pathlib import Path
 from .. import env
 from ..fileio import atomic_write
 
-FORMAT = 2  # bump when what is stored or how it is measured changes
+FORMAT = 3  # bump when what is stored or how it is measured changes
 STEP = 256  # mlx-lm's KVCache / RotatingKVCache allocation step
 _WINDOW_ATTRS = ("max_size", "window_size", "chunk_size", "sliding_window")
 
@@ -52,7 +52,9 @@ class CacheBytes:
 
     per_token: bytes added per token of context, as num/den (compressed caches add a row
     every few tokens); fixed: bytes held whatever the context, past every window; window:
-    the rows of a ring buffer (0: none), whose bytes are in `fixed`."""
+    the rows of a ring buffer (0: none), whose bytes are in `fixed`. model_*: the part of
+    per_token and fixed held in the model's dtype (bf16 here: the engine on a CPU host holds
+    it in float32, sizing/host.py), the rest being fp32 states and the like."""
 
     index: int
     cls: str
@@ -60,10 +62,17 @@ class CacheBytes:
     per_token_den: int
     fixed: int
     window: int = 0
+    model_per_token_num: int = 0
+    model_per_token_den: int = 1
+    model_fixed: int = 0
 
     @property
     def per_token(self) -> Fraction:
         return Fraction(self.per_token_num, self.per_token_den)
+
+    @property
+    def model_per_token(self) -> Fraction:
+        return Fraction(self.model_per_token_num, self.model_per_token_den)
 
 
 @dataclass(frozen=True)
@@ -271,27 +280,41 @@ def _run(config: dict, name: str, engine: str) -> Measured:
         return Measured(engine, name, None, f"{engine} could not build it: {type(e).__name__}: {e}")
     out = []
     leaves = [leaf for c in caches for leaf in _leaves(c)]
-    for i, (leaf, a, b) in enumerate(zip(leaves, first, second)):
-        per = Fraction(b - a, at[1] - at[0])
-        fixed = a - per * (-(-at[0] // STEP) * STEP)  # growth is held in whole steps
+    steps = -(-at[0] // STEP) * STEP  # growth is held in whole steps
+    for i, (leaf, (a, ma), (b, mb)) in enumerate(zip(leaves, first, second)):
+        per, mper = Fraction(b - a, at[1] - at[0]), Fraction(mb - ma, at[1] - at[0])
+        fixed, mfixed = a - per * steps, ma - mper * steps
         w = _window(leaf) if per == 0 and fixed else 0
         out.append(
-            CacheBytes(i, type(leaf).__name__, per.numerator, per.denominator, int(fixed), w)
+            CacheBytes(
+                i,
+                type(leaf).__name__,
+                per.numerator,
+                per.denominator,
+                int(fixed),
+                w,
+                mper.numerator,
+                mper.denominator,
+                int(mfixed),
+            )  # fmt: skip
         )
     return Measured(engine, name, tuple(out), "", at)
 
 
-def _bytes_after(model, caches, upto: int, mx, start: int = 0) -> list[int]:
+def _bytes_after(model, caches, upto: int, mx, start: int = 0) -> list[tuple[int, int]]:
     """Run tokens start..upto through the caches (a prefill, then one decode step) and
-    return the bytes each leaf cache holds."""
+    return the bytes each leaf cache holds: (all, those in the model's dtype)."""
     if upto - start > 1:
         model(mx.zeros((1, upto - start - 1), dtype=mx.int32), cache=caches)
     model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-    return [_nbytes(leaf, mx) for c in caches for leaf in _leaves(c)]
+    return [
+        (_nbytes(leaf, mx), _nbytes(leaf, mx, mx.bfloat16)) for c in caches for leaf in _leaves(c)
+    ]
 
 
-def _nbytes(obj, mx) -> int:
-    """Bytes of every distinct mx.array an object holds (attributes, lists, dicts)."""
+def _nbytes(obj, mx, dtype=None) -> int:
+    """Bytes of every distinct mx.array an object holds (attributes, lists, dicts); `dtype`:
+    only those of that dtype."""
     seen: set[int] = set()
     total = 0
     stack = [obj]
@@ -300,7 +323,7 @@ def _nbytes(obj, mx) -> int:
         if isinstance(o, mx.array):
             if id(o) not in seen:
                 seen.add(id(o))
-                total += o.nbytes
+                total += o.nbytes if dtype is None or o.dtype == dtype else 0
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif isinstance(o, dict):

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import MacserveError
 from ..hf_config import text_config
 from ..int2_format import SHIPPED_ROTATION, read_plan
+from . import host
 from .arch import ModelShape
 from .arch_config import shape_from_config
 from .arch_gguf import shape_from_gguf
@@ -244,6 +245,8 @@ def report_of(
         "over_budget": p.over_budget,
         "notes": rep.notes,
         "int2_plan": rep.int2_plan,
+        # macserve's engine on this host where it differs from the rows (float32 on a CPU)
+        "engine_host": host.engine_on_host(rep.layouts, rep.weights_bytes, rep.source.local_path),
         "files": rep.source.files,
         "gguf_header_bytes_read": rep.source.header_bytes_read or None,
     }

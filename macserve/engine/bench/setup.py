@@ -15,7 +15,7 @@ from .. import mla_attention
 from ..caches import make_caches, model_dtype
 from ..dsa_indexer import IndexerKeyCache
 from ..latent_cache import RotatedLatentCache
-from ..model import load
+from ..model import computes_float32, load
 from .synthetic import synthetic
 
 CHUNK = 2048  # mlx-lm's prefill_step_size: what the prefill figures are measured in
@@ -52,8 +52,9 @@ def _orthogonal(n: int, seed: int) -> mx.array:
 
 
 def engine_dtype():
-    """The loader's rule (model.load): float32 on the CPU, the model's own on a GPU."""
-    return mx.float32 if mx.default_device().type == mx.DeviceType.cpu else None
+    """The loader's rule (model.computes_float32): float32 on the CPU, the model's own on a
+    GPU."""
+    return mx.float32 if computes_float32() else None
 
 
 def setup_synthetic(

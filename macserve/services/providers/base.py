@@ -127,6 +127,9 @@ class BaseProvider:
     # Its server allocates every sequence's cache when it starts (llama-server: -c cells), so
     # a baseline measured at idle holds the cache too, which the share counts apart.
     holds_cache_at_start = False
+    # Its loader casts the model to float32 when MLX computes on the CPU (sizing/host.py): its
+    # weights and caches held in the model's dtype count twice there. Others keep their dtype.
+    float32_on_cpu = False
     # flag -> profile key: what `limit_args` renders from the share (EXTRA_ARGS may not set it)
     limit_flags: dict[str, str] = {}
     # the flags that set the sequences served at once: PARALLEL (lifted out of EXTRA_ARGS)

@@ -41,6 +41,8 @@ class Engine(BaseProvider):
     multi_host = True
     # Python + MLX + the HTTP server, until measured (the demo model on Linux: 110 MiB idle)
     assumed_baseline = 160 * 2**20
+    # engine/model.py's load: float32 on MLX's CPU (its gather_mm), the model's own on a GPU
+    float32_on_cpu = True
     formats = ("mlx",)
     ctx_flags = ("--ctx",)
     # serve --kv: bf16 (mlx-lm's own cache, the default), int2 (the INT2 latent cache) or auto
