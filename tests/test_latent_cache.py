@@ -180,20 +180,32 @@ def test_a_chunk_scores_exactly_as_single_steps(model, calibration):
     np.testing.assert_allclose(np.array(chunk), np.array(single), atol=1e-4, rtol=1e-4)
 
 
+def _same_attention_under(model, calibration, monkeypatch, knob, values, n, first, steps, check):
+    """Decode `first` prompt tokens and `steps` more, then the rest of `n` in one step, with
+    segment_read's `knob` set to each of `values` in turn; `check(caches, before)` says the
+    knob's case was really met. The decode read's variants must give the same attention."""
+    m, tok = model
+    ids = prompt(tok, n)
+    logits = []
+    for value in values:
+        monkeypatch.setattr(segment_read, knob, value)
+        caches = caches_for(m, SMALL, calibration, "eigen")
+        run(m, caches, ids[:first], steps)
+        before = caches[1].codes_lat.length
+        logits.append(run(m, caches, ids[first:], 1))
+        check(caches, before)
+    np.testing.assert_allclose(np.array(logits[0]), np.array(logits[1]), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.model
 def test_a_decode_step_read_in_pieces_equals_the_whole_read(model, calibration, monkeypatch):
     """A long segment is read in pieces merged by online softmax (segment_read.PIECE, 2,048
     rows; 16 here so the demo's segments are cut): the same attention as reading it whole."""
-    m, tok = model
-    ids = prompt(tok, 124)
-    logits = {}
-    for piece in (16, 0):
-        monkeypatch.setattr(segment_read, "PIECE", piece)
-        caches = caches_for(m, SMALL, calibration, "eigen")
-        run(m, caches, ids[:120], 40)
+
+    def cut(caches, _before):
         assert caches[0].codes_lat.length > 16  # the codes are cut into pieces
-        logits[piece] = run(m, caches, ids[120:], 1)
-    np.testing.assert_allclose(np.array(logits[16]), np.array(logits[0]), atol=1e-4, rtol=1e-4)
+
+    _same_attention_under(model, calibration, monkeypatch, "PIECE", (16, 0), 124, 120, 40, cut)
 
 
 @pytest.mark.model
@@ -202,17 +214,14 @@ def test_a_decode_step_read_rows_first_equals_the_query_first_read(model, calibr
     of their buffers made once per write (segment_read.ROWS_FIRST_HEADS, Rows.dense): the
     same attention as q @ rows^T on freshly sliced codes, over 40 steps that write new codes
     (SMALL: one write per 32 steps) and compact the window between reads."""
-    m, tok = model
-    ids = prompt(tok, 140)
-    logits = {}
-    for heads in (16, 0):
-        monkeypatch.setattr(segment_read, "ROWS_FIRST_HEADS", heads)
-        caches = caches_for(m, SMALL, calibration, "eigen")
-        run(m, caches, ids[:100], 50)
-        before = caches[1].codes_lat.length
-        logits[heads] = run(m, caches, ids[100:], 1)
+
+    def written(caches, before):
         assert caches[1].codes_lat.length > before + 32  # codes written between reads
-    np.testing.assert_allclose(np.array(logits[16]), np.array(logits[0]), atol=1e-4, rtol=1e-4)
+
+    heads = (16, 0)
+    _same_attention_under(
+        model, calibration, monkeypatch, "ROWS_FIRST_HEADS", heads, 140, 100, 50, written
+    )
 
 
 @pytest.mark.model
