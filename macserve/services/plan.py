@@ -68,7 +68,7 @@ def plan(
         prov.float32_on_cpu,
         device,
     )
-    if dtype and lay is not None:
+    if dtype and key and lay is not None:
         # the context the share will hold: inspect's rows are what a Mac's GPU holds
         fits = max_context(rep.shape, key, r["budget_bytes"], weights or 0, parallel, lay)
     if ctx in (None, "auto"):
