@@ -177,8 +177,8 @@ def _print(r):
         rows = ", ".join(f"{k} {_num(v)}" for k, v in eh["kv_bytes_per_token"].items())
         click.echo(
             f"macserve serve here: {eh['label']}: weights {_gib(eh['weights_bytes'])}, KV "
-            f"B/token {rows} (the rows above are bf16, what a Mac's GPU holds; a profile's "
-            "share counts these: docs/memory.md)"
+            f"B/token {rows} (the rows above are {r.get('rows_dtype', 'bf16')}, what a Mac's "
+            "GPU holds; a profile's share counts these: docs/memory.md)"
         )
     for n in r["notes"]:
         click.echo(f"note: {n}")

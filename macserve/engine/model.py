@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import sharded_load
@@ -107,7 +108,8 @@ class Bundle:
             return dict(
                 kind=str(spec.kind),
                 calibration=None,
-                summary=f"{len(fmts)} layers: {spec.kind.facts.summary} (--kv {spec.kind})",
+                summary=f"{len(fmts)} layers: {spec.kind.facts.summary} (--kv {spec.kind}), "
+                + held_in(self.model),
                 layers=rows,
             )
         cal = self.calibration(spec.rotation)
@@ -201,6 +203,26 @@ def computes_float32() -> bool:
     `engine_float32` says the same without importing mlx, for the share and inspect (the
     engine imports no sizing); tests/test_share_host.py checks that the two agree here."""
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+def compute_dtype(model) -> mx.Dtype:
+    """The dtype the model's activations, and so mlx-lm's caches, take: that of most of its
+    floating parameters' bytes (after `load`'s float32 cast on the CPU; a quantized model's
+    scales). sizing/host.py's `checkpoint_bytes` reads the same from the safetensors headers."""
+    by: dict = {}
+    for _, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating):
+            by[a.dtype] = by.get(a.dtype, 0) + a.nbytes
+    return max(by, key=lambda d: by[d]) if by else mx.float32
+
+
+def held_in(model) -> str:
+    """Where a log line says what mlx-lm's caches hold: "held in float32 on this CPU host"
+    (the loader's cast) or "held in bfloat16, the checkpoint's dtype" (a GPU keeps it)."""
+    name = str(compute_dtype(model)).rsplit(".", 1)[-1]
+    return f"held in {name} " + (
+        "on this CPU host" if computes_float32() else "(the checkpoint's dtype)"
+    )
 
 
 def skip_latent_norm(model, config: dict) -> int:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MacserveError
-from ..sizing.report import report
+from ..sizing import host
+from ..sizing.kv_layout import max_context
+from ..sizing.report import inspect_source, report_of
 from . import providers
 
 FORMAT_NAMES = {"gguf": "GGUF files", "mlx": "MLX/safetensors models"}
@@ -40,8 +42,13 @@ def plan(
     ctx: int | str | None = "auto",
     parallel: int = 1,
     kv: str | None = None,
+    memory_bytes: int | None = None,
+    device: str | None = None,
 ) -> Plan:
-    r = report(source, quant, parallel=parallel)
+    """`memory_bytes`: a machine of that much RAM, not this one; `device`: where MLX computes
+    ("cpu" | "gpu"), None: here (both as sizing/host.py and the share take them)."""
+    rep = inspect_source(source, quant)
+    r = report_of(rep, memory_bytes, parallel=parallel)
     is_gguf = bool(r["is_gguf"])
     fmt = "gguf" if is_gguf else "mlx"
     prov = providers.get(provider) if provider else providers.serving(fmt)[0]
@@ -54,6 +61,16 @@ def plan(
         raise MacserveError(f"--kv {kv}: {prov.label} caches {' | '.join(prov.cache_types)}")
     key = prov.cache_types.get(kv or prov.default_kv() or "")
     fits = r["max_context"].get(key) if key else None
+    lay, weights, dtype = host.held(
+        rep.layouts.get(key) if key else None,
+        rep.weights_bytes,
+        rep.source.local_path,
+        prov.float32_on_cpu,
+        device,
+    )
+    if dtype and key and lay is not None:
+        # the context the share will hold: inspect's rows are what a Mac's GPU holds
+        fits = max_context(rep.shape, key, r["budget_bytes"], weights or 0, parallel, lay)
     if ctx in (None, "auto"):
         if key is not None and fits is None:
             raise MacserveError(f"{source}: {prov.name} cannot cache this model's layers")
@@ -89,5 +106,6 @@ def plan(
         pl.notes.append(
             f"context {n_ctx:,} is more than the {fits:,} tokens that fit "
             f"{r['budget_bytes'] / 2**30:.1f} GB ({r['budget_source']}) with {key}"
+            + (f" in {dtype}" if dtype else "")
         )
     return pl

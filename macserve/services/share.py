@@ -269,14 +269,17 @@ def share_of(profile: Profile, device: str | None = None) -> Share:
         notes.append(f"{prov.label} has no context flag: macserve refuses longer prompts")
     if p.multi_host:
         notes.append("the whole model, before it is split over HOSTS")
-    lay = rep.layouts.get(s.cache_key) if s.cache_key else None
-    weights = rep.weights_bytes
-    if prov.float32_on_cpu and host.engine_float32(device):
-        # the engine holds what inspect counts in bf16 (a Mac's figure) in float32 here
-        lay = lay and host.host_layout(lay, device)
-        weights = host.host_weights(weights, rep.source.local_path, device)
-        notes.append(f"the engine's weights and caches in {host.LABEL}")
-        s = replace(s, dtype=host.LABEL)
+    # what the server really holds here: the engine in float32 on MLX's CPU (sizing/host.py)
+    lay, weights, dtype = host.held(
+        rep.layouts.get(s.cache_key) if s.cache_key else None,
+        rep.weights_bytes,
+        rep.source.local_path,
+        prov.float32_on_cpu,
+        device,
+    )
+    if dtype:
+        notes.append(f"the engine's weights and caches in {dtype}")
+        s = replace(s, dtype=dtype)
     kv = lay.bytes_at(ctx) if lay is not None and lay.supported and ctx else None
     auto = None
     if lay is not None and kv is not None and ctx and (p.kv or prov.default_kv()) == CacheKind.AUTO:

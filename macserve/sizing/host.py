@@ -12,8 +12,12 @@ INT2 latent cache stores its rows from bf16 whatever the model computes in (engi
 and recurrent states are float32 anyway: those figures hold on both hosts.
 
 The other servers keep their own dtypes, on either device: mlx_lm.server computes in the
-checkpoint's dtype (mlx-lm's `load` casts nothing), llama-server stores its f16 (or
-quantized) cache. Only the engine's figures move (the share's `host_layout`, inspect's line).
+checkpoint's dtype (mlx-lm's `load` casts nothing: its arrays keep the safetensors' dtypes,
+and config.json's `torch_dtype` is read only by mlx-lm's convert), llama-server stores its
+f16 (or quantized) cache. So a float32 checkpoint (the SmolLM2 twin on MLX's CPU) holds
+float32 caches under mlx-lm wherever it runs: `checkpoint_bytes` reads that from the
+safetensors headers, and inspect's mlx-lm rows (report.py) count it; the engine on a GPU
+keeps it too. `held` is the one rule the share and `new --ctx auto` size a provider by.
 
 `mlx_device()` says where MLX computes by default here without importing mlx (0.3 s: inspect
 and `ls` never load it): Apple silicon runs Metal (a GPU); elsewhere only a CUDA build of MLX
@@ -39,6 +43,9 @@ CPU, GPU = "cpu", "gpu"
 # MLX's CUDA backends: what mlx's extras cuda, cuda12 and cuda13 install (its metadata)
 CUDA_DISTS = ("mlx-cuda-12", "mlx-cuda-13")
 HALF = ("BF16", "F16")  # safetensors dtypes the CPU rule widens to float32 (twice the bytes)
+FLOAT_BYTES = {"F32": 4, "BF16": 2, "F16": 2}  # safetensors' floating dtypes MLX computes in
+FLOAT32 = 4
+DTYPE_NAMES = {4: "float32", 2: "bf16"}  # what a count at these bytes is said as
 LABEL = "float32 on this CPU host"  # where a user reads it: inspect, ls, the share's note
 
 
@@ -64,25 +71,36 @@ def engine_float32(device: str | None = None) -> bool:
     return (device or mlx_device()) == CPU
 
 
-def host_layout(lay: Layout, device: str | None = None) -> Layout:
-    """The engine's buffers on `device`: on a CPU those held in the model's compute dtype
-    (counted at bf16) at float32's bytes, twice; on a GPU `lay` as it is."""
-    if not engine_float32(device) or not lay.supported:
+def widen(lay: Layout, value_bytes: int) -> Layout:
+    """`lay` with its buffers in the model's compute dtype counted at `value_bytes` a value
+    (from the `model_bytes` they are counted at); the others (fp32 states, INT2 codes) as
+    they are."""
+    if not lay.supported or lay.model_bytes == value_bytes:
         return lay
-    bufs = [replace(b, row=2 * b.row) if b.model_dtype else b for b in lay.buffers]
-    return replace(lay, buffers=bufs)
+    bufs = [
+        replace(b, row=b.row * value_bytes // lay.model_bytes) if b.model_dtype else b
+        for b in lay.buffers
+    ]
+    return replace(lay, buffers=bufs, model_bytes=value_bytes)
 
 
-def half_weight_bytes(folder: str | Path | None) -> int:
-    """Bytes of a local model folder's bf16/f16 tensors (from its safetensors headers: the
-    weights are never read); 0 when there is no such folder or file."""
+def host_layout(lay: Layout, device: str | None = None) -> Layout:
+    """The engine's buffers on `device`: on a CPU those held in the model's compute dtype at
+    float32's bytes; on a GPU `lay` as it is (in the checkpoint's dtype: report.py)."""
+    if not engine_float32(device):
+        return lay
+    return widen(lay, FLOAT32)
+
+
+def _tensors(folder: str | Path | None, pattern: str = "*.safetensors"):
+    """(dtype, bytes) of each tensor in a local model folder's safetensors files matching
+    `pattern`, from their headers (the weights are never read); none without such files."""
     if folder is None:
-        return 0
+        return
     path = Path(folder)
     if not path.is_dir():
         path = path.parent
-    total = 0
-    for f in path.glob("*.safetensors"):
+    for f in sorted(path.glob(pattern)):
         try:
             with open(f, "rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))
@@ -90,10 +108,46 @@ def half_weight_bytes(folder: str | Path | None) -> int:
         except (OSError, ValueError, struct.error):
             continue  # not a readable safetensors file: counted as it is on disk
         for name, t in header.items():
-            if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in HALF:
+            if name != "__metadata__" and isinstance(t, dict):
                 begin, end = t.get("data_offsets", (0, 0))
-                total += end - begin
-    return total
+                yield t.get("dtype"), end - begin
+
+
+def half_weight_bytes(folder: str | Path | None) -> int:
+    """Bytes of a local model folder's bf16/f16 tensors; 0 when there is no such folder or
+    file."""
+    return sum(n for dtype, n in _tensors(folder) if dtype in HALF)
+
+
+def checkpoint_bytes(folder: str | Path | None) -> int | None:
+    """Bytes a value of the dtype mlx-lm computes a local checkpoint in: that of most of the
+    floating bytes in the `model*.safetensors` files mlx-lm's `load_model` reads (a quantized
+    checkpoint's scales; a stray float32 tensor such as DeepSeek's router bias, which the
+    activations never meet, does not decide it). None: no such files (not a local folder).
+    A checkpoint mixing float32 norms into bf16 weights would compute in float32 (MLX
+    promotes) and is counted at its bf16 here."""
+    by: dict[int, int] = {}
+    for dtype, n in _tensors(folder, "model*.safetensors"):
+        if dtype in FLOAT_BYTES:
+            by[FLOAT_BYTES[dtype]] = by.get(FLOAT_BYTES[dtype], 0) + n
+    return max(by, key=lambda b: (by[b], b)) if by else None
+
+
+def held(
+    lay: Layout | None,
+    weights: int | None,
+    folder: str | None,
+    float32_on_cpu: bool,
+    device: str | None = None,
+) -> tuple[Layout | None, int | None, str | None]:
+    """What a server holds on `device` for a cache whose inspect figures (`lay`, the
+    checkpoint's own dtype) and `weights` (the files) are given: (layout, weights bytes, the
+    dtype said where it is the host's, else None). `float32_on_cpu`: the server casts the
+    model to float32 on MLX's CPU (the engine: its providers' flag); the others hold the
+    checkpoint's dtype anywhere. The share and `new --ctx auto` both size by this."""
+    if not (float32_on_cpu and engine_float32(device)):
+        return lay, weights, None
+    return lay and host_layout(lay, device), host_weights(weights, folder, device), LABEL
 
 
 def host_weights(weights: int | None, folder, device: str | None = None) -> int | None:

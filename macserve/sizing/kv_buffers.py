@@ -45,6 +45,9 @@ class Layout:
     # from the caches the engine itself allocates (`engine` names it; mlx_measure.py).
     origin: str = "modelled"
     engine: str = ""
+    # bytes a value of the `model_dtype` buffers are counted at: bf16's 2 (a Mac's figure, a
+    # bf16 checkpoint's); 4 where the engine computes in float32 (host.py `widen`)
+    model_bytes: int = 2
 
     @property
     def per_token(self) -> Fraction:

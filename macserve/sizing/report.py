@@ -34,6 +34,7 @@ from .model_source import ModelSource, read_gguf_file
 from .sources import resolve
 
 TABLE_CONTEXTS = (8192, 32768, 131072)
+ENGINE_MLX = ("mlx", "macserve")  # the rows of caches mlx-lm's arrays hold (not llama.cpp's)
 
 
 @dataclass
@@ -91,7 +92,26 @@ def inspect_source(source: str, quant: str | None = None, measure: bool = True) 
             "config (for MLX weights of another size, --weights 4bit or a size)"
         )
     plan = _int2_plan(src, shape, lays, notes) if "macserve/int2" in lays else None
-    return Report(src, shape, lays, mtp, notes, plan)
+    return _in_checkpoint_dtype(Report(src, shape, lays, mtp, notes, plan))
+
+
+def _in_checkpoint_dtype(rep: Report) -> Report:
+    """mlx-lm computes in a local checkpoint's own dtype (host.py): a float32 one holds its
+    mlx-lm caches (the mlx and macserve rows' buffers in the model's dtype) at 4 B a value,
+    not the bf16 they are counted at. llama.cpp's rows store their own types."""
+    value = host.checkpoint_bytes(rep.source.local_path) if not rep.source.is_gguf else None
+    if value is None or value == 2:
+        return rep
+    for lays in (rep.layouts, rep.mtp_layouts):
+        for k, lay in lays.items():
+            if k.split("/")[0] in ENGINE_MLX:
+                lays[k] = host.widen(lay, value)
+    name = host.DTYPE_NAMES.get(value, f"{value}-byte")
+    rep.notes.append(
+        f"this checkpoint is {name}: mlx-lm computes in it (its load casts nothing), so the "
+        f"mlx and macserve rows count its caches in {name}"
+    )
+    return rep
 
 
 def _int2_plan(src: ModelSource, shape: ModelShape, lays: dict, notes: list) -> str | None:
@@ -136,7 +156,7 @@ def _measured_only(src: ModelSource, why: MacserveError) -> Report:
     notes = [f"layers not classified ({why}); the mlx/bf16 row is {m.engine}'s own allocation"]
     if src.weights_bytes is None:
         notes.append("weights unknown (a bare config): max context assumes no weights")
-    return Report(src, shape, lays, {}, notes)
+    return _in_checkpoint_dtype(Report(src, shape, lays, {}, notes))
 
 
 def _measure_mlx(config: dict, lays: dict) -> list[str]:
@@ -247,9 +267,16 @@ def report_of(
         "int2_plan": rep.int2_plan,
         # macserve's engine on this host where it differs from the rows (float32 on a CPU)
         "engine_host": host.engine_on_host(rep.layouts, rep.weights_bytes, rep.source.local_path),
+        # the dtype the mlx and macserve rows count mlx-lm's caches in: the checkpoint's
+        "rows_dtype": host.DTYPE_NAMES.get(_rows_bytes(rep), "bf16"),
         "files": rep.source.files,
         "gguf_header_bytes_read": rep.source.header_bytes_read or None,
     }
+
+
+def _rows_bytes(rep: Report) -> int:
+    lay = rep.layouts.get("mlx/bf16")
+    return lay.model_bytes if lay is not None else 2
 
 
 @dataclass(frozen=True)
