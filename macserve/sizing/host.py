@@ -29,13 +29,14 @@ one. tests/test_share_host.py checks `mlx_device()` against MLX's own default de
 from __future__ import annotations
 
 import importlib.metadata
-import json
+import math
 import platform
-import struct
 import sys
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from .kv_buffers import Layout
 
@@ -93,8 +94,9 @@ def host_layout(lay: Layout, device: str | None = None) -> Layout:
 
 
 def _tensors(folder: str | Path | None, pattern: str = "*.safetensors"):
-    """(dtype, bytes) of each tensor in a local model folder's safetensors files matching
-    `pattern`, from their headers (the weights are never read); none without such files."""
+    """(dtype, bytes) of each floating tensor in a local model folder's safetensors files
+    matching `pattern`, from their headers (safetensors maps the file; no weight is read);
+    none without such files."""
     if folder is None:
         return
     path = Path(folder)
@@ -102,15 +104,14 @@ def _tensors(folder: str | Path | None, pattern: str = "*.safetensors"):
         path = path.parent
     for f in sorted(path.glob(pattern)):
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+            with safe_open(f, "numpy") as st:
+                names = st.keys()  # a safe_open is not iterable
+                shapes = [(st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in names]
+        except (OSError, ValueError, SafetensorError):
             continue  # not a readable safetensors file: counted as it is on disk
-        for name, t in header.items():
-            if name != "__metadata__" and isinstance(t, dict):
-                begin, end = t.get("data_offsets", (0, 0))
-                yield t.get("dtype"), end - begin
+        for dtype, shape in shapes:
+            if dtype in FLOAT_BYTES:
+                yield dtype, math.prod(shape) * FLOAT_BYTES[dtype]
 
 
 def half_weight_bytes(folder: str | Path | None) -> int:
@@ -128,8 +129,7 @@ def checkpoint_bytes(folder: str | Path | None) -> int | None:
     promotes) and is counted at its bf16 here."""
     by: dict[int, int] = {}
     for dtype, n in _tensors(folder, "model*.safetensors"):
-        if dtype in FLOAT_BYTES:
-            by[FLOAT_BYTES[dtype]] = by.get(FLOAT_BYTES[dtype], 0) + n
+        by[FLOAT_BYTES[dtype]] = by.get(FLOAT_BYTES[dtype], 0) + n
     return max(by, key=lambda b: (by[b], b)) if by else None
 
 
