@@ -79,9 +79,9 @@ def test_a_stop_string_split_across_tokens_on_mlx_lm_server(twin):
 @pytest.mark.model
 def test_inspect_counts_the_kv_cache_mlx_lm_allocates_for_the_twin(smollm_twin):
     """A real prefill of the twin in mlx-lm: its KV cache per allocated row is inspect's mlx
-    figure for the folder, in the twin's own dtype. inspect's row is bf16 (what a Mac runs);
-    on MLX's CPU backend the twin is float32 and its cache twice that: 46,080 B/token here,
-    23,040 in inspect's row (and in llama.cpp/f16's)."""
+    figure for the folder. The twin's checkpoint is float32 and mlx-lm casts nothing, so its
+    cache is float32 on any device: 46,080 B/token, twice llama.cpp/f16's 23,040, and
+    inspect's mlx row follows the checkpoint's dtype (sizing/host.py `checkpoint_bytes`)."""
     import mlx.core as mx
     from click.testing import CliRunner
     from mlx_lm import load
@@ -94,7 +94,8 @@ def test_inspect_counts_the_kv_cache_mlx_lm_allocates_for_the_twin(smollm_twin):
     d = json.loads(r.output)
     assert d["row_source"]["mlx/bf16"] == "measured"
     per_token = d["kv_bytes_per_token"]["mlx/bf16"]
-    assert per_token == d["kv_bytes_per_token"]["llama.cpp/f16"]
+    assert d["rows_dtype"] == "float32"
+    assert per_token == 2 * d["kv_bytes_per_token"]["llama.cpp/f16"]
 
     model, tokenizer = load(str(smollm_twin))
     caches = make_prompt_cache(model)
@@ -104,4 +105,5 @@ def test_inspect_counts_the_kv_cache_mlx_lm_allocates_for_the_twin(smollm_twin):
     assert rows >= len(ids) and all(c.offset == len(ids) for c in caches)
     held = sum(c.keys.nbytes + c.values.nbytes for c in caches)
     dtype = caches[0].keys.dtype
-    assert held == per_token * rows * dtype.size // 2, (held, per_token, rows, dtype)
+    assert dtype == mx.float32
+    assert held == per_token * rows, (held, per_token, rows, dtype)
