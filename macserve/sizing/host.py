@@ -95,8 +95,7 @@ def host_layout(lay: Layout, device: str | None = None) -> Layout:
 
 def _tensors(folder: str | Path | None, pattern: str = "*.safetensors"):
     """(dtype, bytes) of each floating tensor in a local model folder's safetensors files
-    matching `pattern`, from their headers (safetensors maps the file; no weight is read);
-    none without such files."""
+    matching `pattern`, from their headers; none without such files."""
     if folder is None:
         return
     path = Path(folder)
@@ -104,14 +103,28 @@ def _tensors(folder: str | Path | None, pattern: str = "*.safetensors"):
         path = path.parent
     for f in sorted(path.glob(pattern)):
         try:
-            with safe_open(f, "numpy") as st:
-                names = st.keys()  # a safe_open is not iterable
-                shapes = [(st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in names]
-        except (OSError, ValueError, SafetensorError):
-            continue  # not a readable safetensors file: counted as it is on disk
-        for dtype, shape in shapes:
-            if dtype in FLOAT_BYTES:
-                yield dtype, math.prod(shape) * FLOAT_BYTES[dtype]
+            st = f.stat()
+        except OSError:
+            continue
+        yield from _file_tensors(str(f), st.st_mtime_ns, st.st_size)
+
+
+@cache
+def _file_tensors(path: str, mtime_ns: int, size: int) -> tuple[tuple[str, int], ...]:
+    """One file's floating tensors, read once per version of the file (inspect, the share and
+    the router's ledger ask for the same folder many times; safetensors maps the file, and no
+    weight is read). Not a readable safetensors file: none (counted as it is on disk)."""
+    try:
+        with safe_open(path, "numpy") as st:
+            names = st.keys()  # a safe_open is not iterable
+            shapes = [(st.get_slice(k).get_dtype(), st.get_slice(k).get_shape()) for k in names]
+    except (OSError, ValueError, SafetensorError):
+        return ()
+    return tuple(
+        (dtype, math.prod(shape) * FLOAT_BYTES[dtype])
+        for dtype, shape in shapes
+        if dtype in FLOAT_BYTES
+    )
 
 
 def half_weight_bytes(folder: str | Path | None) -> int:
